@@ -1,0 +1,3 @@
+"""kvbridge.bindings (populated by later work)."""
+
+__all__: list[str] = []

@@ -1,0 +1,122 @@
+"""Turning caller buffers into per-block arrays, and copying between host and device.
+
+A block array is a 1-D ``uint8`` view: a ``numpy.ndarray`` for host memory or a
+``cupy.ndarray`` for device memory. Views never copy; a buffer that cannot be viewed as
+contiguous bytes is rejected with :class:`InvalidBlock` instead of being copied silently.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Sequence
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from ._errors import InvalidBlock
+
+BlockArray = Any
+"""``numpy.ndarray`` (host) or ``cupy.ndarray`` (device), 1-D ``uint8``, ``block_bytes`` long."""
+
+
+@functools.cache
+def cupy_module() -> ModuleType | None:
+    """Return the ``cupy`` module when it imports and sees a GPU, else ``None``."""
+    try:
+        import cupy  # noqa: PLC0415 - optional dependency
+
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return None
+    except Exception:  # ImportError, or a CUDA driver/runtime error
+        return None
+    module: ModuleType = cupy
+    return module
+
+
+def is_device(obj: object) -> bool:
+    """True for GPU arrays (anything exposing ``__cuda_array_interface__``)."""
+    return hasattr(obj, "__cuda_array_interface__")
+
+
+def as_array(obj: object, *, writable: bool) -> BlockArray:
+    """View ``obj`` as flat bytes without copying; raise :class:`InvalidBlock` if impossible."""
+    if isinstance(obj, np.ndarray):
+        if not obj.flags.c_contiguous:
+            raise InvalidBlock("block buffers must be C-contiguous")
+        if writable and not obj.flags.writeable:
+            raise InvalidBlock("output buffer is read-only")
+        return obj.reshape(-1).view(np.uint8)
+    if is_device(obj):
+        cupy = cupy_module()
+        if cupy is None:
+            raise InvalidBlock("a GPU buffer was given but cupy is not available")
+        arr = cupy.asarray(obj)
+        if not arr.flags.c_contiguous:
+            raise InvalidBlock("block buffers must be C-contiguous")
+        return arr.reshape(-1).view(cupy.uint8)
+    try:
+        view = memoryview(obj)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidBlock(f"{type(obj).__name__} does not support the buffer protocol") from None
+    if not view.c_contiguous:
+        raise InvalidBlock("block buffers must be C-contiguous")
+    if writable and view.readonly:
+        raise InvalidBlock(f"output buffer ({type(obj).__name__}) is read-only")
+    return np.frombuffer(view, dtype=np.uint8)
+
+
+def split_blocks(
+    blocks: object, count: int, block_bytes: int, *, writable: bool
+) -> list[BlockArray]:
+    """Return ``count`` block views of ``blocks``.
+
+    ``blocks`` is either one contiguous buffer of exactly ``count * block_bytes`` bytes or a
+    list/tuple of ``count`` buffers of ``block_bytes`` bytes each.
+    """
+    if isinstance(blocks, (list, tuple)):
+        if len(blocks) != count:
+            raise InvalidBlock(f"{count} key(s) but {len(blocks)} block buffer(s)")
+        arrays = [as_array(b, writable=writable) for b in blocks]
+        for i, arr in enumerate(arrays):
+            if arr.size != block_bytes:
+                raise InvalidBlock(f"block {i} is {arr.size} bytes, expected {block_bytes}")
+        return arrays
+    flat = as_array(blocks, writable=writable)
+    if flat.size != count * block_bytes:
+        raise InvalidBlock(
+            f"buffer is {flat.size} bytes, expected {count} x {block_bytes} = {count * block_bytes}"
+        )
+    return [flat[i * block_bytes : (i + 1) * block_bytes] for i in range(count)]
+
+
+def copy_into(dst: BlockArray, src: BlockArray) -> None:
+    """Copy one block array into another, across host and device as needed."""
+    if isinstance(dst, np.ndarray):
+        if isinstance(src, np.ndarray):
+            np.copyto(dst, src)
+        else:
+            src.get(out=dst)
+    elif isinstance(src, np.ndarray):
+        dst.set(src)
+    else:
+        dst[...] = src
+
+
+def to_host(arr: BlockArray) -> np.ndarray:
+    """Return a host array with the bytes of ``arr`` (no copy when it is already on host)."""
+    if isinstance(arr, np.ndarray):
+        return arr
+    host: np.ndarray = arr.get()
+    return host
+
+
+def as_sequence(value: object, what: str) -> Sequence[Any]:
+    """Accept any iterable of keys; a lone ``bytes`` is a common mistake, so say so."""
+    if isinstance(value, (bytes, bytearray, str)):
+        raise TypeError(f"{what} must be a sequence of keys, not a single {type(value).__name__}")
+    if isinstance(value, Sequence):
+        return value
+    if isinstance(value, Iterable):
+        return list(value)
+    raise TypeError(f"{what} must be a sequence of keys, not {type(value).__name__}")

@@ -1,0 +1,73 @@
+"""A tier of fixed-size slots over host or device memory, with an O(1) allocator."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from ._buffers import BlockArray, copy_into
+from ._keys import BlockKey
+from ._policy import EvictionPolicy
+from ._slab import SlotMemory
+from ._tier import BlockReader
+
+
+class SlotTier:
+    """Blocks in the slots of one :class:`SlotMemory` (a host slab or a device buffer).
+
+    The free list is a stack of slot numbers (pop/push are O(1)); the index maps each key to
+    its slot. ``view(key)`` is the zero-copy view that transfers read from and write to.
+    """
+
+    persistent = False
+
+    def __init__(self, name: str, memory: SlotMemory, policy: EvictionPolicy) -> None:
+        self.name = name
+        self.memory = memory
+        self.block_bytes = memory.block_bytes
+        self.capacity = memory.slots
+        self.policy = policy
+        self._slot_of: dict[BlockKey, int] = {}
+        self._free: list[int] = list(range(self.capacity - 1, -1, -1))  # slot 0 pops first
+
+    def __len__(self) -> int:
+        return len(self._slot_of)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._slot_of
+
+    def keys(self) -> Iterator[BlockKey]:
+        return iter(list(self._slot_of))
+
+    def slot_of(self, key: BlockKey) -> int:
+        """The slot number holding ``key`` (raises ``KeyError`` when absent)."""
+        return self._slot_of[key]
+
+    def view(self, key: BlockKey) -> BlockArray:
+        """Zero-copy view of the block's slot; valid until the block leaves this tier."""
+        return self.memory.slot(self._slot_of[key])
+
+    def store(self, key: BlockKey, src: BlockArray) -> None:
+        slot = self._free.pop()
+        copy_into(self.memory.slot(slot), src)
+        self._slot_of[key] = slot
+        self.policy.insert(key)
+
+    def delete(self, key: BlockKey) -> None:
+        self._free.append(self._slot_of.pop(key))
+        self.policy.remove(key)
+
+    def touch(self, key: BlockKey) -> None:
+        self.policy.touch(key)
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[BlockReader]:
+        yield self.view
+
+    def batch(self) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()
+
+    def close(self) -> None:
+        self._slot_of.clear()
+        self._free.clear()
+        self.memory.close()

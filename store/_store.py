@@ -1,0 +1,469 @@
+"""TieredStore: KV blocks in a stack of tiers (device, host, disk), deduplicated by key.
+
+Placement. ``put`` stores a new block in the highest tier that has room or an evictable
+block; a victim moves one tier down (demotion), recursively, and leaves the store from the
+last tier. A ``get`` hit below the top tier is copied up (promotion): memory tiers are
+exclusive (the block moves), a persistent tier keeps its copy so that evicting the block
+from memory later costs no write. With ``write_through`` every new block is also written to
+the persistent tier before ``put`` returns.
+
+Contracts. Every public method validates all of its arguments before it changes anything:
+a bad key, a wrong buffer size or a count mismatch raises a typed error and leaves the store
+and the caller's buffers as they were. ``get`` leaves ``out`` untouched when it raises.
+``put`` checks up front that the new blocks fit in the unpinned room of all tiers together
+and raises :class:`StoreFull` otherwise. Pinned blocks (see :meth:`TieredStore.pin`) are
+never evicted, demoted, promoted or removed. All methods are thread-safe (one lock; the
+copies run under it, and numpy releases the GIL while copying).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Container, Iterator, Sequence
+from types import TracebackType
+from typing import Literal
+
+from ._buffers import BlockArray, as_sequence, copy_into, split_blocks
+from ._disk import CheckReport, DiskTier
+from ._errors import BlockNotFound, BlockPinned, StoreClosed, StoreFull
+from ._keys import BlockKey, validate_key
+from ._pins import DEFAULT_PIN_TTL_S, Lease, PinTable
+from ._policy import EvictionPolicy, make_policy
+from ._sizes import parse_size
+from ._slab import DeviceSlab, HostSlab
+from ._slots import SlotTier
+from ._stats import StoreStats, TierStats
+from ._tier import Tier
+
+PolicySpec = str | Callable[[], EvictionPolicy]
+
+
+class TieredStore:
+    """A KV-block store over device, host and disk tiers (any subset, in that order).
+
+    ``block_bytes`` is the fixed size of every block. Capacities are bytes or strings like
+    ``"4GiB"``; a tier with capacity 0 is absent. ``disk_path`` with a ``disk_capacity``
+    adds an LMDB tier that persists across restarts (see :class:`DiskTier` for ``disk_sync``).
+    ``namespace`` is recorded in the disk tier; reopening it with another namespace or block
+    size is refused. ``policy`` names an eviction policy (``"lru"``, ``"fifo"``) or is a
+    factory; each tier gets its own instance. ``pin_ttl`` is the default pin lifetime in
+    seconds. ``pin_host_memory``: ``"auto"`` pins the host slab through cupy when a GPU is
+    present.
+    """
+
+    def __init__(
+        self,
+        block_bytes: int,
+        *,
+        host_capacity: int | str,
+        disk_path: str | os.PathLike[str] | None = None,
+        disk_capacity: int | str = 0,
+        device_capacity: int | str = 0,
+        device_id: int = 0,
+        policy: PolicySpec = "lru",
+        namespace: bytes | str = b"",
+        disk_sync: bool = False,
+        write_through: bool = False,
+        promote: bool = True,
+        pin_ttl: float = DEFAULT_PIN_TTL_S,
+        pin_host_memory: bool | Literal["auto"] = "auto",
+    ) -> None:
+        if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes <= 0:
+            raise ValueError(f"block_bytes must be a positive int, got {block_bytes!r}")
+        make_policy(policy)  # reject an unknown name before allocating anything
+        device_slots = _slots("device_capacity", device_capacity, block_bytes)
+        host_slots = _slots("host_capacity", host_capacity, block_bytes)
+        disk_blocks = _slots("disk_capacity", disk_capacity, block_bytes)
+        if disk_path is not None and not disk_blocks:
+            raise ValueError("disk_path needs a disk_capacity of at least one block")
+        if disk_blocks and disk_path is None:
+            raise ValueError("disk_capacity needs a disk_path")
+        ns = namespace.encode() if isinstance(namespace, str) else bytes(namespace)
+
+        tiers: list[Tier] = []
+        try:
+            if device_slots:
+                memory = DeviceSlab(device_slots, block_bytes, device_id=device_id)
+                tiers.append(SlotTier("device", memory, make_policy(policy)))
+            if host_slots:
+                slab = HostSlab(host_slots, block_bytes, pin=pin_host_memory)
+                tiers.append(SlotTier("host", slab, make_policy(policy)))
+            if disk_path is not None:
+                disk = DiskTier(
+                    disk_path,
+                    block_bytes,
+                    disk_blocks,
+                    policy=make_policy(policy),
+                    namespace=ns,
+                    sync=disk_sync,
+                )
+                tiers.append(disk)
+        except BaseException:
+            for tier in tiers:
+                tier.close()
+            raise
+        self._setup(tiers, write_through=write_through, promote=promote, pin_ttl=pin_ttl)
+
+    @classmethod
+    def from_tiers(
+        cls,
+        tiers: Sequence[Tier],
+        *,
+        write_through: bool = False,
+        promote: bool = True,
+        pin_ttl: float = DEFAULT_PIN_TTL_S,
+    ) -> TieredStore:
+        """Build a store over tiers made by the caller, highest first (all one block size)."""
+        store = cls.__new__(cls)
+        store._setup(list(tiers), write_through=write_through, promote=promote, pin_ttl=pin_ttl)
+        return store
+
+    def _setup(
+        self, tiers: list[Tier], *, write_through: bool, promote: bool, pin_ttl: float
+    ) -> None:
+        if not tiers:
+            raise ValueError("a store needs at least one tier with a non-zero capacity")
+        sizes = {tier.block_bytes for tier in tiers}
+        if len(sizes) != 1:
+            raise ValueError(f"tiers disagree on the block size: {sorted(sizes)}")
+        if not pin_ttl > 0:
+            raise ValueError(f"pin_ttl must be positive, got {pin_ttl}")
+        persistent = [i for i, tier in enumerate(tiers) if tier.persistent]
+        if write_through and not persistent:
+            raise ValueError("write_through needs a disk tier")
+        self.block_bytes: int = sizes.pop()
+        self._tiers = tiers
+        self._persistent: int | None = persistent[-1] if persistent else None
+        self.write_through = write_through
+        self.promote = promote
+        self.pin_ttl = pin_ttl
+        self._lock = threading.RLock()
+        self._pins = PinTable()
+        self._stats = StoreStats()
+        self._tier_evictions = [0] * len(tiers)
+        self._closed = False
+
+    # -- queries -----------------------------------------------------------------------
+
+    @property
+    def tiers(self) -> tuple[Tier, ...]:
+        """The tiers, highest first (for inspection; mutate them only through the store)."""
+        return tuple(self._tiers)
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is present in any tier. Does not count as a use."""
+        checked = _keys(keys)
+        with self._lock:
+            self._check_open()
+            return [self._locate(key) is not None for key in checked]
+
+    def match_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading keys are present: the cache hit of a chained prefix, in blocks.
+
+        Side-effect free: it neither counts as a use nor pins. Pin the matched blocks
+        before reading them if other threads may evict them meanwhile.
+        """
+        checked = _keys(keys)
+        with self._lock:
+            self._check_open()
+            tiers = self._tiers
+            for count, key in enumerate(checked):
+                if not any(key in tier for tier in tiers):
+                    return count
+            return len(checked)
+
+    def stats(self) -> StoreStats:
+        """A snapshot of the counters and of each tier's occupancy."""
+        with self._lock:
+            snapshot = StoreStats(**{**self._stats.__dict__, "tiers": []})
+            snapshot.tiers = [
+                TierStats(
+                    name=tier.name,
+                    blocks=len(tier),
+                    bytes=len(tier) * self.block_bytes,
+                    capacity_blocks=tier.capacity,
+                    capacity_bytes=tier.capacity * self.block_bytes,
+                    evictions=evictions,
+                )
+                for tier, evictions in zip(self._tiers, self._tier_evictions, strict=True)
+            ]
+            return snapshot
+
+    # -- put / get ---------------------------------------------------------------------
+
+    def put(self, keys: Sequence[bytes], blocks: object) -> list[bool]:
+        """Store each block under its key; return, per key, whether it was newly stored.
+
+        ``blocks`` is one contiguous buffer of ``len(keys) * block_bytes`` bytes or a
+        sequence of ``len(keys)`` buffers of ``block_bytes`` bytes (numpy, memoryview,
+        bytes, cupy...). A key already present anywhere (or earlier in the same call) is not
+        stored again and counts as a use. Raises :class:`StoreFull`, storing nothing, when
+        the new blocks do not fit in the unpinned room of the tiers.
+        """
+        checked = _keys(keys)
+        sources = split_blocks(blocks, len(checked), self.block_bytes, writable=False)
+        with self._lock:
+            self._check_open()
+            stored = [False] * len(checked)
+            fresh: dict[BlockKey, int] = {}
+            for i, key in enumerate(checked):
+                if key in fresh:
+                    continue
+                where = self._locate(key)
+                if where is None:
+                    fresh[key] = i
+                else:
+                    self._tiers[where].touch(key)
+            self._stats.duplicates += len(checked) - len(fresh)
+            if not fresh:
+                return stored
+            room = self._room()
+            if len(fresh) > room:
+                raise StoreFull(
+                    f"{len(fresh)} new block(s) but room for {room} (the rest is pinned)"
+                )
+            protect = fresh.keys()
+            with self._batch():
+                for key, i in fresh.items():
+                    placed = self._place(key, sources[i], protect)
+                    if self.write_through and placed != self._persistent:
+                        self._write_through(key, sources[i], protect)
+                    stored[i] = True
+            self._stats.puts += len(fresh)
+            self._stats.bytes_in += len(fresh) * self.block_bytes
+            return stored
+
+    def get(self, keys: Sequence[bytes], out: object) -> None:
+        """Fill ``out`` with the blocks of ``keys`` (same forms as ``put``'s ``blocks``).
+
+        Hits below the top tier are promoted (unless ``promote=False`` or pinned). Raises
+        :class:`BlockNotFound` naming every missing key, with ``out`` untouched. A block that
+        fails its checksum is dropped and reported missing: never wrong bytes.
+        """
+        checked = _keys(keys)
+        targets = split_blocks(out, len(checked), self.block_bytes, writable=True)
+        with self._lock:
+            self._check_open()
+            found = [self._locate(key) for key in checked]
+            missing = [key for key, t in zip(checked, found, strict=True) if t is None]
+            if missing:
+                self._stats.misses += len(missing)
+                raise BlockNotFound(missing)
+            where = [t for t in found if t is not None]
+            with contextlib.ExitStack() as scopes:
+                readers = {t: scopes.enter_context(self._tiers[t].reading()) for t in set(where)}
+                sources: list[BlockArray | None] = [
+                    readers[t](key) for key, t in zip(checked, where, strict=True)
+                ]
+                corrupt = [key for key, src in zip(checked, sources, strict=True) if src is None]
+                if not corrupt:
+                    for dst, src in zip(targets, sources, strict=True):
+                        copy_into(dst, src)
+            if corrupt:
+                self._drop_corrupt(corrupt)
+                raise BlockNotFound(corrupt)
+            self._stats.hits += len(checked)
+            self._stats.bytes_out += len(checked) * self.block_bytes
+            protect = set(checked)
+            with self._batch():
+                for key, dst in zip(checked, targets, strict=True):
+                    self._use(key, dst, protect)
+
+    # -- pins and removal --------------------------------------------------------------
+
+    def pin(self, keys: Sequence[bytes], *, ttl: float | None = None) -> Lease:
+        """Pin present blocks for ``ttl`` seconds (default ``pin_ttl``; ``math.inf`` for ever).
+
+        Returns a :class:`Lease`; ``with store.pin(keys): ...`` releases it on exit. Raises
+        :class:`BlockNotFound` (pinning nothing) if a key is absent.
+        """
+        checked = _keys(keys)
+        lifetime = self.pin_ttl if ttl is None else ttl
+        if not lifetime > 0:
+            raise ValueError(f"ttl must be positive, got {lifetime}")
+        with self._lock:
+            self._check_open()
+            missing = [key for key in checked if self._locate(key) is None]
+            if missing:
+                raise BlockNotFound(missing)
+            lease_id, deadline = self._pins.add(checked, lifetime)
+            return Lease(self._release, self._pins.clock, lease_id, tuple(checked), deadline)
+
+    def unpin(self, keys: Sequence[bytes]) -> None:
+        """Release one pin on each key (the one that expires first); unpinned keys are fine."""
+        checked = _keys(keys)
+        with self._lock:
+            self._pins.release_one(checked)
+
+    def remove(self, keys: Sequence[bytes]) -> list[bool]:
+        """Remove blocks from every tier; return whether each key was present.
+
+        Raises :class:`BlockPinned`, removing nothing, if any present key is pinned.
+        """
+        checked = _keys(keys)
+        with self._lock:
+            self._check_open()
+            pinned = [key for key in checked if self._pins.is_pinned(key)]
+            if pinned:
+                raise BlockPinned(pinned)
+            removed = []
+            with self._batch():
+                for key in checked:
+                    holders = [tier for tier in self._tiers if key in tier]
+                    for tier in holders:
+                        tier.delete(key)
+                    removed.append(bool(holders))
+            self._stats.removed += sum(removed)
+            return removed
+
+    def check(self, *, repair: bool = False) -> CheckReport:
+        """Verify every block of the persistent tier against its checksum."""
+        with self._lock:
+            self._check_open()
+            if self._persistent is None:
+                return CheckReport()
+            disk = self._tiers[self._persistent]
+            assert isinstance(disk, DiskTier)
+            return disk.check(repair=repair)
+
+    def close(self) -> None:
+        """Close every tier (the disk tier is synced). Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for tier in self._tiers:
+                tier.close()
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosed("the store is closed")
+
+    def _locate(self, key: BlockKey) -> int | None:
+        """Index of the highest tier holding ``key``."""
+        for t, tier in enumerate(self._tiers):
+            if key in tier:
+                return t
+        return None
+
+    def _room(self) -> int:
+        """How many new blocks fit: every slot not held by a pin can be freed."""
+        pinned = self._pins.pinned()
+        if self.write_through:
+            assert self._persistent is not None
+            tiers = [self._tiers[self._persistent]]
+        else:
+            tiers = self._tiers
+        return sum(tier.capacity - sum(key in tier for key in pinned) for tier in tiers)
+
+    @contextlib.contextmanager
+    def _batch(self) -> Iterator[None]:
+        with contextlib.ExitStack() as scopes:
+            for tier in self._tiers:
+                scopes.enter_context(tier.batch())
+            yield
+
+    def _place(self, key: BlockKey, src: BlockArray, protect: Container[BlockKey]) -> int:
+        for t, tier in enumerate(self._tiers):
+            if self._make_room(t, protect):
+                tier.store(key, src)
+                return t
+        raise StoreFull("no tier has room")  # unreachable: put checked the room first
+
+    def _write_through(self, key: BlockKey, src: BlockArray, protect: Container[BlockKey]) -> None:
+        assert self._persistent is not None
+        if not self._make_room(self._persistent, protect):
+            raise StoreFull("no room for the write-through copy")  # unreachable, see _room
+        self._tiers[self._persistent].store(key, src)
+
+    def _make_room(self, t: int, protect: Container[BlockKey]) -> bool:
+        """Ensure tier ``t`` has a free slot, evicting one unpinned, unprotected block."""
+        tier = self._tiers[t]
+        if len(tier) < tier.capacity:
+            return True
+        for key in tier.policy.candidates():
+            if key not in protect and not self._pins.is_pinned(key):
+                self._evict(t, key, protect)
+                return True
+        return False
+
+    def _evict(self, t: int, key: BlockKey, protect: Container[BlockKey]) -> None:
+        """Move ``key`` from tier ``t`` one tier down, or out of the store from the last."""
+        tier = self._tiers[t]
+        self._tier_evictions[t] += 1
+        below = t + 1
+        if below < len(self._tiers) and (
+            key in self._tiers[below] or self._demote(tier, below, key, protect)
+        ):
+            self._stats.demotions += 1
+        elif all(key not in other for other in self._tiers if other is not tier):
+            self._stats.evictions += 1
+        tier.delete(key)
+
+    def _demote(self, tier: Tier, below: int, key: BlockKey, protect: Container[BlockKey]) -> bool:
+        if not self._make_room(below, protect):
+            return False
+        with tier.reading() as read:
+            src = read(key)
+            if src is None:
+                self._stats.corrupt += 1
+                return False
+            self._tiers[below].store(key, src)
+        return True
+
+    def _use(self, key: BlockKey, data: BlockArray, protect: set[BlockKey]) -> None:
+        """Record a hit on ``key`` and promote it to the top tier where policy says so."""
+        t = self._locate(key)
+        assert t is not None
+        source = self._tiers[t]
+        if t == 0 or not self.promote or self._pins.is_pinned(key):
+            source.touch(key)
+            return
+        if not self._make_room(0, protect):
+            source.touch(key)
+            return
+        self._tiers[0].store(key, data)
+        if source.persistent:
+            source.touch(key)
+        else:
+            source.delete(key)
+        self._stats.promotions += 1
+
+    def _drop_corrupt(self, keys: list[BlockKey]) -> None:
+        self._stats.corrupt += len(keys)
+        self._stats.misses += len(keys)
+        with self._batch():
+            for key in keys:
+                for tier in self._tiers:
+                    if key in tier and tier.persistent:
+                        tier.delete(key)
+
+    def _release(self, lease: Lease) -> None:
+        with self._lock:
+            self._pins.release(lease.id, lease.keys)
+
+
+def _keys(keys: Sequence[bytes]) -> list[BlockKey]:
+    return [validate_key(key) for key in as_sequence(keys, "keys")]
+
+
+def _slots(what: str, capacity: int | str, block_bytes: int) -> int:
+    size = parse_size(capacity)
+    if 0 < size < block_bytes:
+        raise ValueError(f"{what}={capacity!r} is smaller than one block ({block_bytes} bytes)")
+    return size // block_bytes

@@ -1,0 +1,5 @@
+"""kvbridge.tools: the ``kvbridge`` command line."""
+
+from .cli import main
+
+__all__ = ["main"]

@@ -1,0 +1,3 @@
+"""kvbridge.transfer (populated by later work)."""
+
+__all__: list[str] = []
