@@ -254,11 +254,8 @@ class DiskTier:
         host = to_host(src)
         with self._writing() as txn:
             txn.put(key, host, db=self._blocks)
-            txn.put(
-                key,
-                _SUM.pack(xxhash.xxh3_64_intdigest(memoryview(host)), self._next_seq),
-                db=self._sums,
-            )
+            checksum = xxhash.xxh3_64_intdigest(host.data)
+            txn.put(key, _SUM.pack(checksum, self._next_seq), db=self._sums)
             self._next_seq += 1
             self._pending_bytes += self.block_bytes
             self._present.add(key)
