@@ -434,14 +434,17 @@ class TieredStore:
         if t == 0 or not self.promote or self._pins.is_pinned(key):
             source.touch(key)
             return
-        if not self._make_room(0, protect):
+        if source.persistent:  # copy up; the persistent copy stays and counts as used
+            if not self._make_room(0, protect):
+                source.touch(key)
+                return
             source.touch(key)
-            return
-        self._tiers[0].store(key, data)
-        if source.persistent:
-            source.touch(key)
-        else:
+        else:  # move up: free the slot first, so that the top tier's victim can swap into it
             source.delete(key)
+            if not self._make_room(0, protect):
+                source.store(key, data)
+                return
+        self._tiers[0].store(key, data)
         self._stats.promotions += 1
 
     def _drop_corrupt(self, keys: list[BlockKey]) -> None:

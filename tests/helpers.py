@@ -1,0 +1,32 @@
+"""Shared test helpers: keys and block payloads that are pure functions of an index."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from kvbridge.store import BlockKey
+
+
+def key(i: int, size: int = 32) -> BlockKey:
+    """A distinct, deterministic key for index ``i``."""
+    return BlockKey(hashlib.blake2b(str(i).encode(), digest_size=size).digest())
+
+
+def keys(start: int, stop: int) -> list[BlockKey]:
+    return [key(i) for i in range(start, stop)]
+
+
+def payload(k: bytes, block_bytes: int) -> np.ndarray:
+    """The bytes stored under ``k`` in tests: a pure function of the key."""
+    seed = int.from_bytes(k[:8], "little")
+    return np.random.default_rng(seed).integers(0, 256, block_bytes, dtype=np.uint8)
+
+
+def payloads(ks: list[BlockKey], block_bytes: int) -> np.ndarray:
+    """One contiguous ``(len(ks), block_bytes)`` array of the keys' payloads."""
+    out = np.empty((len(ks), block_bytes), dtype=np.uint8)
+    for row, k in zip(out, ks, strict=True):
+        row[:] = payload(k, block_bytes)
+    return out
