@@ -22,8 +22,8 @@ machine), at the price that an OS crash or power loss may lose the last commits 
 torn pages, which the checksums turn into misses. A KV cache can always be recomputed, so
 speed wins by default; ``sync=True`` makes every commit survive power loss.
 
-Fork: an LMDB environment must not be used across ``fork()``; the tier reopens its
-environment the first time it is used in a new process.
+Fork: an LMDB environment must not be used across ``fork()``; the tier closes the inherited
+handle and reopens the environment the first time it is used in a new process.
 """
 
 from __future__ import annotations
@@ -114,7 +114,6 @@ class DiskTier:
         self._pending_bytes = 0
         self._batch_added: list[BlockKey] = []
         self._batch_deleted: list[BlockKey] = []
-        self._stale_envs: list[Any] = []
         os.makedirs(self.path, exist_ok=True)
         self._open()
         try:
@@ -144,9 +143,12 @@ class DiskTier:
     def _environment(self) -> Any:
         if self._env is None:
             raise StoreClosed(f"disk tier at {self.path} is closed")
-        if self._pid != os.getpid():  # forked: the parent's handle must not be touched
-            self._stale_envs.append(self._env)
+        if self._pid != os.getpid():
+            # Forked: the inherited handle must not be used. Closing it only unmaps and
+            # closes this process's copies (LMDB clears reader slots of the closing pid only,
+            # and fcntl locks are per process), and lets py-lmdb open the path again.
             self._txn = None
+            self._env.close()
             self._open()
         return self._env
 
@@ -325,5 +327,5 @@ class DiskTier:
             self._rollback()
         if self._pid == os.getpid():
             self._env.sync(True)
-            self._env.close()
+        self._env.close()
         self._env = None

@@ -29,9 +29,7 @@ NAMES = dict(zip(K, "abcdefghijklmnopqrst", strict=True))
 
 def order(store: TieredStore) -> dict[str, str]:
     """Each tier's keys in eviction order, coldest first, as letters ("abc")."""
-    return {
-        tier.name: "".join(NAMES[k] for k in tier.policy.candidates()) for tier in store.tiers
-    }
+    return {tier.name: "".join(NAMES[k] for k in tier.policy.candidates()) for tier in store.tiers}
 
 
 def put(store: TieredStore, *ks: bytes) -> list[bool]:
@@ -68,9 +66,7 @@ def test_fifo_ignores_hits() -> None:
 
 
 def test_demotion_to_disk_promotion_back_and_drop_from_disk(tmp_path: Path) -> None:
-    with TieredStore(
-        BB, host_capacity=4 * BB, disk_path=tmp_path, disk_capacity=4 * BB
-    ) as s:
+    with TieredStore(BB, host_capacity=4 * BB, disk_path=tmp_path, disk_capacity=4 * BB) as s:
         put(s, a, b, c, d)
         get(s, a)
         put(s, e)  # host full: b is the LRU victim and moves to disk
@@ -90,9 +86,7 @@ def test_demotion_to_disk_promotion_back_and_drop_from_disk(tmp_path: Path) -> N
 
 
 def test_evicting_a_block_with_a_disk_copy_writes_nothing(tmp_path: Path) -> None:
-    with TieredStore(
-        BB, host_capacity=2 * BB, disk_path=tmp_path, disk_capacity=4 * BB
-    ) as s:
+    with TieredStore(BB, host_capacity=2 * BB, disk_path=tmp_path, disk_capacity=4 * BB) as s:
         put(s, a, b)
         put(s, c)  # a -> disk
         get(s, a)  # promoted, disk keeps its copy; b -> disk
@@ -142,9 +136,7 @@ def test_pinned_blocks_are_skipped_by_eviction() -> None:
 
 
 def test_pinned_block_is_neither_demoted_nor_promoted(tmp_path: Path) -> None:
-    with TieredStore(
-        BB, host_capacity=2 * BB, disk_path=tmp_path, disk_capacity=4 * BB
-    ) as s:
+    with TieredStore(BB, host_capacity=2 * BB, disk_path=tmp_path, disk_capacity=4 * BB) as s:
         put(s, a, b)
         put(s, c)  # a on disk
         with s.pin([a]):
@@ -182,9 +174,7 @@ def test_unpin_releases_one_pin_per_key() -> None:
 
 
 def test_a_batch_does_not_evict_its_own_blocks(tmp_path: Path) -> None:
-    with TieredStore(
-        BB, host_capacity=2 * BB, disk_path=tmp_path, disk_capacity=2 * BB
-    ) as s:
+    with TieredStore(BB, host_capacity=2 * BB, disk_path=tmp_path, disk_capacity=2 * BB) as s:
         put(s, a)
         put(s, b, c, d, e)  # a is dropped; the head of the batch stays in the host tier
         assert order(s) == {"host": "bc", "disk": "de"}

@@ -1,0 +1,63 @@
+"""Packaging: the wheel installs only `kvbridge.*`, and that installed copy imports."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_wheel_holds_only_the_kvbridge_package(tmp_path: Path) -> None:
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path / "dist"),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    (wheel,) = (tmp_path / "dist").glob("kvbridge-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {name.split("/")[0] for name in names}
+    assert {top for top in tops if not top.endswith(".dist-info")} == {"kvbridge"}
+    for module in (
+        "store/_keys.py",
+        "transfer/__init__.py",
+        "bindings/__init__.py",
+        "tools/cli.py",
+        "py.typed",
+    ):
+        assert f"kvbridge/{module}" in names
+
+    # The unpacked wheel, first on the path, imports on its own (not via the source tree).
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    probe = (
+        "import kvbridge.store, kvbridge.tools.cli, kvbridge.transfer, kvbridge.bindings;"
+        "print(kvbridge.store.__file__)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert out.strip().startswith(str(site))
+    # No bare top-level component module sneaks in.
+    assert not any(n.startswith(("store/", "transfer/", "tools/", "bindings/")) for n in names)
