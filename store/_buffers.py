@@ -68,8 +68,8 @@ def as_array(obj: object, *, writable: bool) -> BlockArray:
 
 def split_blocks(
     blocks: object, count: int, block_bytes: int, *, writable: bool
-) -> list[BlockArray]:
-    """Return ``count`` block views of ``blocks``.
+) -> tuple[list[BlockArray], Positions]:
+    """Return ``count`` block views of ``blocks`` and their positions (for ``copy_blocks``).
 
     ``blocks`` is either one contiguous buffer of exactly ``count * block_bytes`` bytes or a
     list/tuple of ``count`` buffers of ``block_bytes`` bytes each.
@@ -81,13 +81,14 @@ def split_blocks(
         for i, arr in enumerate(arrays):
             if arr.size != block_bytes:
                 raise InvalidBlock(f"block {i} is {arr.size} bytes, expected {block_bytes}")
-        return arrays
+        return arrays, None
     flat = as_array(blocks, writable=writable)
     if flat.size != count * block_bytes:
         raise InvalidBlock(
             f"buffer is {flat.size} bytes, expected {count} x {block_bytes} = {count * block_bytes}"
         )
-    return [flat[i * block_bytes : (i + 1) * block_bytes] for i in range(count)]
+    views = [flat[i * block_bytes : (i + 1) * block_bytes] for i in range(count)]
+    return views, range(count)
 
 
 def copy_into(dst: BlockArray, src: BlockArray) -> None:
@@ -101,6 +102,62 @@ def copy_into(dst: BlockArray, src: BlockArray) -> None:
         dst.set(src)
     else:
         dst[...] = src
+
+
+Positions = Sequence[int | None] | None
+"""Where each block sits in the one buffer its sequence came from (a flat caller buffer or
+a slab), counted in blocks; ``None`` where unknown. Used only to find adjacent runs."""
+
+
+def copy_blocks(
+    dsts: Sequence[BlockArray],
+    srcs: Sequence[BlockArray],
+    dst_at: Positions = None,
+    src_at: Positions = None,
+) -> None:
+    """Copy ``srcs[i]`` into ``dsts[i]`` for every ``i``, merging adjacent blocks.
+
+    Where consecutive blocks sit at consecutive positions of the same host buffer on both
+    sides, the run is copied with one ``numpy.copyto``: one large copy runs at memory
+    bandwidth (non-temporal stores), while 1 MiB pieces run about 40% slower on the
+    development machine (11.6 against 7.2 GB/s; see benches/README.md).
+    """
+    count = len(dsts)
+    start = 0
+    while start < count:
+        end = start + 1
+        if (
+            dst_at is not None
+            and src_at is not None
+            and dst_at[start] is not None
+            and src_at[start] is not None
+            and isinstance(dsts[start], np.ndarray)
+            and isinstance(srcs[start], np.ndarray)
+        ):
+            dst_base, src_base = dsts[start].base, srcs[start].base
+            while (
+                end < count
+                and dst_at[end] == dst_at[end - 1] + 1  # type: ignore[operator]
+                and src_at[end] == src_at[end - 1] + 1  # type: ignore[operator]
+                and dsts[end].base is dst_base
+                and srcs[end].base is src_base
+            ):
+                end += 1
+        if end - start > 1:
+            length = (end - start) * dsts[start].nbytes
+            np.copyto(_extend(dsts[start], length), _extend(srcs[start], length))
+        else:
+            copy_into(dsts[start], srcs[start])
+        start = end
+
+
+def _extend(first: np.ndarray, length: int) -> np.ndarray:
+    """A view of ``length`` bytes from ``first``'s start. The caller checked that the bytes
+    are adjacent blocks of the buffer that ``first`` views."""
+    view: np.ndarray = np.lib.stride_tricks.as_strided(
+        first, shape=(length,), strides=(1,), writeable=first.flags.writeable
+    )
+    return view
 
 
 def to_host(arr: BlockArray) -> np.ndarray:

@@ -264,6 +264,14 @@ class DiskTier:
             self._batch_added.append(key)
             self.policy.insert(key)
 
+    def position(self, key: BlockKey) -> None:
+        """Blocks on disk are not adjacent in any buffer a copy could merge."""
+        return None
+
+    def reserve(self, key: BlockKey) -> None:
+        """Blocks go to LMDB whole: there is no slot to fill later (see ``store``)."""
+        return None
+
     def delete(self, key: BlockKey) -> None:
         with self._writing() as txn:
             txn.delete(key, db=self._blocks)

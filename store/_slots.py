@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from collections.abc import Iterator
 
 from ._buffers import BlockArray, copy_into
@@ -15,7 +16,7 @@ from ._tier import BlockReader
 class SlotTier:
     """Blocks in the slots of one :class:`SlotMemory` (a host slab or a device buffer).
 
-    The free list is a stack of slot numbers (pop/push are O(1)); the index maps each key to
+    The free list is a FIFO of slot numbers (O(1) both ends); the index maps each key to
     its slot. ``view(key)`` is the zero-copy view that transfers read from and write to.
     """
 
@@ -28,7 +29,9 @@ class SlotTier:
         self.capacity = memory.slots
         self.policy = policy
         self._slot_of: dict[BlockKey, int] = {}
-        self._free: list[int] = list(range(self.capacity - 1, -1, -1))  # slot 0 pops first
+        # Free slots are reused oldest-freed first, lowest first at the start: a batch then
+        # tends to land in adjacent slots, which copy_blocks merges into one copy.
+        self._free: deque[int] = deque(range(self.capacity))
 
     def __len__(self) -> int:
         return len(self._slot_of)
@@ -39,7 +42,7 @@ class SlotTier:
     def keys(self) -> Iterator[BlockKey]:
         return iter(list(self._slot_of))
 
-    def slot_of(self, key: BlockKey) -> int:
+    def position(self, key: BlockKey) -> int:
         """The slot number holding ``key`` (raises ``KeyError`` when absent)."""
         return self._slot_of[key]
 
@@ -48,10 +51,15 @@ class SlotTier:
         return self.memory.slot(self._slot_of[key])
 
     def store(self, key: BlockKey, src: BlockArray) -> None:
-        slot = self._free.pop()
-        copy_into(self.memory.slot(slot), src)
+        copy_into(self.reserve(key), src)
+
+    def reserve(self, key: BlockKey) -> BlockArray:
+        """Index ``key`` in a free slot and return the slot's view, for the caller to fill
+        before the block is read (``put`` fills a whole batch at once, merging copies)."""
+        slot = self._free.popleft()
         self._slot_of[key] = slot
         self.policy.insert(key)
+        return self.memory.slot(slot)
 
     def delete(self, key: BlockKey) -> None:
         self._free.append(self._slot_of.pop(key))

@@ -25,7 +25,7 @@ from collections.abc import Callable, Container, Iterator, Sequence
 from types import TracebackType
 from typing import Literal
 
-from ._buffers import BlockArray, as_sequence, copy_into, split_blocks
+from ._buffers import BlockArray, as_sequence, copy_blocks, split_blocks
 from ._disk import CheckReport, DiskTier
 from ._errors import BlockNotFound, BlockPinned, StoreClosed, StoreFull
 from ._keys import BlockKey, validate_key
@@ -203,7 +203,7 @@ class TieredStore:
         the new blocks do not fit in the unpinned room of the tiers.
         """
         checked = _keys(keys)
-        sources = split_blocks(blocks, len(checked), self.block_bytes, writable=False)
+        sources, source_at = split_blocks(blocks, len(checked), self.block_bytes, writable=False)
         with self._lock:
             self._check_open()
             stored = [False] * len(checked)
@@ -225,12 +225,23 @@ class TieredStore:
                     f"{len(fresh)} new block(s) but room for {room} (the rest is pinned)"
                 )
             protect = fresh.keys()
+            slots: list[BlockArray] = []  # memory slots to fill, and what goes in them
+            slot_at: list[int | None] = []
+            filling: list[BlockArray] = []
+            filling_at: list[int | None] = []
             with self._batch():
                 for key, i in fresh.items():
-                    placed = self._place(key, sources[i], protect)
+                    placed, slot = self._place(key, sources[i], protect)
+                    if slot is not None:
+                        slots.append(slot)
+                        slot_at.append(self._tiers[placed].position(key))
+                        filling.append(sources[i])
+                        filling_at.append(None if source_at is None else source_at[i])
                     if self.write_through and placed != self._persistent:
                         self._write_through(key, sources[i], protect)
                     stored[i] = True
+                # New blocks are protected from eviction, so nothing read their slots yet.
+                copy_blocks(slots, filling, slot_at, filling_at)
             self._stats.puts += len(fresh)
             self._stats.bytes_in += len(fresh) * self.block_bytes
             return stored
@@ -243,7 +254,7 @@ class TieredStore:
         fails its checksum is dropped and reported missing: never wrong bytes.
         """
         checked = _keys(keys)
-        targets = split_blocks(out, len(checked), self.block_bytes, writable=True)
+        targets, target_at = split_blocks(out, len(checked), self.block_bytes, writable=True)
         with self._lock:
             self._check_open()
             found = [self._locate(key) for key in checked]
@@ -259,8 +270,10 @@ class TieredStore:
                 ]
                 corrupt = [key for key, src in zip(checked, sources, strict=True) if src is None]
                 if not corrupt:
-                    for dst, src in zip(targets, sources, strict=True):
-                        copy_into(dst, src)
+                    source_at = [
+                        self._tiers[t].position(key) for key, t in zip(checked, where, strict=True)
+                    ]
+                    copy_blocks(targets, sources, target_at, source_at)
             if corrupt:
                 self._drop_corrupt(corrupt)
                 raise BlockNotFound(corrupt)
@@ -378,11 +391,17 @@ class TieredStore:
                 scopes.enter_context(tier.batch())
             yield
 
-    def _place(self, key: BlockKey, src: BlockArray, protect: Container[BlockKey]) -> int:
+    def _place(
+        self, key: BlockKey, src: BlockArray, protect: Container[BlockKey]
+    ) -> tuple[int, BlockArray | None]:
+        """Put ``key`` in the highest tier with room: its index, and the slot to fill (or
+        ``None`` when the tier stored ``src`` itself)."""
         for t, tier in enumerate(self._tiers):
             if self._make_room(t, protect):
-                tier.store(key, src)
-                return t
+                slot = tier.reserve(key)
+                if slot is None:
+                    tier.store(key, src)
+                return t, slot
         raise StoreFull("no tier has room")  # unreachable: put checked the room first
 
     def _write_through(self, key: BlockKey, src: BlockArray, protect: Container[BlockKey]) -> None:

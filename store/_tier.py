@@ -38,6 +38,14 @@ class Tier(Protocol):
     def store(self, key: BlockKey, src: BlockArray) -> None:
         """Store a new block; the caller has checked ``len(self) < self.capacity``."""
 
+    def position(self, key: BlockKey) -> int | None:
+        """The block's slot number in the tier's one buffer, or ``None`` (lets adjacent
+        blocks be copied in one piece)."""
+
+    def reserve(self, key: BlockKey) -> BlockArray | None:
+        """Index ``key`` in a free slot and return its view for the caller to fill, or
+        ``None`` when the tier can only ``store`` whole blocks."""
+
     def delete(self, key: BlockKey) -> None:
         """Forget ``key`` (present) and free its space."""
 

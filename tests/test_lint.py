@@ -1,0 +1,33 @@
+"""The code base stays ruff- and mypy-clean (both come with the `test` extra)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _tool(name: str) -> list[str]:
+    if shutil.which(name, path=str(Path(sys.executable).parent)) is None:
+        pytest.skip(f"{name} is not installed (pip install -e '.[test]')")
+    return [sys.executable, "-m", name]
+
+
+def test_ruff_is_clean() -> None:
+    for args in (["check", "."], ["format", "--check", "."]):
+        result = subprocess.run(
+            [*_tool("ruff"), *args], cwd=ROOT, capture_output=True, text=True, check=False
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_mypy_strict_is_clean() -> None:
+    result = subprocess.run(
+        _tool("mypy"), cwd=ROOT, capture_output=True, text=True, check=False, timeout=600
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
