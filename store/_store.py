@@ -222,7 +222,8 @@ class TieredStore:
             room = self._room()
             if len(fresh) > room:
                 raise StoreFull(
-                    f"{len(fresh)} new block(s) but room for {room} (the rest is pinned)"
+                    f"{len(fresh)} new block(s) but the tiers hold at most {room} more "
+                    f"({len(self._pins.pinned())} pinned block(s) cannot be evicted)"
                 )
             protect = fresh.keys()
             slots: list[BlockArray] = []  # memory slots to fill, and what goes in them
