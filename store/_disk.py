@@ -32,7 +32,7 @@ import contextlib
 import math
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +62,12 @@ MAP_SLACK_BYTES = 64 << 20
 """Fixed extra map space for metadata and branch pages of small stores."""
 
 _SUM = struct.Struct("<QQ")  # checksum, sequence number
+
+# Writemap: LMDB writes pages straight into the shared file mapping instead of copying them
+# into malloc'd pages and pwrite()-ing those at commit: 6.7 against 1.3 GB/s for 1 MiB values
+# on the development machine. It gives up LMDB's guard against wild pointer writes into the
+# map, which pure Python code cannot make. Every process opening a tier uses it (LMDB forbids
+# mixing modes on one environment).
 
 
 @dataclass
@@ -109,6 +115,7 @@ class DiskTier:
         self.sync = sync
         self._namespace = namespace
         self._present: set[BlockKey] = set()
+        self.index: Container[BlockKey] = self._present
         self._next_seq = 0
         self._txn: Any = None  # the open write transaction of a batch
         self._pending_bytes = 0
@@ -134,6 +141,7 @@ class DiskTier:
             metasync=self.sync,
             readahead=False,
             meminit=False,
+            writemap=True,  # see the note on writemap above
         )
         self._meta = self._env.open_db(b"meta")
         self._blocks = self._env.open_db(b"blocks")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 
 from ._buffers import BlockArray, copy_into
 from ._keys import BlockKey
@@ -29,6 +29,7 @@ class SlotTier:
         self.capacity = memory.slots
         self.policy = policy
         self._slot_of: dict[BlockKey, int] = {}
+        self.index: Container[BlockKey] = self._slot_of
         # Free slots are reused oldest-freed first, lowest first at the start: a batch then
         # tends to land in adjacent slots, which copy_blocks merges into one copy.
         self._free: deque[int] = deque(range(self.capacity))

@@ -28,7 +28,7 @@ from typing import Literal
 from ._buffers import BlockArray, as_sequence, copy_blocks, split_blocks
 from ._disk import CheckReport, DiskTier
 from ._errors import BlockNotFound, BlockPinned, StoreClosed, StoreFull
-from ._keys import BlockKey, validate_key
+from ._keys import KEY_BYTES, BlockKey, validate_key
 from ._pins import DEFAULT_PIN_TTL_S, Lease, PinTable
 from ._policy import EvictionPolicy, make_policy
 from ._sizes import parse_size
@@ -38,6 +38,7 @@ from ._stats import StoreStats, TierStats
 from ._tier import Tier
 
 PolicySpec = str | Callable[[], EvictionPolicy]
+_KEY_LENGTHS = frozenset(KEY_BYTES.values())
 
 
 class TieredStore:
@@ -168,9 +169,12 @@ class TieredStore:
         checked = _keys(keys)
         with self._lock:
             self._check_open()
-            tiers = self._tiers
+            indexes = [tier.index for tier in self._tiers]
             for count, key in enumerate(checked):
-                if not any(key in tier for tier in tiers):
+                for index in indexes:
+                    if key in index:
+                        break
+                else:
                     return count
             return len(checked)
 
@@ -371,7 +375,7 @@ class TieredStore:
     def _locate(self, key: BlockKey) -> int | None:
         """Index of the highest tier holding ``key``."""
         for t, tier in enumerate(self._tiers):
-            if key in tier:
+            if key in tier.index:
                 return t
         return None
 
@@ -481,8 +485,13 @@ class TieredStore:
             self._pins.release(lease.id, lease.keys)
 
 
-def _keys(keys: Sequence[bytes]) -> list[BlockKey]:
-    return [validate_key(key) for key in as_sequence(keys, "keys")]
+def _keys(keys: Sequence[bytes]) -> Sequence[BlockKey]:
+    """Validate every key (a 16- or 32-byte ``bytes``) before anything else happens."""
+    checked = as_sequence(keys, "keys")
+    for key in checked:
+        if type(key) is not bytes or len(key) not in _KEY_LENGTHS:
+            validate_key(key)  # raises InvalidKey with the details
+    return checked
 
 
 def _slots(what: str, capacity: int | str, block_bytes: int) -> int:

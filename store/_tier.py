@@ -7,7 +7,7 @@ policy). It does not decide what to evict or where victims go: the store does, w
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from contextlib import AbstractContextManager
 from typing import Protocol
 
@@ -28,6 +28,8 @@ class Tier(Protocol):
     persistent: bool
     """True when blocks survive a restart; promotion copies out of such a tier, not moves."""
     policy: EvictionPolicy
+    index: Container[BlockKey]
+    """Live, read-only membership of the tier (a dict or set: ``key in index`` is C-fast)."""
 
     def __len__(self) -> int: ...
 
