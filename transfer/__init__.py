@@ -1,3 +1,52 @@
-"""kvbridge.transfer (populated by later work)."""
+"""kvbridge.transfer: the transfer engine.
 
-__all__: list[str] = []
+Register memory, exchange metadata, connect, then submit batches of reads and writes::
+
+    with TransferEngine("decode") as decode, TransferEngine("prefill") as prefill:
+        dst = decode.register(decode_buffer, access="w")
+        src = prefill.register(prefill_buffer, access="r")
+        peer = prefill.connect(decode.metadata())
+        peer.write([(src, 0, dst.id, 0, nbytes)], notify=b"req-17").wait()
+        decode.notifications()  # [Notification(peer="prefill", message=b"req-17")]
+
+Public surface: :class:`TransferEngine`, :class:`Peer`, :class:`Region`,
+:class:`RegionInfo`, :class:`TransferHandle`, :class:`Notification`,
+:class:`TransferSettings`, :data:`OP_DTYPE`, and the errors (all :class:`TransferError`).
+"""
+
+from ._engine import TRANSPORTS, Notification, TransferEngine
+from ._errors import (
+    AccessDenied,
+    AuthenticationError,
+    EngineClosed,
+    LocalProtocolError,
+    PeerClosed,
+    RegionBusy,
+    RemoteProtocolError,
+    TransferError,
+)
+from ._handle import TransferHandle
+from ._ops import OP_DTYPE
+from ._peer import Peer
+from ._regions import Region, RegionInfo
+from ._settings import TransferSettings
+
+__all__ = [
+    "OP_DTYPE",
+    "TRANSPORTS",
+    "AccessDenied",
+    "AuthenticationError",
+    "EngineClosed",
+    "LocalProtocolError",
+    "Notification",
+    "Peer",
+    "PeerClosed",
+    "Region",
+    "RegionBusy",
+    "RegionInfo",
+    "RemoteProtocolError",
+    "TransferEngine",
+    "TransferError",
+    "TransferHandle",
+    "TransferSettings",
+]

@@ -1,0 +1,276 @@
+"""TransferEngine: registered memory, peers, and the threads that serve them.
+
+Contract:
+
+- ``register(buffer, access=)`` -> :class:`Region`; ``unregister`` refuses while in use.
+- ``metadata()`` -> bytes a peer passes to ``connect()``; ``connect()`` -> :class:`Peer`.
+- ``peer.write(ops, notify=)`` / ``peer.read(ops)`` -> :class:`TransferHandle`.
+- Remote ops are checked (region, access key, access mode, bounds) before a byte moves.
+- ``notifications()`` returns what peers sent with ``notify=`` after their bytes landed.
+- ``close()`` stops and joins every thread the engine started; also a context manager.
+
+Threads, all owned here and joined by ``close()``: the control thread (zmq ROUTER), the
+TCP accept thread, one thread per served stream, two per stream of each peer we
+connected to, and the watchdog that fails overdue batches.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import zmq
+
+from ._control import ControlServer
+from ._errors import EngineClosed, LocalProtocolError
+from ._handle import TransferHandle
+from ._metadata import EngineInfo
+from ._peer import Peer
+from ._pipes import Pipe
+from ._regions import Region, RegionTable
+from ._settings import TransferSettings
+from ._streams import serve
+from ._transports import MemoryTransport, TcpTransport, Transport
+from ._watchdog import Watchdog
+
+TRANSPORTS = ("tcp", "memory")
+
+
+@dataclass(frozen=True)
+class Notification:
+    """A message a peer attached to a write, delivered after all of its bytes landed."""
+
+    peer: str
+    message: bytes
+
+
+class TransferEngine:
+    """Moves bytes between registered regions of engines, over TCP streams or in memory.
+
+    ``host``/``port``: where the control socket listens (127.0.0.1 and a free port by
+    default; the TCP data listener uses the same host and ``data_port``). ``secret``: a
+    shared secret (bytes or str); engines then authenticate each other and refuse peers
+    that do not know it. ``settings``: see :class:`TransferSettings`.
+    """
+
+    def __init__(
+        self,
+        name: str | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        transports: Sequence[str] = ("tcp",),
+        secret: bytes | str | None = None,
+        **settings: Any,
+    ) -> None:
+        self.settings = TransferSettings.from_kwargs(settings)
+        chosen = list(transports)
+        unknown = [t for t in chosen if t not in TRANSPORTS]
+        if unknown or not chosen:
+            raise LocalProtocolError(f"transports must be among {TRANSPORTS}, got {chosen}")
+        self.name = name or f"kvbridge-{secrets.token_hex(4)}"
+        self._secret = secret.encode() if isinstance(secret, str) else secret
+        self._regions = RegionTable()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._served: dict[Pipe, threading.Thread] = {}
+        self._peers: list[Peer] = []
+        self._inbox: deque[Notification] = deque()
+        self._inbox_cond = threading.Condition()
+        self._counters = {
+            "bytes_written": 0,
+            "bytes_read": 0,
+            "batches": 0,
+            "batches_failed": 0,
+            "served_bytes_in": 0,
+            "served_bytes_out": 0,
+        }
+        self._context: zmq.Context[Any] = zmq.Context()
+        self._watchdog = Watchdog()
+        self._transports: dict[str, Transport] = {}
+        try:
+            for transport in chosen:
+                self._transports[transport] = self._start_transport(transport, host)
+            self._control = ControlServer(
+                self._context,
+                f"tcp://{host}:{port or '*'}",
+                secret=self._secret,
+                metadata=self.metadata,
+                name=self.name,
+            )
+        except BaseException:
+            self._shutdown()
+            raise
+
+    def _start_transport(self, transport: str, host: str) -> Transport:
+        if transport == "tcp":
+            return TcpTransport(
+                host,
+                self.settings.data_port,
+                self._accept,
+                socket_buffer=self.settings.socket_buffer,
+            )
+        return MemoryTransport(self._accept)
+
+    # -- regions and metadata ----------------------------------------------------------
+
+    def register(self, buffer: Any, *, access: str = "rw") -> Region:
+        """Register a buffer (numpy, memoryview, bytearray, mmap...) for remote access.
+
+        ``access`` is what peers may do: ``"r"``, ``"w"`` or ``"rw"``. Keep the buffer
+        alive and unchanged in size until :meth:`unregister`.
+        """
+        self._check_open()
+        return self._regions.register(buffer, access)
+
+    def unregister(self, region: Region) -> None:
+        """Forget a region; raises :class:`RegionBusy` while a transfer uses it."""
+        self._regions.unregister(region)
+
+    def metadata(self) -> bytes:
+        """What a peer needs to reach this engine and its regions (msgpack, versioned)."""
+        info = EngineInfo(
+            name=self.name,
+            control=self._control.endpoint,
+            transports={name: t.address() for name, t in self._transports.items()},
+            regions={r.id: r for r in self._regions.infos()},
+        )
+        return info.encode()
+
+    # -- peers -------------------------------------------------------------------------
+
+    def connect(self, metadata: bytes) -> Peer:
+        """Authenticate with the engine ``metadata`` describes and open data streams to it.
+
+        Uses the first of this engine's transports that the peer offers.
+        """
+        self._check_open()
+        info = EngineInfo.decode(metadata)
+        transport = next(
+            (t for name, t in self._transports.items() if name in info.transports), None
+        )
+        if transport is None:
+            raise LocalProtocolError(
+                f"no common transport: we have {list(self._transports)}, "
+                f"{info.name} offers {list(info.transports)}"
+            )
+        peer = Peer(self, info, transport)
+        with self._lock:
+            self._peers.append(peer)
+        return peer
+
+    def notifications(self, timeout: float | None = 0.0) -> list[Notification]:
+        """Take the notifications received so far; wait up to ``timeout`` s for a first one
+        (``None``: wait until one arrives)."""
+        with self._inbox_cond:
+            self._inbox_cond.wait_for(lambda: self._inbox or self._closed, timeout)
+            taken = list(self._inbox)
+            self._inbox.clear()
+            return taken
+
+    def stats(self) -> dict[str, Any]:
+        """Counters, and each peer with its transport."""
+        with self._lock:
+            counters = dict(self._counters)
+            peers = [
+                {"name": p.name, "transport": p.transport, "closed": p.closed} for p in self._peers
+            ]
+        return {**counters, "transports": list(self._transports), "peers": peers}
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close peers and served streams, stop every thread and join it. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        with self._inbox_cond:
+            self._inbox_cond.notify_all()
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        with self._lock:
+            peers, self._peers = self._peers, []
+        for peer in peers:
+            peer.close("the engine is closing")
+        control = getattr(self, "_control", None)
+        if control is not None:
+            control.close()
+        for transport in self._transports.values():
+            transport.close()
+        with self._lock:
+            served = list(self._served.items())
+        for pipe, thread in served:
+            pipe.close()
+            thread.join()
+        self._watchdog.close()
+        self._context.term()
+
+    def __enter__(self) -> TransferEngine:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosed(f"engine {self.name} is closed")
+
+    def _accept(self, pipe: Pipe) -> None:
+        """A peer opened a data stream: serve it on a thread this engine owns."""
+        thread = threading.Thread(target=self._serve, args=(pipe,), daemon=True)
+        with self._lock:
+            if self._closed:
+                pipe.close()
+                return
+            self._served[pipe] = thread
+        thread.name = f"kvbridge-serve-{len(self._served)}"
+        thread.start()
+
+    def _serve(self, pipe: Pipe) -> None:
+        try:
+            serve(
+                pipe,
+                self._regions,
+                check_token=self._control.session,
+                on_notify=self._deliver,
+                on_bytes=self._count_served,
+                handshake_timeout=self.settings.connect_timeout,
+            )
+        finally:
+            with self._lock:
+                self._served.pop(pipe, None)
+
+    def _deliver(self, peer: str, message: bytes) -> None:
+        with self._inbox_cond:
+            self._inbox.append(Notification(peer, message))
+            self._inbox_cond.notify_all()
+
+    def _count_served(self, received: int, sent: int) -> None:
+        with self._lock:
+            self._counters["served_bytes_in"] += received
+            self._counters["served_bytes_out"] += sent
+
+    def _settled(self, handle: TransferHandle, access: str, regions: list[Region]) -> None:
+        self._regions.release(regions)
+        with self._lock:
+            self._counters["batches"] += 1
+            if handle.error is not None:
+                self._counters["batches_failed"] += 1
+            elif access == "w":
+                self._counters["bytes_written"] += handle.bytes
+            else:
+                self._counters["bytes_read"] += handle.bytes

@@ -1,0 +1,103 @@
+"""TransferHandle: completion of one batch, for threads and for asyncio."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Generator
+from typing import Any
+
+from ._errors import TransferError
+
+
+class TransferHandle:
+    """The completion of one batch of reads or writes.
+
+    ``done`` is true once every byte has landed (for a write: acknowledged by the remote
+    side; for a read: in local memory) or the batch has failed. Until then the caller must
+    not reuse or free the source or destination memory. ``wait()`` raises the batch's
+    :class:`TransferError`; ``await handle`` works from asyncio.
+    """
+
+    def __init__(self, nbytes: int, parts: int, on_settle: Callable[[], None] | None = None):
+        self.bytes = nbytes
+        self._parts = parts
+        self._error: TransferError | None = None
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._on_settle = on_settle
+        self._callbacks: list[Callable[[TransferHandle], None]] = []
+        if parts == 0:
+            self._settle()
+
+    @property
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    @property
+    def error(self) -> TransferError | None:
+        return self._error
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until done; raise ``TimeoutError`` after ``timeout`` s, or the batch error."""
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"transfer of {self.bytes} bytes not done after {timeout} s")
+        if self._error is not None:
+            raise self._error
+
+    def add_done_callback(self, callback: Callable[[TransferHandle], None]) -> None:
+        """Call ``callback(handle)`` once done (at once if already done), on some thread."""
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(callback)
+                return
+        callback(self)
+
+    def __await__(self) -> Generator[Any, None, None]:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+
+        def settle(_: TransferHandle) -> None:
+            loop.call_soon_threadsafe(_resolve, future, self._error)
+
+        self.add_done_callback(settle)
+        return future.__await__()
+
+    # -- for the engine ----------------------------------------------------------------
+
+    def _part_done(self) -> None:
+        """One part (a frame, or the notification) is done."""
+        with self._lock:
+            if self._event.is_set():
+                return
+            self._parts -= 1
+            last = self._parts == 0
+        if last:
+            self._settle()
+
+    def _fail(self, error: TransferError) -> None:
+        with self._lock:
+            if self._event.is_set():
+                return
+            self._error = error
+        self._settle()
+
+    def _settle(self) -> None:
+        with self._lock:
+            if self._event.is_set():
+                return
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        if self._on_settle is not None:
+            self._on_settle()
+        for callback in callbacks:
+            callback(self)
+
+
+def _resolve(future: asyncio.Future[None], error: TransferError | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)

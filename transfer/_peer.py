@@ -1,0 +1,253 @@
+"""Peer: one engine's connection to another, and the batches submitted through it."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ._control import ControlClient
+from ._errors import LocalProtocolError, PeerClosed, TransferError
+from ._handle import TransferHandle
+from ._metadata import EngineInfo
+from ._ops import FramePlan, check, normalize, plan
+from ._protocol import MAX_CONTROL_BYTES
+from ._regions import RegionInfo
+from ._streams import InitiatorStream, Pending
+
+if TYPE_CHECKING:
+    from ._engine import TransferEngine
+
+_REQUEST_IDS = itertools.count(1)  # 0 is the stream HELLO
+
+
+class _Batch:
+    """Counts a batch's frames down to completion and turns errors into batch errors."""
+
+    def __init__(self, peer: Peer, ops: np.ndarray, handle: TransferHandle, notify: bytes | None):
+        self.peer = peer
+        self.ops = ops
+        self.handle = handle
+        self.notify = notify
+        self._writes_left = handle._parts - (1 if notify is not None else 0)
+        self._lock = threading.Lock()
+
+    def frame_done(self) -> None:
+        send_notify = False
+        if self.notify is not None:
+            with self._lock:
+                self._writes_left -= 1
+                send_notify = self._writes_left == 0
+        self.handle._part_done()
+        if send_notify:
+            self.peer._send_notify(self)
+
+    def fail(self, error: TransferError) -> None:
+        index = error.op_index
+        if index is not None and 0 <= index < len(self.ops):
+            op = self.ops[index]
+            error = type(error)(
+                f"op {index} (local region {op['local_region']} +{op['local_offset']}, "
+                f"remote region {op['remote_region']} +{op['remote_offset']}, "
+                f"{op['length']} bytes): {error}",
+                op_index=index,
+            )
+        self.handle._fail(error)
+
+
+class Peer:
+    """A connection to a remote engine: ``write``/``read`` batches of ops through it.
+
+    ``regions`` is the peer's regions as of the last handshake or :meth:`refresh`.
+    ``transport`` names the transport in use. After a failure (peer killed, timeout,
+    protocol error) the peer is closed: :meth:`reconnect` or ``engine.connect`` again.
+    """
+
+    def __init__(self, engine: TransferEngine, info: EngineInfo, transport: Any) -> None:
+        self._engine = engine
+        self._info = info
+        self._transport = transport
+        self.name = info.name
+        self.transport: str = transport.name
+        self.regions: dict[int, RegionInfo] = dict(info.regions)
+        self._streams: list[InitiatorStream] = []
+        self._token = b""
+        self._error: str | None = None
+        self._next_stream = 0
+        self._lock = threading.Lock()
+        self._connect()
+
+    # -- connection --------------------------------------------------------------------
+
+    def _connect(self) -> None:
+        settings = self._engine.settings
+        client = ControlClient(self._engine._context, self._info.control, settings.connect_timeout)
+        try:
+            self._token, fresh = client.handshake(self._engine.name, self._engine._secret)
+        finally:
+            client.close()
+        self.regions = dict(EngineInfo.decode(fresh).regions)
+        address = self._info.transports[self.transport]
+        streams: list[InitiatorStream] = []
+        try:
+            for index in range(settings.streams):
+                pipe = self._transport.open(address, settings.connect_timeout)
+                stream = InitiatorStream(pipe, index, self._broken)
+                streams.append(stream)
+                stream.handshake(self._token, settings.connect_timeout)
+        except BaseException:
+            for stream in streams:
+                stream.close("connect failed")
+            raise
+        for stream in streams:
+            stream.start()
+        with self._lock:
+            self._streams = streams
+            self._error = None
+
+    def refresh(self) -> dict[int, RegionInfo]:
+        """Fetch the peer's current regions over the control plane."""
+        client = ControlClient(
+            self._engine._context, self._info.control, self._engine.settings.connect_timeout
+        )
+        try:
+            self.regions = dict(EngineInfo.decode(client.metadata(self._token)).regions)
+        finally:
+            client.close()
+        return self.regions
+
+    def reconnect(self) -> None:
+        """Close the streams (failing what is in flight) and connect afresh."""
+        self.close()
+        self._connect()
+
+    @property
+    def closed(self) -> bool:
+        return self._error is not None
+
+    def close(self, reason: str = "closed by the caller") -> None:
+        """Close every stream and join their threads; pending batches fail."""
+        with self._lock:
+            if self._error is None:
+                self._error = reason
+            streams, self._streams = self._streams, []
+        for stream in streams:
+            stream.close(reason)
+
+    def _broken(self, reason: str) -> None:
+        """A stream failed: the whole peer goes (a batch spans all its streams)."""
+        with self._lock:
+            if self._error is not None:
+                return
+            self._error = reason
+            streams, self._streams = self._streams, []
+        for stream in streams:  # from a stream's own thread: close() skips joining itself
+            stream.close(reason)
+
+    # -- batches -----------------------------------------------------------------------
+
+    def write(self, ops: Any, *, notify: bytes | None = None) -> TransferHandle:
+        """Write local bytes into the peer's regions.
+
+        ``ops``: a numpy ``OP_DTYPE`` array or a list of ``(local_region, local_offset,
+        remote_region, remote_offset, length)``. Done means the peer acknowledged that
+        every byte is in its memory; then ``notify`` (bytes, at most 64 KiB) is delivered
+        to the peer's ``notifications()``, and only then is the handle done. Do not touch
+        the source bytes until the handle is done.
+        """
+        if notify is not None and (
+            not isinstance(notify, bytes) or len(notify) > MAX_CONTROL_BYTES
+        ):
+            raise LocalProtocolError(f"notify must be bytes of at most {MAX_CONTROL_BYTES}")
+        return self._submit(ops, "w", notify)
+
+    def read(self, ops: Any) -> TransferHandle:
+        """Read the peer's bytes into local regions; done when every byte has landed."""
+        return self._submit(ops, "r", None)
+
+    def _submit(self, ops: Any, access: str, notify: bytes | None) -> TransferHandle:
+        engine = self._engine
+        engine._check_open()
+        batch_ops = normalize(ops)
+        local = check(batch_ops, engine._regions, self.regions, access)
+        frames = plan(
+            batch_ops,
+            engine._regions,
+            self.regions,
+            slice_bytes=engine.settings.slice_bytes,
+            frame_bytes=engine.settings.frame_bytes,
+        )
+        with self._lock:
+            if self._error is not None:
+                raise PeerClosed(f"peer {self.name} is closed: {self._error}")
+            streams = self._streams
+            first = self._next_stream
+            self._next_stream += len(frames)
+        nbytes = sum(frame.nbytes for frame in frames)
+        engine._regions.acquire(local)
+        handle = TransferHandle(
+            nbytes,
+            len(frames) + (1 if notify is not None else 0),
+            on_settle=lambda: engine._settled(handle, access, local),
+        )
+        batch = _Batch(self, batch_ops, handle, notify)
+        if handle.done:
+            return handle
+        if not frames:  # a notification alone
+            self._send_notify(batch)
+            return handle
+        engine._watchdog.watch(
+            engine.settings.timeout, lambda: handle.done, lambda: self._expired(batch)
+        )
+        for i, frame in enumerate(frames):
+            self._send_frame(streams[(first + i) % len(streams)], frame, access, batch)
+        return handle
+
+    def _send_frame(
+        self, stream: InitiatorStream, frame: FramePlan, access: str, batch: _Batch
+    ) -> None:
+        request_id = next(_REQUEST_IDS)
+        origin = frame.origin
+        pending = Pending(
+            on_done=batch.frame_done,
+            on_error=batch.fail,
+            describe=lambda i: int(origin[i]) if i is not None and 0 <= i < len(origin) else None,
+        )
+        if access == "w":
+            message: list[bytes | memoryview] = [
+                stream.conn.write(request_id, frame.descriptors),
+                *frame.views,
+            ]
+        else:
+            message = [stream.conn.read(request_id, frame.descriptors)]
+            pending.views = frame.views
+        try:
+            stream.submit(request_id, message, pending)
+        except TransferError as exc:
+            batch.fail(exc)
+
+    def _send_notify(self, batch: _Batch) -> None:
+        assert batch.notify is not None
+        with self._lock:
+            streams = self._streams
+        if not streams:
+            batch.fail(PeerClosed(f"peer {self.name} is closed: {self._error}"))
+            return
+        stream = streams[0]
+        request_id = next(_REQUEST_IDS)
+        pending = Pending(on_done=batch.handle._part_done, on_error=batch.fail)
+        try:
+            stream.submit(request_id, [stream.conn.notify(request_id, batch.notify)], pending)
+        except TransferError as exc:
+            batch.fail(exc)
+
+    def _expired(self, batch: _Batch) -> None:
+        timeout = self._engine.settings.timeout
+        batch.fail(TransferError(f"not done after {timeout} s; closing the streams to {self.name}"))
+        self._broken(f"a transfer timed out after {timeout} s")
+
+    def __repr__(self) -> str:
+        state = f"closed: {self._error}" if self._error else f"{len(self._streams)} streams"
+        return f"Peer({self.name!r}, transport={self.transport!r}, {state})"

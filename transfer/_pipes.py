@@ -1,0 +1,182 @@
+"""Byte pipes: the only thing a transport provides to the stream logic.
+
+A pipe moves bytes between two ends and decides nothing (the protocol and the streams do).
+:class:`SocketPipe` is a TCP connection using ``sendmsg`` / ``recvmsg_into`` over lists of
+memoryviews (scatter/gather: no payload is ever joined or copied in Python);
+:class:`MemoryPipe` is an in-process pair for tests and single-process use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+from collections.abc import Sequence
+from typing import Protocol
+
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+"""Most buffers one sendmsg/recvmsg_into call takes (1024 on Linux)."""
+
+_DISCARD_BYTES = 1 << 20
+
+
+class Pipe(Protocol):
+    def recv_exact(self, n: int) -> bytes:
+        """Exactly ``n`` bytes; ``EOFError`` if the other end closed first."""
+
+    def recv_into_views(self, views: Sequence[memoryview]) -> None:
+        """Fill every view in order; ``EOFError`` if the other end closed first."""
+
+    def discard(self, n: int) -> None:
+        """Read and drop ``n`` bytes."""
+
+    def send(self, buffers: Sequence[bytes | memoryview]) -> None:
+        """Send every buffer in order, whole."""
+
+    def set_timeout(self, seconds: float | None) -> None:
+        """Bound each blocking call (``TimeoutError``), or ``None`` for no bound."""
+
+    def close(self) -> None:
+        """Close both directions; blocked calls on either end wake up with an error."""
+
+
+class SocketPipe:
+    """A connected stream socket."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._scratch = bytearray(_DISCARD_BYTES)
+
+    def recv_exact(self, n: int) -> bytes:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            k = self.sock.recv_into(view[got:])
+            if k == 0:
+                raise EOFError("the peer closed the stream")
+            got += k
+        return bytes(buf)
+
+    def recv_into_views(self, views: Sequence[memoryview]) -> None:
+        pending = list(views)
+        first = 0
+        while first < len(pending):
+            k = self.sock.recvmsg_into(pending[first : first + IOV_MAX])[0]
+            if k == 0:
+                raise EOFError("the peer closed the stream")
+            first = _advance(pending, first, k)
+
+    def discard(self, n: int) -> None:
+        view = memoryview(self._scratch)
+        while n:
+            k = self.sock.recv_into(view[: min(n, len(view))])
+            if k == 0:
+                raise EOFError("the peer closed the stream")
+            n -= k
+
+    def send(self, buffers: Sequence[bytes | memoryview]) -> None:
+        pending = [memoryview(b).cast("B") for b in buffers]
+        first = 0
+        while first < len(pending):
+            k = self.sock.sendmsg(pending[first : first + IOV_MAX])
+            first = _advance(pending, first, k)
+
+    def set_timeout(self, seconds: float | None) -> None:
+        self.sock.settimeout(seconds)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+
+def _advance(views: list[memoryview], first: int, count: int) -> int:
+    """Drop ``count`` moved bytes from the front of ``views[first:]``; return the new first."""
+    while count:
+        size = views[first].nbytes
+        if count >= size:
+            count -= size
+            first += 1
+        else:
+            views[first] = views[first][count:]
+            count = 0
+    while first < len(views) and views[first].nbytes == 0:
+        first += 1
+    return first
+
+
+class _Channel:
+    """One direction of a memory pipe."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.closed = False
+        self.cond = threading.Condition()
+
+
+class MemoryPipe:
+    """One end of an in-process pipe (``MemoryPipe.pair()``). Payloads are copied once."""
+
+    def __init__(self, inbox: _Channel, outbox: _Channel) -> None:
+        self._inbox = inbox
+        self._outbox = outbox
+        self._timeout: float | None = None
+
+    @classmethod
+    def pair(cls) -> tuple[MemoryPipe, MemoryPipe]:
+        a, b = _Channel(), _Channel()
+        return cls(a, b), cls(b, a)
+
+    def _take(self, n: int) -> memoryview:
+        """Wait for at least one byte (up to ``n``) and return it."""
+        box = self._inbox
+        with box.cond:
+            if not box.cond.wait_for(lambda: box.data or box.closed, self._timeout):
+                raise TimeoutError("memory pipe read timed out")
+            if not box.data:
+                raise EOFError("the peer closed the stream")
+            chunk = bytes(box.data[:n])
+            del box.data[:n]
+            return memoryview(chunk)
+
+    def recv_exact(self, n: int) -> bytes:
+        parts = []
+        while n:
+            chunk = self._take(n)
+            parts.append(bytes(chunk))
+            n -= len(chunk)
+        return b"".join(parts)
+
+    def recv_into_views(self, views: Sequence[memoryview]) -> None:
+        for view in views:
+            got = 0
+            while got < view.nbytes:
+                chunk = self._take(view.nbytes - got)
+                view[got : got + len(chunk)] = chunk
+                got += len(chunk)
+
+    def discard(self, n: int) -> None:
+        while n:
+            n -= len(self._take(n))
+
+    def send(self, buffers: Sequence[bytes | memoryview]) -> None:
+        box = self._outbox
+        with box.cond:
+            if box.closed or self._inbox.closed:
+                raise BrokenPipeError("the memory pipe is closed")
+            for buffer in buffers:
+                box.data += buffer
+            box.cond.notify_all()
+
+    def set_timeout(self, seconds: float | None) -> None:
+        self._timeout = seconds
+
+    def close(self) -> None:
+        for box in (self._inbox, self._outbox):
+            with box.cond:
+                box.closed = True
+                box.cond.notify_all()

@@ -1,0 +1,381 @@
+"""The data-stream wire protocol, sans IO: framing, limits and legal transitions.
+
+Everything that decides what is legal on a data stream lives in this file; transports only
+move bytes (h11's rule). A :class:`Connection` is fed exactly the framing bytes it asks for
+(``wanted()`` then ``feed()``) and returns events; payload bytes never pass through it: after
+a :class:`Write` or :class:`Data` event the transport moves ``payload_bytes`` bytes straight
+between the socket and their destination (``recv_into``) and calls ``payload_received()``.
+
+Frame = 24-byte header + body::
+
+    header  magic "KV" | version u8 | type u8 | count u32 | request_id u64 | body_len u64
+
+    HELLO   initiator -> responder, first frame of a stream; count = stream index,
+            body = 16-byte session token
+    WRITE   initiator -> responder; count = n ops, body = n descriptors + their payloads
+    READ    initiator -> responder; count = n ops, body = n descriptors
+    NOTIFY  initiator -> responder; body = message (after every byte of a batch landed)
+    ACK     responder -> initiator; empty (HELLO, WRITE and NOTIFY are acknowledged)
+    DATA    responder -> initiator; count = n, body = the payloads of READ request_id
+    ERROR   responder -> initiator; count = failing op index (NO_OP if none), body = message
+
+    descriptor (32 bytes): region u32 | flags u32 (0) | key u64 | offset u64 | length u64
+
+All integers are little-endian. A frame breaking a rule is a :class:`RemoteProtocolError`
+and the connection stays failed (sticky) with the reason.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._errors import LocalProtocolError, RemoteProtocolError
+
+MAGIC = b"KV"
+VERSION = 1
+HEADER = struct.Struct("<2sBBIQQ")
+TOKEN_BYTES = 16
+NO_OP = 0xFFFFFFFF
+"""ERROR's op index when the error concerns no single op."""
+
+DESCRIPTOR = np.dtype(
+    [("region", "<u4"), ("flags", "<u4"), ("key", "<u8"), ("offset", "<u8"), ("length", "<u8")]
+)
+
+MAX_OPS_PER_FRAME = 1024
+"""Linux's IOV_MAX: one sendmsg/recvmsg_into call can then carry every payload of a frame."""
+
+MAX_PAYLOAD_BYTES = 1 << 30
+"""No frame carries more than 1 GiB; senders cut frames far smaller (settings.frame_bytes)."""
+
+MAX_CONTROL_BYTES = 64 << 10
+"""HELLO, ERROR and NOTIFY bodies are small messages."""
+
+
+class Frame(enum.IntEnum):
+    HELLO = 1
+    WRITE = 2
+    READ = 3
+    DATA = 4
+    ACK = 5
+    ERROR = 6
+    NOTIFY = 7
+
+
+class Role(enum.Enum):
+    INITIATOR = "initiator"
+    RESPONDER = "responder"
+
+
+SENDS: dict[Role, frozenset[Frame]] = {
+    Role.INITIATOR: frozenset({Frame.HELLO, Frame.WRITE, Frame.READ, Frame.NOTIFY}),
+    Role.RESPONDER: frozenset({Frame.ACK, Frame.DATA, Frame.ERROR}),
+}
+"""Which frames each role may send; each role receives exactly what the other sends."""
+
+ACKED_BY: dict[Frame, Frame] = {
+    Frame.HELLO: Frame.ACK,
+    Frame.WRITE: Frame.ACK,
+    Frame.NOTIFY: Frame.ACK,
+    Frame.READ: Frame.DATA,
+}
+"""The successful answer to each request (any request may be answered by ERROR instead)."""
+
+
+class _State(enum.Enum):
+    HEADER = "header"
+    DESCRIPTORS = "descriptors"
+    CONTROL = "control"
+    PAYLOAD = "payload"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class Hello:
+    token: bytes
+    stream: int
+
+
+@dataclass(frozen=True)
+class Write:
+    request_id: int
+    ops: np.ndarray
+    payload_bytes: int
+
+
+@dataclass(frozen=True)
+class Read:
+    request_id: int
+    ops: np.ndarray
+
+
+@dataclass(frozen=True)
+class Notify:
+    request_id: int
+    message: bytes
+
+
+@dataclass(frozen=True)
+class Ack:
+    request_id: int
+
+
+@dataclass(frozen=True)
+class Data:
+    request_id: int
+    payload_bytes: int
+
+
+@dataclass(frozen=True)
+class Error:
+    request_id: int
+    op_index: int | None
+    message: str
+
+
+Event = Hello | Write | Read | Notify | Ack | Data | Error
+
+
+@dataclass
+class _Outstanding:
+    kind: Frame
+    count: int
+    payload_bytes: int
+
+
+class Connection:
+    """One end of a data stream: parses what it receives, frames what it sends.
+
+    Thread-safe in the one way transports need: one thread receives while others send.
+    """
+
+    def __init__(self, role: Role) -> None:
+        self.role = role
+        self._state = _State.HEADER
+        self._failure: str | None = None
+        self._header: tuple[Frame, int, int, int] | None = None  # type, count, request, body
+        self._payload_left = 0
+        self._greeted = role is Role.INITIATOR  # a responder must first see HELLO
+        self._outstanding: dict[int, _Outstanding] = {}
+        self._lock = threading.Lock()
+
+    # -- receiving ---------------------------------------------------------------------
+
+    @property
+    def failure(self) -> str | None:
+        """Why the connection failed, or ``None``."""
+        return self._failure
+
+    def wanted(self) -> int:
+        """How many framing bytes ``feed`` needs next (0: move a payload first)."""
+        if self._state is _State.HEADER:
+            return HEADER.size
+        if self._state is _State.FAILED:
+            raise RemoteProtocolError(f"connection failed earlier: {self._failure}")
+        if self._state is _State.PAYLOAD:
+            return 0
+        assert self._header is not None
+        _, count, _, body = self._header
+        return count * DESCRIPTOR.itemsize if self._state is _State.DESCRIPTORS else body
+
+    def feed(self, data: bytes | bytearray | memoryview) -> Event | None:
+        """Consume exactly ``wanted()`` bytes; return an event once a frame's framing is in."""
+        if len(data) != self.wanted() or self._state is _State.PAYLOAD:
+            raise LocalProtocolError(f"fed {len(data)} bytes, the parser wants {self.wanted()}")
+        try:
+            if self._state is _State.HEADER:
+                return self._on_header(bytes(data))
+            if self._state is _State.DESCRIPTORS:
+                return self._on_descriptors(bytes(data))
+            return self._on_control(bytes(data))
+        except RemoteProtocolError as exc:
+            self.fail(str(exc))
+            raise
+
+    def payload_received(self) -> None:
+        """The transport has moved (or discarded) the payload of the last event."""
+        if self._state is not _State.PAYLOAD:
+            raise LocalProtocolError("no payload is expected")
+        self._state = _State.HEADER
+
+    def fail(self, reason: str) -> None:
+        """Mark the connection failed for good (first reason wins)."""
+        if self._failure is None:
+            self._failure = reason
+        self._state = _State.FAILED
+
+    def _on_header(self, data: bytes) -> Event | None:
+        magic, version, kind, count, request_id, body = HEADER.unpack(data)
+        if magic != MAGIC:
+            raise RemoteProtocolError(f"bad magic {magic!r}")
+        if version != VERSION:
+            raise RemoteProtocolError(f"unsupported protocol version {version}")
+        try:
+            frame = Frame(kind)
+        except ValueError:
+            raise RemoteProtocolError(f"unknown frame type {kind}") from None
+        other = Role.RESPONDER if self.role is Role.INITIATOR else Role.INITIATOR
+        if frame not in SENDS[other]:
+            raise RemoteProtocolError(f"a {other.value} may not send {frame.name}")
+        if not self._greeted and frame is not Frame.HELLO:
+            raise RemoteProtocolError(f"{frame.name} before HELLO")
+        if self._greeted and frame is Frame.HELLO and self.role is Role.RESPONDER:
+            raise RemoteProtocolError("HELLO twice")
+        if body > MAX_PAYLOAD_BYTES + MAX_OPS_PER_FRAME * DESCRIPTOR.itemsize:
+            raise RemoteProtocolError(f"frame body of {body} bytes exceeds the limit")
+        self._header = (frame, count, request_id, body)
+        if frame in (Frame.WRITE, Frame.READ):
+            if not 0 < count <= MAX_OPS_PER_FRAME:
+                raise RemoteProtocolError(f"{frame.name} with {count} ops")
+            if body < count * DESCRIPTOR.itemsize:
+                raise RemoteProtocolError(f"{frame.name} body shorter than its descriptors")
+            if frame is Frame.READ and body != count * DESCRIPTOR.itemsize:
+                raise RemoteProtocolError("READ carries a payload")
+            self._state = _State.DESCRIPTORS
+            return None
+        if frame is Frame.DATA:
+            return self._on_data(request_id, count, body)
+        if frame is Frame.ACK:
+            if body or count:
+                raise RemoteProtocolError("ACK with a body")
+            self._settle(request_id, Frame.ACK)
+            return Ack(request_id)
+        if body > MAX_CONTROL_BYTES:
+            raise RemoteProtocolError(f"{frame.name} body of {body} bytes exceeds the limit")
+        if frame is Frame.HELLO and body != TOKEN_BYTES:
+            raise RemoteProtocolError("HELLO without a token")
+        self._state = _State.CONTROL
+        if body == 0:
+            return self._on_control(b"")
+        return None
+
+    def _on_descriptors(self, data: bytes) -> Event:
+        assert self._header is not None
+        frame, count, request_id, body = self._header
+        ops = np.frombuffer(data, dtype=DESCRIPTOR, count=count)
+        lengths = ops["length"]
+        if (lengths == 0).any() or (lengths > MAX_PAYLOAD_BYTES).any():
+            raise RemoteProtocolError(f"{frame.name} with an empty or oversized op")
+        payload = int(ops["length"].sum(dtype=np.uint64))
+        if frame is Frame.READ:
+            if payload > MAX_PAYLOAD_BYTES:
+                raise RemoteProtocolError(f"READ of {payload} bytes exceeds the limit")
+            self._state = _State.HEADER
+            return Read(request_id, ops)
+        if payload != body - len(data):
+            raise RemoteProtocolError(
+                f"WRITE body has {body - len(data)} payload bytes, its ops say {payload}"
+            )
+        self._state = _State.PAYLOAD
+        return Write(request_id, ops, payload)
+
+    def _on_data(self, request_id: int, count: int, body: int) -> Event:
+        with self._lock:
+            pending = self._outstanding.get(request_id)
+        if pending is None or pending.kind is not Frame.READ:
+            raise RemoteProtocolError(f"DATA for unknown read request {request_id}")
+        if count != pending.count or body != pending.payload_bytes:
+            raise RemoteProtocolError(
+                f"DATA for request {request_id} has {count} ops / {body} bytes, "
+                f"expected {pending.count} / {pending.payload_bytes}"
+            )
+        self._settle(request_id, Frame.DATA)
+        self._state = _State.PAYLOAD
+        return Data(request_id, body)
+
+    def _on_control(self, data: bytes) -> Event:
+        assert self._header is not None
+        frame, count, request_id, _ = self._header
+        self._state = _State.HEADER
+        if frame is Frame.HELLO:
+            self._greeted = True
+            return Hello(data, count)
+        if frame is Frame.NOTIFY:
+            return Notify(request_id, data)
+        self._settle(request_id, Frame.ERROR)
+        try:
+            message = data.decode()
+        except UnicodeDecodeError:
+            raise RemoteProtocolError("ERROR message is not UTF-8") from None
+        return Error(request_id, None if count == NO_OP else count, message)
+
+    def _settle(self, request_id: int, answer: Frame) -> None:
+        with self._lock:
+            pending = self._outstanding.pop(request_id, None)
+        if pending is None:
+            raise RemoteProtocolError(f"{answer.name} for unknown request {request_id}")
+        if answer is not Frame.ERROR and ACKED_BY[pending.kind] is not answer:
+            raise RemoteProtocolError(f"{answer.name} answers a {pending.kind.name}")
+
+    # -- sending -----------------------------------------------------------------------
+
+    def hello(self, token: bytes, stream: int) -> bytes:
+        """The first frame of an initiator's stream (answered by ACK of request 0)."""
+        if len(token) != TOKEN_BYTES:
+            raise LocalProtocolError("a session token is 16 bytes")
+        self._expect(0, Frame.HELLO, 0, 0)
+        return self._frame(Frame.HELLO, stream, 0, len(token)) + token
+
+    def write(self, request_id: int, ops: np.ndarray) -> bytes:
+        """Header and descriptors of a WRITE; the payloads follow untouched."""
+        payload = self._check_ops(ops)
+        self._expect(request_id, Frame.WRITE, len(ops), payload)
+        return self._frame(Frame.WRITE, len(ops), request_id, ops.nbytes + payload) + ops.tobytes()
+
+    def read(self, request_id: int, ops: np.ndarray) -> bytes:
+        """A whole READ frame; the DATA answer carries the payloads in op order."""
+        payload = self._check_ops(ops)
+        self._expect(request_id, Frame.READ, len(ops), payload)
+        return self._frame(Frame.READ, len(ops), request_id, ops.nbytes) + ops.tobytes()
+
+    def notify(self, request_id: int, message: bytes) -> bytes:
+        if len(message) > MAX_CONTROL_BYTES:
+            raise LocalProtocolError(f"a notification is at most {MAX_CONTROL_BYTES} bytes")
+        self._expect(request_id, Frame.NOTIFY, 0, 0)
+        return self._frame(Frame.NOTIFY, 0, request_id, len(message)) + message
+
+    def ack(self, request_id: int) -> bytes:
+        return self._frame(Frame.ACK, 0, request_id, 0)
+
+    def data(self, request_id: int, count: int, payload_bytes: int) -> bytes:
+        """Header of a DATA frame; the payloads follow untouched."""
+        return self._frame(Frame.DATA, count, request_id, payload_bytes)
+
+    def error(self, request_id: int, message: str, op_index: int | None = None) -> bytes:
+        body = message.encode()[:MAX_CONTROL_BYTES]
+        index = NO_OP if op_index is None else op_index
+        return self._frame(Frame.ERROR, index, request_id, len(body)) + body
+
+    def forget(self, request_id: int) -> None:
+        """Stop expecting an answer to ``request_id`` (it was never sent)."""
+        with self._lock:
+            self._outstanding.pop(request_id, None)
+
+    def _frame(self, frame: Frame, count: int, request_id: int, body: int) -> bytes:
+        if frame not in SENDS[self.role]:
+            raise LocalProtocolError(f"a {self.role.value} may not send {frame.name}")
+        return HEADER.pack(MAGIC, VERSION, frame, count, request_id, body)
+
+    def _expect(self, request_id: int, kind: Frame, count: int, payload: int) -> None:
+        with self._lock:
+            if request_id in self._outstanding:
+                raise LocalProtocolError(f"request {request_id} is already outstanding")
+            self._outstanding[request_id] = _Outstanding(kind, count, payload)
+
+    @staticmethod
+    def _check_ops(ops: np.ndarray) -> int:
+        if ops.dtype != DESCRIPTOR or ops.ndim != 1:
+            raise LocalProtocolError("ops must be a 1-D array of DESCRIPTOR")
+        if not 0 < len(ops) <= MAX_OPS_PER_FRAME:
+            raise LocalProtocolError(f"a frame carries 1 to {MAX_OPS_PER_FRAME} ops")
+        if (ops["length"] == 0).any() or (ops["length"] > MAX_PAYLOAD_BYTES).any():
+            raise LocalProtocolError("an op of length 0 or over the frame limit")
+        payload = int(ops["length"].sum(dtype=np.uint64))
+        if payload > MAX_PAYLOAD_BYTES:
+            raise LocalProtocolError(f"a frame carries at most {MAX_PAYLOAD_BYTES} bytes")
+        return payload

@@ -1,0 +1,160 @@
+"""Registered memory regions and the checks every remote op passes before a byte moves."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ._errors import AccessDenied, LocalProtocolError, RegionBusy
+
+ACCESS_MODES = ("r", "w", "rw")
+
+
+@dataclass(frozen=True)
+class RegionInfo:
+    """What a peer knows of a region: enough to address it, nothing to reach it without."""
+
+    id: int
+    length: int
+    access: str
+    key: int
+
+    def to_wire(self) -> list[Any]:
+        return [self.id, self.length, self.access, self.key]
+
+    @classmethod
+    def from_wire(cls, item: Any) -> RegionInfo:
+        region_id, length, access, key = item
+        if access not in ACCESS_MODES or length < 0 or not 0 <= key < 2**64:
+            raise ValueError(f"bad region description {item!r}")
+        return cls(int(region_id), int(length), str(access), int(key))
+
+
+class Region:
+    """A registered buffer. ``key`` is random (64 bits); remote ops must carry it.
+
+    The engine holds a memoryview of the buffer until :meth:`TransferEngine.unregister`:
+    keep the buffer alive and do not resize it while registered.
+    """
+
+    def __init__(self, region_id: int, buffer: Any, access: str) -> None:
+        if access not in ACCESS_MODES:
+            raise LocalProtocolError(f"access must be one of {ACCESS_MODES}, not {access!r}")
+        try:
+            view = memoryview(buffer)
+        except TypeError:
+            raise LocalProtocolError(
+                f"{type(buffer).__name__} does not support the buffer protocol"
+            ) from None
+        if not view.c_contiguous:
+            raise LocalProtocolError("a region must be C-contiguous memory")
+        self.id = region_id
+        self.view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        self.length = self.view.nbytes
+        self.access = access
+        self.key = secrets.randbits(64)
+        self.readonly = view.readonly
+        self._busy = 0
+
+    @property
+    def info(self) -> RegionInfo:
+        return RegionInfo(self.id, self.length, self.access, self.key)
+
+    def __repr__(self) -> str:
+        return f"Region(id={self.id}, length={self.length}, access={self.access!r})"
+
+
+class RegionTable:
+    """The engine's regions, by id; thread-safe."""
+
+    def __init__(self) -> None:
+        self._regions: dict[int, Region] = {}
+        self._next_id = 1
+        self._lock = threading.Lock()
+
+    def register(self, buffer: Any, access: str) -> Region:
+        with self._lock:
+            region = Region(self._next_id, buffer, access)
+            self._next_id += 1
+            self._regions[region.id] = region
+            return region
+
+    def unregister(self, region: Region) -> None:
+        with self._lock:
+            if self._regions.get(region.id) is not region:
+                raise LocalProtocolError(f"{region!r} is not registered here")
+            if region._busy:
+                raise RegionBusy(f"{region!r} is used by {region._busy} transfer(s)")
+            del self._regions[region.id]
+            region.view.release()
+
+    def get(self, region_id: int) -> Region:
+        with self._lock:
+            region = self._regions.get(region_id)
+        if region is None:
+            raise LocalProtocolError(f"no registered region {region_id}")
+        return region
+
+    def infos(self) -> list[RegionInfo]:
+        with self._lock:
+            return [r.info for r in self._regions.values()]
+
+    def acquire(self, regions: list[Region]) -> None:
+        """Mark regions as used by a transfer (``unregister`` refuses until ``release``)."""
+        with self._lock:
+            for region in regions:
+                region._busy += 1
+
+    def release(self, regions: list[Region]) -> None:
+        with self._lock:
+            for region in regions:
+                region._busy -= 1
+
+    def resolve(self, ops: np.ndarray, access: str) -> tuple[list[memoryview], list[Region]]:
+        """Check remote ops (DESCRIPTOR array) against the regions and return the views
+        they address, with the regions acquired. Raises :class:`AccessDenied` naming the
+        first bad op; nothing is acquired then."""
+        with self._lock:
+            regions: dict[int, Region] = {}
+            for region_id in np.unique(ops["region"]).tolist():
+                region = self._regions.get(region_id)
+                if region is None:
+                    index = int(np.argmax(ops["region"] == region_id))
+                    raise AccessDenied(f"op {index}: no region {region_id}", op_index=index)
+                regions[region_id] = region
+            for region_id, region in regions.items():
+                mine = ops["region"] == region_id
+                bad = mine & (ops["key"] != region.key)
+                reason = "wrong access key"
+                if not bad.any() and access not in region.access:
+                    bad, reason = mine, f"region {region_id} does not allow '{access}'"
+                if not bad.any() and access == "w" and region.readonly:
+                    bad, reason = mine, f"region {region_id} is read-only memory"
+                if not bad.any():
+                    ends = ops["offset"] + ops["length"]
+                    bad = mine & (
+                        (ops["offset"] > region.length)
+                        | (ops["length"] > region.length)
+                        | (ends > region.length)
+                    )
+                    reason = f"bytes outside region {region_id} ({region.length} bytes)"
+                if bad.any():
+                    index = int(np.argmax(bad))
+                    raise AccessDenied(f"op {index}: {reason}", op_index=index)
+            views = [
+                regions[r].view[o : o + n]
+                for r, o, n in zip(
+                    ops["region"].tolist(),
+                    ops["offset"].tolist(),
+                    ops["length"].tolist(),
+                    strict=True,
+                )
+            ]
+            acquired = list(regions.values())
+            for region in acquired:
+                region._busy += 1
+            return views, acquired

@@ -1,0 +1,248 @@
+"""The two ends of a data stream: what each side does with the protocol's events.
+
+Transports only provide a :class:`~kvbridge.transfer._pipes.Pipe`; everything here is the
+same for TCP, memory and (later) UCX pipes.
+
+Initiator end (:class:`InitiatorStream`): a sender thread sends queued frames (header plus
+memoryviews of the source region, untouched) and a receiver thread takes ACK, DATA (read
+payloads land with one scatter ``recvmsg_into`` into the destination views) and ERROR.
+
+Responder end (:func:`serve`): one thread reads frames, checks every op against the
+region table before moving a byte, receives payloads straight into the target region,
+and answers ACK, DATA or ERROR.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ._errors import (
+    AccessDenied,
+    AuthenticationError,
+    PeerClosed,
+    RemoteProtocolError,
+    TransferError,
+)
+from ._pipes import Pipe
+from ._protocol import Ack, Connection, Data, Error, Event, Hello, Notify, Read, Role, Write
+from ._regions import RegionTable
+
+
+def next_event(conn: Connection, pipe: Pipe) -> Event:
+    """Read framing bytes until the connection yields an event."""
+    while True:
+        event = conn.feed(pipe.recv_exact(conn.wanted()))
+        if event is not None:
+            return event
+
+
+@dataclass
+class Pending:
+    """An outstanding request of an initiator: what to do with its answer."""
+
+    on_done: Callable[[], None]
+    on_error: Callable[[TransferError], None]
+    views: list[memoryview] = field(default_factory=list)  # where DATA lands (reads)
+    describe: Callable[[int | None], int | None] = lambda index: index
+
+
+class InitiatorStream:
+    """The sending end of one stream to a peer; owns its two threads."""
+
+    def __init__(self, pipe: Pipe, index: int, on_broken: Callable[[str], None]) -> None:
+        self.pipe = pipe
+        self.index = index
+        self.conn = Connection(Role.INITIATOR)
+        self._on_broken = on_broken
+        self._queue: deque[list[bytes | memoryview]] = deque()
+        self._cond = threading.Condition()
+        self._pending: dict[int, Pending] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self.queued_bytes = 0
+        self._threads = [
+            threading.Thread(target=self._send_loop, name=f"kvbridge-send-{index}", daemon=True),
+            threading.Thread(target=self._recv_loop, name=f"kvbridge-recv-{index}", daemon=True),
+        ]
+
+    def handshake(self, token: bytes, timeout: float) -> None:
+        """Present the session token; raise if the responder refuses it."""
+        self.pipe.set_timeout(timeout)
+        try:
+            self.pipe.send([self.conn.hello(token, self.index)])
+            event = next_event(self.conn, self.pipe)
+        except (OSError, EOFError) as exc:
+            raise PeerClosed(f"stream {self.index}: handshake failed: {exc}") from exc
+        if isinstance(event, Error):
+            raise AuthenticationError(f"stream {self.index} refused: {event.message}")
+        if not isinstance(event, Ack):
+            raise RemoteProtocolError(f"stream {self.index}: unexpected {event!r}")
+        self.pipe.set_timeout(None)
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, request_id: int, frame: list[bytes | memoryview], pending: Pending) -> None:
+        """Queue one frame (its header already registered with ``conn``)."""
+        with self._lock:
+            if self._closed:
+                self.conn.forget(request_id)
+                raise PeerClosed(f"stream {self.index} is closed")
+            self._pending[request_id] = pending
+        with self._cond:
+            self._queue.append(frame)
+            self._cond.notify()
+
+    def close(self, reason: str = "closed") -> None:
+        """Stop both threads, fail what is pending, and join."""
+        with self._lock:
+            already = self._closed
+            self._closed = True
+        with self._cond:
+            self._cond.notify_all()
+        if not already:
+            self.conn.fail(reason)
+            self.pipe.close()
+        for thread in self._threads:
+            if thread.is_alive() and thread is not threading.current_thread():
+                thread.join()
+        self._fail_pending(reason)
+
+    def _send_loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self._closed)
+                if self._closed:
+                    return
+                frame = self._queue.popleft()
+            try:
+                self.pipe.send(frame)
+            except OSError as exc:
+                self._broken(f"stream {self.index}: send failed: {exc}")
+                return
+
+    def _recv_loop(self) -> None:
+        try:
+            while True:
+                event = next_event(self.conn, self.pipe)
+                pending = self._take(event)
+                if isinstance(event, Data):
+                    self.pipe.recv_into_views(pending.views)
+                    self.conn.payload_received()
+                    pending.on_done()
+                elif isinstance(event, Ack):
+                    pending.on_done()
+                elif isinstance(event, Error):
+                    pending.on_error(
+                        TransferError(
+                            f"refused by the peer: {event.message}",
+                            op_index=pending.describe(event.op_index),
+                        )
+                    )
+        except RemoteProtocolError as exc:
+            self._broken(f"stream {self.index}: the peer broke the protocol: {exc}")
+        except (OSError, EOFError, TransferError) as exc:
+            self._broken(f"stream {self.index}: {exc or type(exc).__name__}")
+
+    def _take(self, event: Event) -> Pending:
+        request_id = getattr(event, "request_id", None)
+        with self._lock:
+            pending = self._pending.pop(request_id, None) if request_id is not None else None
+        if pending is None:
+            raise RemoteProtocolError(f"answer to unknown request {request_id}")
+        return pending
+
+    def _broken(self, reason: str) -> None:
+        with self._lock:
+            if self._closed:
+                return
+        self._on_broken(reason)
+
+    def _fail_pending(self, reason: str) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for item in pending.values():
+            item.on_error(PeerClosed(reason))
+
+
+def serve(
+    pipe: Pipe,
+    regions: RegionTable,
+    *,
+    check_token: Callable[[bytes], str | None],
+    on_notify: Callable[[str, bytes], None],
+    on_bytes: Callable[[int, int], None],
+    handshake_timeout: float,
+) -> None:
+    """Serve one stream as the responder until it closes or breaks the protocol."""
+    conn = Connection(Role.RESPONDER)
+    try:
+        pipe.set_timeout(handshake_timeout)
+        hello = next_event(conn, pipe)
+        assert isinstance(hello, Hello)  # the protocol allows nothing else first
+        peer = check_token(hello.token)
+        if peer is None:
+            pipe.send([conn.error(0, "unknown or expired session token")])
+            return
+        pipe.send([conn.ack(0)])
+        pipe.set_timeout(None)
+        while True:
+            event = next_event(conn, pipe)
+            if isinstance(event, Write):
+                _receive_write(conn, pipe, regions, event, on_bytes)
+            elif isinstance(event, Read):
+                _send_read(conn, pipe, regions, event, on_bytes)
+            elif isinstance(event, Notify):
+                on_notify(peer, event.message)
+                pipe.send([conn.ack(event.request_id)])
+    except (OSError, EOFError, RemoteProtocolError):
+        return  # the initiator went away or misbehaved: only this stream ends
+    finally:
+        pipe.close()
+
+
+def _receive_write(
+    conn: Connection,
+    pipe: Pipe,
+    regions: RegionTable,
+    event: Write,
+    on_bytes: Callable[[int, int], None],
+) -> None:
+    try:
+        views, used = regions.resolve(event.ops, "w")
+    except AccessDenied as exc:
+        pipe.discard(event.payload_bytes)
+        conn.payload_received()
+        pipe.send([conn.error(event.request_id, str(exc), exc.op_index)])
+        return
+    try:
+        pipe.recv_into_views(views)
+    finally:
+        regions.release(used)
+    conn.payload_received()
+    on_bytes(event.payload_bytes, 0)
+    pipe.send([conn.ack(event.request_id)])
+
+
+def _send_read(
+    conn: Connection,
+    pipe: Pipe,
+    regions: RegionTable,
+    event: Read,
+    on_bytes: Callable[[int, int], None],
+) -> None:
+    try:
+        views, used = regions.resolve(event.ops, "r")
+    except AccessDenied as exc:
+        pipe.send([conn.error(event.request_id, str(exc), exc.op_index)])
+        return
+    total = sum(v.nbytes for v in views)
+    try:
+        pipe.send([conn.data(event.request_id, len(views), total), *views])
+    finally:
+        regions.release(used)
+    on_bytes(0, total)

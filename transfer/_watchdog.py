@@ -1,0 +1,56 @@
+"""One thread per engine that fails batches still running at their deadline."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+from collections.abc import Callable
+
+
+class Watchdog:
+    """Calls ``on_expiry`` at each deadline unless ``is_done()`` says it is moot."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Callable[[], bool], Callable[[], None]]] = []
+        self._order = itertools.count()
+        self._cond = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="kvbridge-watchdog", daemon=True)
+        self._thread.start()
+
+    def watch(
+        self, timeout: float, is_done: Callable[[], bool], on_expiry: Callable[[], None]
+    ) -> None:
+        with self._cond:
+            entry = (time.monotonic() + timeout, next(self._order), is_done, on_expiry)
+            heapq.heappush(self._heap, entry)
+            if self._heap[0] is entry:
+                self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopped:
+                    # Drop entries that finished: a busy engine must not pile them up.
+                    while self._heap and self._heap[0][2]():
+                        heapq.heappop(self._heap)
+                    if not self._heap:
+                        self._cond.wait()
+                        continue
+                    wait = self._heap[0][0] - time.monotonic()
+                    if wait <= 0:
+                        break
+                    self._cond.wait(wait)
+                if self._stopped:
+                    return
+                _, _, is_done, on_expiry = heapq.heappop(self._heap)
+            if not is_done():
+                on_expiry()
