@@ -1,0 +1,276 @@
+"""Transport conformance: every transport passes the same suite (tcp, memory; ucx later)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvbridge.transfer import (
+    OP_DTYPE,
+    AuthenticationError,
+    EngineClosed,
+    LocalProtocolError,
+    PeerClosed,
+    RegionBusy,
+    RegionInfo,
+    TransferEngine,
+    TransferError,
+)
+
+TRANSPORTS = ["tcp", "memory"]
+MiB = 1 << 20
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def pair(transport: str) -> Iterator[tuple[TransferEngine, TransferEngine]]:
+    with (
+        TransferEngine("initiator", transports=(transport,), timeout=5.0) as a,
+        TransferEngine("target", transports=(transport,), timeout=5.0) as b,
+    ):
+        yield a, b
+
+
+def _random(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def test_write_then_read_back_a_large_op(pair: tuple[TransferEngine, TransferEngine]) -> None:
+    a, b = pair
+    src, dst, back = (
+        _random(9 * MiB + 123),
+        np.zeros(10 * MiB, np.uint8),
+        np.zeros(9 * MiB + 123, np.uint8),
+    )
+    src_r, back_r = a.register(src, access="r"), a.register(back)
+    dst_r = b.register(dst)
+    peer = a.connect(b.metadata())
+    handle = peer.write([(src_r, 0, dst_r.id, 77, src.nbytes)])
+    handle.wait(10)
+    assert handle.done and handle.bytes == src.nbytes
+    np.testing.assert_array_equal(dst[77 : 77 + src.nbytes], src)
+    assert not dst[:77].any() and not dst[77 + src.nbytes :].any()
+    peer.read([(back_r, 0, dst_r.id, 77, src.nbytes)]).wait(10)
+    np.testing.assert_array_equal(back, src)
+    stats = a.stats()
+    assert stats["bytes_written"] == stats["bytes_read"] == src.nbytes
+    assert b.stats()["served_bytes_in"] == src.nbytes
+    assert stats["peers"][0]["transport"] in TRANSPORTS
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.data())
+def test_many_small_shuffled_ops_land_exactly(data: st.DataObject) -> None:
+    for transport in TRANSPORTS:
+        with (
+            TransferEngine(transports=(transport,)) as a,
+            TransferEngine(transports=(transport,)) as b,
+        ):
+            block = data.draw(st.sampled_from([1, 100, 4096, 70_000]))
+            count = data.draw(st.integers(1, 3000 if block < 5000 else 40))
+            src, dst = _random(block * count, seed=count), np.zeros(block * count, np.uint8)
+            order = np.random.default_rng(block).permutation(count)
+            ops = np.zeros(count, OP_DTYPE)
+            s, d = a.register(src), b.register(dst)
+            ops["local_region"], ops["remote_region"] = s.id, d.id
+            ops["local_offset"] = np.arange(count) * block
+            ops["remote_offset"] = order * block
+            ops["length"] = block
+            a.connect(b.metadata()).write(ops).wait(20)
+            expected = np.zeros_like(dst).reshape(count, block)
+            expected[order] = src.reshape(count, block)
+            np.testing.assert_array_equal(dst.reshape(count, block), expected)
+
+
+def test_notification_arrives_after_the_bytes(pair: tuple[TransferEngine, TransferEngine]) -> None:
+    a, b = pair
+    src, dst = _random(4 * MiB), np.zeros(4 * MiB, np.uint8)
+    s, d = a.register(src), b.register(dst)
+    peer = a.connect(b.metadata())
+    seen: list[bool] = []
+
+    def watcher() -> None:
+        (note,) = b.notifications(timeout=10)
+        seen.append(bool((dst == src).all()) and note.message == b"req-7" and note.peer == a.name)
+
+    thread = threading.Thread(target=watcher)
+    thread.start()
+    peer.write([(s, 0, d.id, 0, src.nbytes)], notify=b"req-7").wait(10)
+    thread.join(10)
+    assert seen == [True]
+    peer.write([], notify=b"only").wait(10)  # a notification alone
+    assert [n.message for n in b.notifications(timeout=5)] == [b"only"]
+
+
+def test_handles_are_awaitable(pair: tuple[TransferEngine, TransferEngine]) -> None:
+    a, b = pair
+    src, dst = _random(MiB), np.zeros(MiB, np.uint8)
+    s, d = a.register(src), b.register(dst)
+    peer = a.connect(b.metadata())
+
+    async def main() -> int:
+        handles = [peer.write([(s, i * 4096, d.id, i * 4096, 4096)]) for i in range(256)]
+        await asyncio.gather(*handles)
+        return sum(h.bytes for h in handles)
+
+    assert asyncio.run(main()) == MiB
+    np.testing.assert_array_equal(dst, src)
+
+
+def test_local_checks_reject_before_anything_moves(
+    pair: tuple[TransferEngine, TransferEngine],
+) -> None:
+    a, b = pair
+    src = a.register(_random(1000))
+    ro = b.register(np.zeros(100, np.uint8), access="r")
+    wo = b.register(np.zeros(100, np.uint8), access="w")
+    peer = a.connect(b.metadata())
+    bad = [
+        [(src, 0, wo.id, 50, 51)],  # past the end of the remote region
+        [(src, 990, wo.id, 0, 20)],  # past the end of the local region
+        [(src, 0, ro.id, 0, 10)],  # write into a read-only region
+        [(src, 0, 999, 0, 10)],  # no such remote region
+        [(src, 0, wo.id, 0, 0)],  # empty op
+        [(src, -1, wo.id, 0, 10)],  # negative offset
+        [(src, 0, wo.id, 0)],  # not a 5-tuple
+        "nonsense",
+    ]
+    for ops in bad:
+        with pytest.raises(LocalProtocolError):
+            peer.write(ops)
+    with pytest.raises(LocalProtocolError, match="does not allow 'r'"):
+        peer.read([(src, 0, wo.id, 0, 10)])
+    with pytest.raises(LocalProtocolError, match="op 1"):
+        peer.write([(src, 0, wo.id, 0, 10), (src, 0, wo.id, 95, 10)])
+    assert b.stats()["served_bytes_in"] == 0
+
+
+@pytest.mark.parametrize(
+    ("access", "tamper", "reason"),
+    [
+        ("w", lambda i: RegionInfo(i.id, i.length, i.access, i.key ^ 1), "wrong access key"),
+        ("w", lambda i: RegionInfo(i.id, i.length * 2, i.access, i.key), "outside region"),
+        ("r", lambda i: RegionInfo(i.id, i.length, "rw", i.key), "does not allow"),
+        ("w", lambda i: RegionInfo(i.id + 100, i.length, i.access, i.key), "no region"),
+    ],
+)
+def test_the_target_checks_every_op_itself(
+    pair: tuple[TransferEngine, TransferEngine], access: str, tamper: object, reason: str
+) -> None:
+    """A peer with forged metadata is refused by the target before a byte is written."""
+    a, b = pair
+    src = a.register(_random(4096))
+    target = np.zeros(2048, np.uint8)
+    t = b.register(target, access=access)
+    peer = a.connect(b.metadata())
+    forged = tamper(peer.regions[t.id])  # type: ignore[operator]
+    peer.regions[forged.id] = forged
+    ops = [(src, 0, forged.id, 0, 1024), (src, 1024, forged.id, 1024, forged.length - 1024)]
+    with pytest.raises(TransferError, match=reason) as info:
+        peer.write(ops).wait(10)
+    assert info.value.op_index in (0, 1)
+    assert not target.any()
+    # The stream is still good: a legal op on the same peer works.
+    ok = b.register(np.zeros(16, np.uint8), access="w")
+    peer.refresh()
+    peer.write([(src, 0, ok.id, 0, 16)]).wait(10)
+
+
+def test_unregister_refuses_while_a_transfer_uses_the_region() -> None:
+    with TransferEngine(transports=("memory",)) as a:
+        region = a.register(np.zeros(10, np.uint8))
+        a._regions.acquire([region])
+        with pytest.raises(RegionBusy):
+            a.unregister(region)
+        a._regions.release([region])
+        a.unregister(region)
+        with pytest.raises(LocalProtocolError):
+            a.unregister(region)
+
+
+@pytest.mark.parametrize(
+    ("secret_a", "secret_b", "ok"),
+    [
+        ("s3cret", "s3cret", True),
+        ("s3cret", "other", False),
+        (None, "s3cret", False),
+        ("s3cret", None, False),
+    ],
+)
+def test_shared_secret_handshake(
+    transport: str, secret_a: str | None, secret_b: str | None, ok: bool
+) -> None:
+    with (
+        TransferEngine(transports=(transport,), secret=secret_a) as a,
+        TransferEngine(transports=(transport,), secret=secret_b) as b,
+    ):
+        src, dst = a.register(_random(64)), b.register(np.zeros(64, np.uint8))
+        if ok:
+            a.connect(b.metadata()).write([(src, 0, dst.id, 0, 64)]).wait(5)
+        else:
+            with pytest.raises(AuthenticationError):
+                a.connect(b.metadata())
+
+
+def test_stream_with_a_bad_token_is_refused(transport: str) -> None:
+    from kvbridge.transfer._streams import InitiatorStream
+
+    with TransferEngine(transports=(transport,)) as a, TransferEngine(transports=(transport,)) as b:
+        transport_a = a._transports[transport]
+        address = b._transports[transport].address()
+        stream = InitiatorStream(transport_a.open(address, 5), 0, lambda reason: None)
+        with pytest.raises(AuthenticationError, match="token"):
+            stream.handshake(b"\0" * 16, 5)
+        stream.close()
+
+
+def test_close_joins_every_thread(transport: str) -> None:
+    before = threading.active_count()
+    a = TransferEngine(transports=(transport,))
+    b = TransferEngine(transports=(transport,))
+    src, dst = a.register(_random(MiB)), b.register(np.zeros(MiB, np.uint8))
+    a.connect(b.metadata()).write([(src, 0, dst.id, 0, MiB)]).wait(10)
+    assert threading.active_count() > before
+    a.close()
+    b.close()
+    a.close()  # idempotent
+    assert threading.active_count() == before
+    with pytest.raises(EngineClosed):
+        a.register(np.zeros(1, np.uint8))
+
+
+def test_closed_peer_fails_fast_and_reconnects(pair: tuple[TransferEngine, TransferEngine]) -> None:
+    a, b = pair
+    src, dst = a.register(_random(4096)), b.register(np.zeros(4096, np.uint8))
+    peer = a.connect(b.metadata())
+    peer.close()
+    with pytest.raises(PeerClosed):
+        peer.write([(src, 0, dst.id, 0, 4096)])
+    peer.reconnect()
+    peer.write([(src, 0, dst.id, 0, 4096)]).wait(5)
+
+
+def test_unknown_settings_and_transports_are_refused() -> None:
+    with pytest.raises(LocalProtocolError, match="unknown settings"):
+        TransferEngine(stream=3)
+    with pytest.raises(LocalProtocolError, match="transports"):
+        TransferEngine(transports=("carrier-pigeon",))
+    with pytest.raises(LocalProtocolError):
+        TransferEngine(streams=0)
+
+
+def test_metadata_garbage_is_refused() -> None:
+    with TransferEngine(transports=("memory",)) as a:
+        for junk in (b"", b"\x93\x01\x02\x03", b"\xc1", b"{}"):
+            with pytest.raises(LocalProtocolError):
+                a.connect(junk)
