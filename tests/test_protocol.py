@@ -118,18 +118,18 @@ def test_answers_must_match_outstanding_requests() -> None:
 
 
 def test_frame_limits() -> None:
-    initiator, responder = pair()
+    _, responder = pair()
     header = HEADER.pack(b"KV", 1, 2, MAX_OPS_PER_FRAME + 1, 1, 10)  # WRITE with too many ops
     _fails(responder, header, "ops")
-    initiator, responder = pair()
+    _, responder = pair()
     header = HEADER.pack(b"KV", 1, 7, 0, 1, 1 << 20)  # NOTIFY with a 1 MiB body
     _fails(responder, header, "exceeds")
-    initiator, responder = pair()
+    _, responder = pair()
     body = ops(4).tobytes()
     _fails(responder, HEADER.pack(b"KV", 1, 2, 1, 1, len(body) + 9) + body, "payload")
-    initiator, responder = pair()
+    _, responder = pair()
     _fails(responder, HEADER.pack(b"XX", 1, 2, 1, 1, 0), "magic")
-    initiator, responder = pair()
+    _, responder = pair()
     _fails(responder, HEADER.pack(b"KV", 9, 2, 1, 1, 0), "version")
 
 

@@ -22,6 +22,7 @@ from kvbridge.transfer import (
     TransferEngine,
     TransferError,
 )
+from kvbridge.transfer._streams import InitiatorStream
 
 TRANSPORTS = ["tcp", "memory"]
 MiB = 1 << 20
@@ -223,8 +224,6 @@ def test_shared_secret_handshake(
 
 
 def test_stream_with_a_bad_token_is_refused(transport: str) -> None:
-    from kvbridge.transfer._streams import InitiatorStream
-
     with TransferEngine(transports=(transport,)) as a, TransferEngine(transports=(transport,)) as b:
         transport_a = a._transports[transport]
         address = b._transports[transport].address()
