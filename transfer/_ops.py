@@ -17,7 +17,7 @@ import numpy as np
 
 from ._errors import LocalProtocolError
 from ._protocol import DESCRIPTOR, MAX_OPS_PER_FRAME
-from ._regions import Region, RegionInfo, RegionTable
+from ._regions import Region, RegionInfo, RegionTable, distinct
 
 OP_DTYPE = np.dtype(
     [
@@ -84,13 +84,13 @@ def check(
     if len(bad):
         raise LocalProtocolError(f"op {bad[0]}: length 0", op_index=int(bad[0]))
     regions = []
-    for region_id in np.unique(ops["local_region"]).tolist():
+    for region_id in distinct(ops["local_region"]):
         region = local.get(region_id)
         if access == "r" and region.readonly:
             raise LocalProtocolError(f"read into read-only local region {region_id}")
         _check_bounds(ops, "local", region_id, region.length)
         regions.append(region)
-    for region_id in np.unique(ops["remote_region"]).tolist():
+    for region_id in distinct(ops["remote_region"]):
         info = remote.get(region_id)
         if info is None:
             index = int(np.argmax(ops["remote_region"] == region_id))
@@ -122,16 +122,23 @@ def plan(
     *,
     slice_bytes: int,
     frame_bytes: int,
+    streams: int = 1,
 ) -> list[FramePlan]:
-    """Merge, slice and pack a checked batch into frames."""
+    """Merge, slice and pack a checked batch into frames.
+
+    Frames hold at most ``frame_bytes``, and no more than an even share of the batch per
+    stream, so that a mid-sized batch still spreads over every stream.
+    """
     if len(ops) == 0:
         return []
     ops, origin = _coalesce(ops)
     ops, origin = _slice(ops, origin, slice_bytes)
+    share = -(-int(ops["length"].sum(dtype=np.uint64)) // streams)
+    frame_bytes = max(slice_bytes, min(frame_bytes, share))
     keys = np.zeros(len(ops), dtype=np.uint64)
-    for region_id in np.unique(ops["remote_region"]).tolist():
+    for region_id in distinct(ops["remote_region"]):
         keys[ops["remote_region"] == region_id] = remote[region_id].key
-    views = {r: local.get(r).view for r in np.unique(ops["local_region"]).tolist()}
+    views = {r: local.get(r).view for r in distinct(ops["local_region"])}
 
     ends = np.cumsum(ops["length"], dtype=np.uint64)
     frames = []

@@ -178,6 +178,7 @@ class Peer:
             self.regions,
             slice_bytes=engine.settings.slice_bytes,
             frame_bytes=engine.settings.frame_bytes,
+            streams=engine.settings.streams,
         )
         with self._lock:
             if self._error is not None:
@@ -224,7 +225,7 @@ class Peer:
             message = [stream.conn.read(request_id, frame.descriptors)]
             pending.views = frame.views
         try:
-            stream.submit(request_id, message, pending)
+            stream.submit(request_id, message, pending, frame.nbytes)
         except TransferError as exc:
             batch.fail(exc)
 
@@ -239,7 +240,7 @@ class Peer:
         request_id = next(_REQUEST_IDS)
         pending = Pending(on_done=batch.handle._part_done, on_error=batch.fail)
         try:
-            stream.submit(request_id, [stream.conn.notify(request_id, batch.notify)], pending)
+            stream.submit(request_id, [stream.conn.notify(request_id, batch.notify)], pending, 0)
         except TransferError as exc:
             batch.fail(exc)
 

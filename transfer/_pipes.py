@@ -18,6 +18,12 @@ from typing import Protocol
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 """Most buffers one sendmsg/recvmsg_into call takes (1024 on Linux)."""
 
+SCATTER_BELOW_BYTES = 64 << 10
+"""Views smaller than this are filled by scatter reads (``recvmsg_into`` over many views:
+one system call for many small ops); a larger view gets a plain ``recv_into`` loop, which
+costs less Python per call (a loopback read returns ~64 KiB at a time, so a 1 MiB view
+takes ~16 calls: the per-call overhead is what separated us from raw sockets)."""
+
 _DISCARD_BYTES = 1 << 20
 
 
@@ -62,7 +68,26 @@ class SocketPipe:
         return bytes(buf)
 
     def recv_into_views(self, views: Sequence[memoryview]) -> None:
-        pending = list(views)
+        sock = self.sock
+        i, count = 0, len(views)
+        while i < count:
+            view = views[i]
+            if view.nbytes >= SCATTER_BELOW_BYTES:
+                # A big view: the tightest loop there is (each call costs Python time, and a
+                # loopback read returns ~64 KiB at a time).
+                while view:
+                    k = sock.recv_into(view)
+                    if k == 0:
+                        raise EOFError("the peer closed the stream")
+                    view = view[k:]
+                i += 1
+                continue
+            end = _small_run(views, i)
+            self._scatter(list(views[i:end]))
+            i = end
+
+    def _scatter(self, pending: list[memoryview]) -> None:
+        """Fill small views with as few ``recvmsg_into`` calls as the data allows."""
         first = 0
         while first < len(pending):
             k = self.sock.recvmsg_into(pending[first : first + IOV_MAX])[0]
@@ -79,11 +104,18 @@ class SocketPipe:
             n -= k
 
     def send(self, buffers: Sequence[bytes | memoryview]) -> None:
+        """Small buffers go out together with ``sendmsg`` (gather), each big one with its own
+        ``sendall``: one huge sendmsg of a 16 MiB frame measured 5% slower on loopback."""
         pending = [memoryview(b).cast("B") for b in buffers]
         first = 0
+        sock = self.sock
         while first < len(pending):
-            k = self.sock.sendmsg(pending[first : first + IOV_MAX])
-            first = _advance(pending, first, k)
+            if pending[first].nbytes >= SCATTER_BELOW_BYTES:
+                sock.sendall(pending[first])
+                first += 1
+                continue
+            end = _small_run(pending, first)
+            first = _advance(pending, first, sock.sendmsg(pending[first:end]))
 
     def set_timeout(self, seconds: float | None) -> None:
         self.sock.settimeout(seconds)
@@ -92,6 +124,15 @@ class SocketPipe:
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
+
+
+def _small_run(views: Sequence[memoryview], first: int) -> int:
+    """End of the run of small views starting at ``first`` (at most IOV_MAX of them)."""
+    end = first + 1
+    limit = min(len(views), first + IOV_MAX)
+    while end < limit and views[end].nbytes < SCATTER_BELOW_BYTES:
+        end += 1
+    return end
 
 
 def _advance(views: list[memoryview], first: int, count: int) -> int:

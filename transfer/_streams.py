@@ -30,6 +30,10 @@ from ._pipes import Pipe
 from ._protocol import Ack, Connection, Data, Error, Event, Hello, Notify, Read, Role, Write
 from ._regions import RegionTable
 
+INLINE_SEND_BYTES = 256 << 10
+"""Frames up to this size are sent from the submitting thread when the stream is idle: one
+thread hand-off less (latency), while 256 KiB still takes only ~0.1 ms on loopback."""
+
 
 def next_event(conn: Connection, pipe: Pipe) -> Event:
     """Read framing bytes until the connection yields an event."""
@@ -59,10 +63,10 @@ class InitiatorStream:
         self._on_broken = on_broken
         self._queue: deque[list[bytes | memoryview]] = deque()
         self._cond = threading.Condition()
+        self._sending = False  # a frame is on its way out (frames never interleave)
         self._pending: dict[int, Pending] = {}
         self._lock = threading.Lock()
         self._closed = False
-        self.queued_bytes = 0
         self._threads = [
             threading.Thread(target=self._send_loop, name=f"kvbridge-send-{index}", daemon=True),
             threading.Thread(target=self._recv_loop, name=f"kvbridge-recv-{index}", daemon=True),
@@ -86,16 +90,29 @@ class InitiatorStream:
         for thread in self._threads:
             thread.start()
 
-    def submit(self, request_id: int, frame: list[bytes | memoryview], pending: Pending) -> None:
-        """Queue one frame (its header already registered with ``conn``)."""
+    def submit(
+        self, request_id: int, frame: list[bytes | memoryview], pending: Pending, nbytes: int
+    ) -> None:
+        """Send one frame (its header already registered with ``conn``).
+
+        A small frame on an idle stream is sent at once from the calling thread, saving a
+        thread hand-off (latency); anything else is queued for the stream's sender thread,
+        so that the caller can go on queueing while the streams send in parallel.
+        """
         with self._lock:
             if self._closed:
                 self.conn.forget(request_id)
                 raise PeerClosed(f"stream {self.index} is closed")
             self._pending[request_id] = pending
         with self._cond:
-            self._queue.append(frame)
-            self._cond.notify()
+            inline = nbytes <= INLINE_SEND_BYTES and not self._queue and not self._sending
+            if inline:
+                self._sending = True
+            else:
+                self._queue.append(frame)
+                self._cond.notify()
+        if inline:
+            self._send(frame)
 
     def close(self, reason: str = "closed") -> None:
         """Stop both threads, fail what is pending, and join."""
@@ -115,15 +132,27 @@ class InitiatorStream:
     def _send_loop(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._queue or self._closed)
+                self._cond.wait_for(lambda: (self._queue and not self._sending) or self._closed)
                 if self._closed:
                     return
                 frame = self._queue.popleft()
-            try:
-                self.pipe.send(frame)
-            except OSError as exc:
-                self._broken(f"stream {self.index}: send failed: {exc}")
+                self._sending = True
+            if not self._send(frame):
                 return
+
+    def _send(self, frame: list[bytes | memoryview]) -> bool:
+        """Send one frame while holding the ``_sending`` flag; False if the stream broke."""
+        try:
+            self.pipe.send(frame)
+        except OSError as exc:
+            self._broken(f"stream {self.index}: send failed: {exc}")
+            return False
+        finally:
+            with self._cond:
+                self._sending = False
+                if self._queue:
+                    self._cond.notify()
+        return True
 
     def _recv_loop(self) -> None:
         try:
