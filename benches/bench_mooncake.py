@@ -1,0 +1,116 @@
+"""Mooncake's TCP transport on the same job as bench_transfer.py, when it is installed.
+
+``pip install mooncake-transfer-engine-non-cuda`` (needs Debian's ``libibverbs1`` even for
+TCP). 256 MiB per round as 1 MiB, 64 KiB, 16 KiB and 4 KiB ops in shuffled order, batches
+of 128 ops (how Mooncake is usually driven), write; baseline: kvbridge's TCP engine moving
+the same ops in the same process run, so the ratio is Mooncake against kvbridge.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _transfer_target import TOTAL, shuffled_offsets
+
+from kvbridge.transfer import OP_DTYPE, TransferEngine
+
+mooncake = pytest.importorskip(
+    "mooncake.engine", reason="mooncake-transfer-engine-non-cuda is not installed"
+)
+BATCH = 128
+
+
+@pytest.fixture(scope="module")
+def mooncake_target() -> Iterator[tuple[str, int]]:
+    proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).parent / "_mooncake_target.py")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stdin is not None
+    session, address = proc.stdout.readline().split()
+    yield session, int(address)
+    proc.stdin.close()
+    proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def kvbridge_target() -> Iterator[bytes]:
+    proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).parent / "_transfer_target.py"), "2"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stdin is not None
+    metadata_hex, _ = proc.stdout.readline().split()
+    yield bytes.fromhex(metadata_hex)
+    proc.stdin.close()
+    proc.wait(30)
+
+
+@pytest.mark.parametrize(
+    "block", [1 << 20, 64 << 10, 16 << 10, 4 << 10], ids=["1MiB", "64KiB", "16KiB", "4KiB"]
+)
+def test_mooncake_tcp_write(
+    compare: Callable[..., Any],
+    mooncake_target: tuple[str, int],
+    kvbridge_target: bytes,
+    block: int,
+) -> None:
+    session, remote_base = mooncake_target
+    local = np.random.default_rng(0).integers(0, 256, TOTAL, dtype=np.uint8)
+    count = TOTAL // block
+    local_offsets = shuffled_offsets(block, count, block + 1)
+    remote_offsets = shuffled_offsets(block, count, block)
+
+    engine = mooncake.TransferEngine()
+    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    assert engine.register_memory(local.ctypes.data, TOTAL) == 0
+    sources = (local.ctypes.data + local_offsets).tolist()
+    targets = (remote_base + remote_offsets).tolist()
+    lengths = [block] * BATCH
+
+    def run_mooncake() -> None:
+        for i in range(0, count, BATCH):
+            status = engine.batch_transfer_sync_write(
+                session, sources[i : i + BATCH], targets[i : i + BATCH], lengths
+            )
+            assert status == 0, status
+
+    with TransferEngine("bench", streams=2) as ours:
+        region = ours.register(local)
+        peer = ours.connect(kvbridge_target)
+        remote = next(iter(peer.regions.values())).id
+        ops = np.zeros(count, OP_DTYPE)
+        ops["local_region"], ops["remote_region"] = region.id, remote
+        ops["local_offset"], ops["remote_offset"], ops["length"] = (
+            local_offsets,
+            remote_offsets,
+            block,
+        )
+        batches = [ops[i : i + BATCH] for i in range(0, count, BATCH)]
+
+        def run_kvbridge() -> None:
+            for handle in [peer.write(batch) for batch in batches]:
+                handle.wait(120)
+
+        compare(
+            f"mooncake tcp write {block >> 10} KiB, batches of {BATCH}",
+            run_mooncake,
+            run_kvbridge,
+            baseline_name="kvbridge tcp, same ops",
+            nbytes=TOTAL,
+            rounds=3,
+            warmup=1,
+        )
+    engine.unregister_memory(local.ctypes.data)
