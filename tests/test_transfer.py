@@ -21,10 +21,20 @@ from kvbridge.transfer import (
     RegionInfo,
     TransferEngine,
     TransferError,
+    ucx_available,
 )
 from kvbridge.transfer._streams import InitiatorStream
 
-TRANSPORTS = ["tcp", "memory"]
+# Every transport passes this suite; ucx runs wherever ucxx imports (it does on CPU).
+TRANSPORTS = ["tcp", "memory"] + (["ucx"] if ucx_available() else [])
+
+
+def test_ucx_is_tested_or_says_why() -> None:
+    if not ucx_available():
+        pytest.skip("ucxx is not installed: pip install 'kvbridge[ucx]' to run the UCX suite")
+    assert "ucx" in TRANSPORTS
+
+
 MiB = 1 << 20
 
 

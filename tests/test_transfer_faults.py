@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 import zmq
 
-from kvbridge.transfer import PeerClosed, TransferEngine, TransferError
+from kvbridge.transfer import PeerClosed, TransferEngine, TransferError, ucx_available
 
 MiB = 1 << 20
 
@@ -26,7 +27,7 @@ import sys
 import numpy as np
 from kvbridge.transfer import TransferEngine
 
-engine = TransferEngine("target")
+engine = TransferEngine("target", transports=sys.argv[1])
 buffer = np.zeros(256 << 20, np.uint8)
 engine.register(buffer)
 print(engine.metadata().hex(), flush=True)
@@ -35,10 +36,16 @@ engine.close()
 """
 
 
-@pytest.fixture
-def target() -> Iterator[tuple[subprocess.Popen[str], bytes]]:
+TRANSPORTS = ["tcp"] + (["ucx"] if ucx_available() else [])
+
+
+@pytest.fixture(params=TRANSPORTS)
+def target(request: pytest.FixtureRequest) -> Iterator[tuple[subprocess.Popen[str], bytes]]:
     proc = subprocess.Popen(
-        [sys.executable, "-c", _TARGET], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", _TARGET, request.param],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert proc.stdout is not None
     metadata = bytes.fromhex(proc.stdout.readline().strip())
@@ -47,6 +54,13 @@ def target() -> Iterator[tuple[subprocess.Popen[str], bytes]]:
         os.kill(proc.pid, signal.SIGCONT)
         proc.kill()
     proc.wait(10)
+
+
+def _engine(metadata: bytes, name: str, timeout: float) -> TransferEngine:
+    """An engine speaking whatever transport the target offers."""
+    return TransferEngine(
+        name, transports=("tcp", "ucx") if ucx_available() else "tcp", timeout=timeout
+    )
 
 
 def _big_write(engine: TransferEngine, metadata: bytes) -> tuple[object, object]:
@@ -61,7 +75,7 @@ def test_killed_peer_fails_pending_handles_and_others_keep_working(
     target: tuple[subprocess.Popen[str], bytes],
 ) -> None:
     proc, metadata = target
-    with TransferEngine("initiator", timeout=20) as engine, TransferEngine("other") as other:
+    with _engine(metadata, "initiator", 5.0) as engine, TransferEngine("other") as other:
         peer, (ops, _) = _big_write(engine, metadata)
         handles = [peer.write(ops) for _ in range(8)]  # 2 GiB in flight
         proc.kill()
@@ -69,8 +83,12 @@ def test_killed_peer_fails_pending_handles_and_others_keep_working(
         with pytest.raises(TransferError):
             for handle in handles:
                 handle.wait(20)
-        assert time.monotonic() - started < 20
-        assert all(h.done for h in handles)
+        # TCP sees the reset at once; UCX over shared memory has no peer-failure handling,
+        # so the 5 s transfer timeout is what fails the batch there.
+        assert time.monotonic() - started < 15
+        for handle in handles:  # every other batch fails too, none hangs
+            with pytest.raises(TransferError):
+                handle.wait(15)
         with pytest.raises(PeerClosed):
             peer.write(ops[:1])
         # The engine still serves and connects elsewhere.
@@ -81,7 +99,7 @@ def test_killed_peer_fails_pending_handles_and_others_keep_working(
 
 def test_frozen_peer_times_out(target: tuple[subprocess.Popen[str], bytes]) -> None:
     proc, metadata = target
-    with TransferEngine("initiator", timeout=1.0) as engine:
+    with _engine(metadata, "initiator", 1.0) as engine:
         peer, (ops, _) = _big_write(engine, metadata)
         os.kill(proc.pid, signal.SIGSTOP)
         started = time.monotonic()
@@ -119,6 +137,9 @@ def test_fuzzing_the_control_port_while_a_client_works() -> None:
                 while not stop.is_set():
                     sock = ctx.socket(rng.choice([zmq.DEALER, zmq.REQ, zmq.PUSH]))
                     sock.setsockopt(zmq.LINGER, 0)
+                    # A PUSH never pairs with the ROUTER: without a send timeout the fuzzer
+                    # itself would block forever on it.
+                    sock.setsockopt(zmq.SNDTIMEO, 100)
                     sock.connect(endpoint)
                     junk = rng.choice(
                         [
@@ -128,7 +149,8 @@ def test_fuzzing_the_control_port_while_a_client_works() -> None:
                             msgpack.packb([1, 2, 3]),
                         ]
                     )
-                    sock.send_multipart([b"", junk] if rng.random() < 0.5 else [junk])
+                    with contextlib.suppress(zmq.Again):
+                        sock.send_multipart([b"", junk] if rng.random() < 0.5 else [junk])
                     time.sleep(0.001)
                     sock.close()
             except BaseException as exc:

@@ -30,6 +30,7 @@ from ._ops import OP_DTYPE
 from ._peer import Peer
 from ._regions import Region, RegionInfo
 from ._settings import TransferSettings
+from ._ucx import ucx_available
 
 __all__ = [
     "OP_DTYPE",
@@ -49,4 +50,5 @@ __all__ = [
     "TransferError",
     "TransferHandle",
     "TransferSettings",
+    "ucx_available",
 ]

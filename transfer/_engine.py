@@ -36,9 +36,10 @@ from ._regions import Region, RegionTable
 from ._settings import TransferSettings
 from ._streams import serve
 from ._transports import MemoryTransport, TcpTransport, Transport
+from ._ucx import UcxTransport, ucx_available
 from ._watchdog import Watchdog
 
-TRANSPORTS = ("tcp", "memory")
+TRANSPORTS = ("tcp", "ucx", "memory")
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,11 @@ class TransferEngine:
     """Moves bytes between registered regions of engines, over TCP streams or in memory.
 
     ``host``/``port``: where the control socket listens (127.0.0.1 and a free port by
-    default; the TCP data listener uses the same host and ``data_port``). ``secret``: a
+    default; the TCP data listener uses the same host and ``data_port``). ``transports``:
+    ``"tcp"``, ``"ucx"`` (ucxx: shared memory on one host, TCP or RDMA between hosts),
+    ``"memory"`` (peers in this process), several in order of preference, or ``"auto"``
+    (``ucx`` then ``tcp`` where ucxx imports, else ``tcp``); a peer gets the first one it
+    also offers (``peer.transport``). ``secret``: a
     shared secret (bytes or str); engines then authenticate each other and refuse peers
     that do not know it. ``settings``: see :class:`TransferSettings`.
     """
@@ -64,11 +69,15 @@ class TransferEngine:
         *,
         host: str = "127.0.0.1",
         port: int = 0,
-        transports: Sequence[str] = ("tcp",),
+        transports: Sequence[str] | str = ("tcp",),
         secret: bytes | str | None = None,
         **settings: Any,
     ) -> None:
         self.settings = TransferSettings.from_kwargs(settings)
+        if transports == "auto":
+            transports = ("ucx", "tcp") if ucx_available() else ("tcp",)
+        elif isinstance(transports, str):
+            transports = (transports,)
         chosen = list(transports)
         unknown = [t for t in chosen if t not in TRANSPORTS]
         if unknown or not chosen:
@@ -115,6 +124,10 @@ class TransferEngine:
                 self._accept,
                 socket_buffer=self.settings.socket_buffer,
             )
+        if transport == "ucx":
+            if not ucx_available():
+                raise LocalProtocolError("the ucx transport needs ucxx: pip install 'kvbridge[ucx]'")
+            return UcxTransport(self._accept)
         return MemoryTransport(self._accept)
 
     # -- regions and metadata ----------------------------------------------------------

@@ -34,8 +34,8 @@ class Pipe(Protocol):
     def recv_into_views(self, views: Sequence[memoryview]) -> None:
         """Fill every view in order; ``EOFError`` if the other end closed first."""
 
-    def discard(self, n: int) -> None:
-        """Read and drop ``n`` bytes."""
+    def discard(self, lengths: Sequence[int]) -> None:
+        """Read and drop the payloads of refused ops (one length per op)."""
 
     def send(self, buffers: Sequence[bytes | memoryview]) -> None:
         """Send every buffer in order, whole."""
@@ -95,7 +95,8 @@ class SocketPipe:
                 raise EOFError("the peer closed the stream")
             first = _advance(pending, first, k)
 
-    def discard(self, n: int) -> None:
+    def discard(self, lengths: Sequence[int]) -> None:
+        n = sum(lengths)
         view = memoryview(self._scratch)
         while n:
             k = self.sock.recv_into(view[: min(n, len(view))])
@@ -200,7 +201,8 @@ class MemoryPipe:
                 view[got : got + len(chunk)] = chunk
                 got += len(chunk)
 
-    def discard(self, n: int) -> None:
+    def discard(self, lengths: Sequence[int]) -> None:
+        n = sum(lengths)
         while n:
             n -= len(self._take(n))
 

@@ -144,7 +144,7 @@ class InitiatorStream:
         """Send one frame while holding the ``_sending`` flag; False if the stream broke."""
         try:
             self.pipe.send(frame)
-        except OSError as exc:
+        except (OSError, EOFError) as exc:
             self._broken(f"stream {self.index}: send failed: {exc}")
             return False
         finally:
@@ -244,7 +244,7 @@ def _receive_write(
     try:
         views, used = regions.resolve(event.ops, "w")
     except AccessDenied as exc:
-        pipe.discard(event.payload_bytes)
+        pipe.discard(event.ops["length"].tolist())
         conn.payload_received()
         pipe.send([conn.error(event.request_id, str(exc), exc.op_index)])
         return

@@ -1,0 +1,400 @@
+"""The UCX transport, through ucxx: shared memory on one host, TCP (or RDMA) between hosts.
+
+ucxx 0.52 offers tag, stream and active-message operations but no RMA, so a UCX pipe
+carries the same frames as a TCP stream, as tagged messages: a frame's 24-byte header, its
+body (descriptors or a control message), then its payloads. A payload of 64 KiB or more is
+its own message, sent from and received straight into the registered region (UCX moves
+large messages by rendezvous: nothing is staged); runs of smaller payloads travel packed in
+one message and are copied once on each side, which costs less than a message per op.
+
+Every UCX call runs on one thread per transport (:class:`_Worker`), which also drives the
+worker in blocking mode (``arm`` then ``poll`` on its event fd: no busy loop); stream
+threads hand it closures and wait on futures.
+
+Endpoints are made from worker addresses exchanged through the engine metadata (no UCX
+listener), so any transport UCX has may serve them. Between processes of one host (same
+boot id) endpoints are created without peer-failure error handling: UCX's shared-memory
+transports (posix, sysv) do not offer it, and with it UCX falls back to TCP. A peer that
+dies is then noticed by the engine's transfer timeout rather than by UCX. Between hosts,
+error handling stays on.
+
+UCX settings kvbridge applies unless the matching ``UCX_*`` variable is set:
+``TLS=posix,sysv,self,tcp`` (shared memory plus TCP; ``cma`` is left out because it hangs
+where ptrace is restricted, as in containers) and ``TCP_RX_SEG_SIZE``/``TCP_TX_SEG_SIZE`` of
+512K (the default segment caps UCX's TCP at about 1.1 GB/s; 512K lifts it to 4-6 GB/s).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+import secrets
+import select
+import socket
+import struct
+import threading
+import weakref
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ._errors import PeerClosed
+from ._pipes import Pipe
+
+UCX_DEFAULTS = {"TLS": "posix,sysv,self,tcp", "TCP_RX_SEG_SIZE": "512K", "TCP_TX_SEG_SIZE": "512K"}
+"""UCX settings applied unless the user set ``UCX_<name>`` (see the module docstring)."""
+
+PACK_BELOW_BYTES = 64 << 10
+"""Payloads smaller than this travel packed with their neighbours (one message per run)."""
+
+PACK_RUN_BYTES = 1 << 20
+"""Most bytes packed into one message."""
+
+CONNECT_BYTES = 4096
+"""Fixed size of the connect message (a worker address is a few hundred bytes)."""
+
+_CLOSE_PROGRESS_ROUNDS = 100
+_CONNECT_TAG = 0xFFFFFFFF << 32
+_CONNECT = struct.Struct("<I16sI")  # channel, host id, address length
+_HEADER_BYTES = 24
+
+
+def ucx_available() -> bool:
+    """True when the ucxx bindings import (``pip install 'kvbridge[ucx]'``)."""
+    try:
+        import ucxx._lib.libucxx  # noqa: F401, PLC0415
+    except Exception:
+        return False
+    return True
+
+
+def host_id() -> bytes:
+    """16 bytes that are equal for processes of one boot of one host."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            return bytes.fromhex(f.read().strip().replace(b"-", b"").decode())[:16]
+    except OSError:
+        return socket.gethostname().encode()[:16].ljust(16, b"\0")
+
+
+class _Worker:
+    """A UCX context and worker, and the one thread that makes every call on them."""
+
+    def __init__(self) -> None:
+        import ucxx._lib.libucxx as ucx  # noqa: PLC0415 - optional dependency
+        from ucxx._lib.arr import Array  # noqa: PLC0415
+
+        self.ucx: Any = ucx
+        self.Array: Any = Array
+        config = {k: v for k, v in UCX_DEFAULTS.items() if f"UCX_{k}" not in os.environ}
+        self._context = ucx.UCXContext(
+            config_dict=config, feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP)
+        )
+        self.worker = ucx.UCXWorker(self._context)
+        self.worker.init_blocking_progress_mode()
+        self.address: bytes = self.worker.address.tobytes()
+        self._commands: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
+        self._pending: list[tuple[list[Any], concurrent.futures.Future[Any], Any]] = []
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._thread = threading.Thread(target=self._run, name="kvbridge-ucx", daemon=True)
+        self._thread.start()
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        """Run ``fn`` on the worker thread. It returns ``(requests, result)``; the future
+        gets ``result`` once every request completed, or the first request's error."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._lock:
+            if self._stopping:
+                future.set_exception(EOFError("the UCX transport is closed"))
+                return future
+            self._commands.append((fn, future))
+        os.write(self._wake_w, b"x")
+        return future
+
+    def close(self) -> None:
+        """Run what is queued (endpoint closes), stop the thread, then free UCX objects in
+        order: endpoints first (their owners dropped them), the worker, the context."""
+        with self._lock:
+            self._stopping = True
+        os.write(self._wake_w, b"x")
+        self._thread.join()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        self.worker = None
+        self._context = None
+
+    def _run(self) -> None:
+        poller = select.poll()
+        poller.register(self.worker.epoll_file_descriptor, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        try:
+            while True:
+                self.worker.progress()
+                with self._lock:
+                    commands, self._commands = self._commands, deque()
+                    stopping = self._stopping
+                for fn, future in commands:
+                    self._start(fn, future)
+                if stopping:
+                    for _ in range(_CLOSE_PROGRESS_ROUNDS):  # let endpoint closes go out
+                        self.worker.progress()
+                    return
+                self._finish_completed()
+                if commands or not self.worker.arm():
+                    continue  # more to do before sleeping
+                poller.poll()
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._wake_r, 4096)
+        finally:
+            self._fail_all(EOFError("the UCX transport is closed"))
+            with contextlib.suppress(Exception):
+                self.worker.cancel_inflight_requests()
+
+    def _start(self, fn: Callable[[], Any], future: concurrent.futures.Future[Any]) -> None:
+        try:
+            requests, result = fn()
+        except Exception as exc:
+            _settle(future, exc=exc)
+            return
+        self._pending.append((list(requests), future, result))
+
+    def _finish_completed(self) -> None:
+        still = []
+        for requests, future, result in self._pending:
+            if future.done():  # cancelled by a closing pipe
+                continue
+            if all(r.completed for r in requests):
+                try:
+                    for r in requests:
+                        r.check_error()
+                except Exception as exc:
+                    _settle(future, exc=exc)
+                else:
+                    _settle(future, result=result() if callable(result) else result)
+            else:
+                still.append((requests, future, result))
+        self._pending = still
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            commands, self._commands = self._commands, deque()
+        for _, future in commands:
+            _settle(future, exc=exc)
+        for _, future, _ in self._pending:
+            _settle(future, exc=exc)
+        self._pending = []
+
+
+def _settle(
+    future: concurrent.futures.Future[Any], *, result: Any = None, exc: BaseException | None = None
+) -> None:
+    with contextlib.suppress(concurrent.futures.InvalidStateError):
+        if exc is None:
+            future.set_result(result)
+        else:
+            future.set_exception(exc)
+
+
+def _runs(lengths: Sequence[int]) -> list[tuple[int, int]]:
+    """Group payloads into messages: ``(start, end)``; a run of small ones is packed."""
+    runs = []
+    i, count = 0, len(lengths)
+    while i < count:
+        end, total = i + 1, lengths[i]
+        if lengths[i] < PACK_BELOW_BYTES:
+            while (
+                end < count
+                and lengths[end] < PACK_BELOW_BYTES
+                and total + lengths[end] <= PACK_RUN_BYTES
+            ):
+                total += lengths[end]
+                end += 1
+        runs.append((i, end))
+        i = end
+    return runs
+
+
+class UcxPipe:
+    """One stream over a UCX endpoint: tagged messages in two private channels."""
+
+    def __init__(self, worker: _Worker, endpoint: Any, send_channel: int, recv_channel: int):
+        self._worker = worker
+        self._endpoint = endpoint
+        self._send_channel = send_channel
+        self._recv_channel = recv_channel
+        self._send_seq = 0
+        self._recv_seq = 0
+        self._timeout: float | None = None
+        self._closed = False
+        self._waiting: set[concurrent.futures.Future[Any]] = set()
+        self._lock = threading.Lock()
+
+    def _tags(self, channel: int, first: int, count: int) -> list[Any]:
+        tag = self._worker.ucx.UCXXTag
+        return [tag((channel << 32) | ((first + i) & 0xFFFFFFFF)) for i in range(count)]
+
+    def send(self, buffers: Sequence[bytes | memoryview]) -> None:
+        first = memoryview(buffers[0]).cast("B")
+        messages: list[Any] = [first[:_HEADER_BYTES]]
+        if len(first) > _HEADER_BYTES:
+            messages.append(first[_HEADER_BYTES:])
+        views = [memoryview(b).cast("B") for b in buffers[1:]]
+        for start, end in _runs([v.nbytes for v in views]):
+            messages.append(views[start] if end - start == 1 else b"".join(views[start:end]))
+        tags = self._tags(self._send_channel, self._send_seq, len(messages))
+        self._send_seq += len(messages)
+        endpoint, array = self._endpoint, self._worker.Array
+
+        def post() -> Any:
+            return [endpoint.tag_send(array(m), t) for m, t in zip(messages, tags, strict=True)], None
+
+        self._wait(self._worker.call(post))
+
+    def _receive(self, buffers: list[Any]) -> None:
+        tags = self._tags(self._recv_channel, self._recv_seq, len(buffers))
+        self._recv_seq += len(buffers)
+        worker, array = self._worker.worker, self._worker.Array
+
+        def post() -> Any:
+            return [worker.tag_recv(array(b), t) for b, t in zip(buffers, tags, strict=True)], None
+
+        self._wait(self._worker.call(post))
+
+    def recv_exact(self, n: int) -> bytes:
+        buf = bytearray(n)
+        self._receive([buf])
+        return bytes(buf)
+
+    def recv_into_views(self, views: Sequence[memoryview]) -> None:
+        targets: list[Any] = []
+        unpack: list[tuple[bytearray, Sequence[memoryview]]] = []
+        for start, end in _runs([v.nbytes for v in views]):
+            if end - start == 1:
+                targets.append(views[start])
+            else:
+                staging = bytearray(sum(v.nbytes for v in views[start:end]))
+                targets.append(staging)
+                unpack.append((staging, views[start:end]))
+        self._receive(targets)
+        for staging, parts in unpack:
+            offset = 0
+            for view in parts:
+                view[:] = staging[offset : offset + view.nbytes]
+                offset += view.nbytes
+
+    def discard(self, lengths: Sequence[int]) -> None:
+        self._receive([bytearray(sum(lengths[s:e])) for s, e in _runs(list(lengths))])
+
+    def set_timeout(self, seconds: float | None) -> None:
+        self._timeout = seconds
+
+    def _wait(self, future: concurrent.futures.Future[Any]) -> Any:
+        with self._lock:
+            if self._closed:
+                future.cancel()
+                raise EOFError("the UCX pipe is closed")
+            self._waiting.add(future)
+        try:
+            return future.result(self._timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError("UCX operation timed out") from None
+        except concurrent.futures.CancelledError:
+            raise EOFError("the UCX pipe was closed") from None
+        except self._worker.ucx.UCXError as exc:
+            raise EOFError(f"UCX: {exc}") from exc
+        finally:
+            with self._lock:
+                self._waiting.discard(future)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            waiting = list(self._waiting)
+        for future in waiting:
+            future.cancel()
+        endpoint, self._endpoint = self._endpoint, None
+        self._worker.call(lambda: ([], endpoint.close()))
+
+
+class UcxTransport:
+    """Pipes over UCX endpoints made from worker addresses."""
+
+    name = "ucx"
+
+    def __init__(self, accept: Callable[[Pipe], None]) -> None:
+        self._accept = accept
+        self._worker = _Worker()
+        self._host = host_id()
+        self._inbox = bytearray(CONNECT_BYTES)
+        self._pipes: weakref.WeakSet[UcxPipe] = weakref.WeakSet()
+        self._post_connect_recv()
+
+    def address(self) -> dict[str, Any]:
+        return {"worker": self._worker.address, "host": self._host}
+
+    def _endpoint(self, address: bytes, host: bytes) -> Any:
+        ucx = self._worker.ucx
+        handling = host != self._host  # see the module docstring
+        return ucx.UCXEndpoint.create_from_worker_address(
+            self._worker.worker, ucx.UCXAddress.create_from_buffer(address), handling
+        )
+
+    def open(self, address: dict[str, Any], timeout: float) -> Pipe:
+        their_address, their_host = bytes(address["worker"]), bytes(address["host"])
+        channel = secrets.randbelow(2**30) + 1
+        message = bytearray(CONNECT_BYTES)
+        own = self._worker.address
+        _CONNECT.pack_into(message, 0, channel, self._host, len(own))
+        message[_CONNECT.size : _CONNECT.size + len(own)] = own
+        array, tag = self._worker.Array, self._worker.ucx.UCXXTag(_CONNECT_TAG)
+        holder: list[Any] = []
+
+        def connect() -> Any:
+            endpoint = self._endpoint(their_address, their_host)
+            holder.append(endpoint)
+            return [endpoint.tag_send(array(message), tag)], None
+
+        try:
+            self._worker.call(connect).result(timeout)
+        except Exception as exc:
+            raise PeerClosed(f"cannot open a UCX stream: {exc}") from exc
+        pipe = UcxPipe(self._worker, holder[0], 2 * channel, 2 * channel + 1)
+        self._pipes.add(pipe)
+        return pipe
+
+    def _post_connect_recv(self) -> None:
+        inbox, array = self._inbox, self._worker.Array
+        tag = self._worker.ucx.UCXXTag(_CONNECT_TAG)
+        future = self._worker.call(lambda: ([self._worker.worker.tag_recv(array(inbox), tag)], None))
+        future.add_done_callback(self._on_connect)
+
+    def _on_connect(self, future: concurrent.futures.Future[Any]) -> None:
+        if future.exception() is not None:
+            return  # the transport is closing
+        channel, host, length = _CONNECT.unpack_from(self._inbox, 0)
+        address = bytes(self._inbox[_CONNECT.size : _CONNECT.size + length])
+        self._post_connect_recv()
+        holder: list[Any] = []
+
+        def create() -> Any:
+            holder.append(self._endpoint(address, host))
+            return [], None
+
+        def made(done: concurrent.futures.Future[Any]) -> None:
+            if done.exception() is None:
+                pipe = UcxPipe(self._worker, holder[0], 2 * channel + 1, 2 * channel)
+                self._pipes.add(pipe)
+                self._accept(pipe)
+
+        self._worker.call(create).add_done_callback(made)
+
+    def close(self) -> None:
+        for pipe in list(self._pipes):
+            pipe.close()
+        self._worker.close()
