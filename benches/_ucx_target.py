@@ -12,6 +12,7 @@ import struct
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -58,12 +59,13 @@ def main() -> None:
                 block, count, seed = START.unpack(start)
                 offsets = shuffled_offsets(block, count, seed).tolist()
                 views = [memoryview(buffer)[o : o + block] for o in offsets]
-                raw.call(
-                    lambda: (
-                        [worker.tag_recv(array(v), ucx.UCXXTag(i)) for i, v in enumerate(views)],
-                        None,
-                    )
-                ).result()
+
+                def post(views: list[memoryview] = views) -> Any:
+                    return [
+                        worker.tag_recv(array(v), ucx.UCXXTag(i)) for i, v in enumerate(views)
+                    ], None
+
+                raw.call(post).result()
                 raw.call(
                     lambda: ([holder[0].tag_send(array(b"k"), ucx.UCXXTag(ACK_TAG))], None)
                 ).result()

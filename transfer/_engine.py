@@ -126,7 +126,7 @@ class TransferEngine:
             )
         if transport == "ucx":
             if not ucx_available():
-                raise LocalProtocolError("the ucx transport needs ucxx: pip install 'kvbridge[ucx]'")
+                raise LocalProtocolError("the ucx transport needs ucxx: pip install kvbridge[ucx]")
             return UcxTransport(self._accept)
         return MemoryTransport(self._accept)
 

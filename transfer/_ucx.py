@@ -250,7 +250,8 @@ class UcxPipe:
         endpoint, array = self._endpoint, self._worker.Array
 
         def post() -> Any:
-            return [endpoint.tag_send(array(m), t) for m, t in zip(messages, tags, strict=True)], None
+            pairs = zip(messages, tags, strict=True)
+            return [endpoint.tag_send(array(m), t) for m, t in pairs], None
 
         self._wait(self._worker.call(post))
 
@@ -371,7 +372,8 @@ class UcxTransport:
     def _post_connect_recv(self) -> None:
         inbox, array = self._inbox, self._worker.Array
         tag = self._worker.ucx.UCXXTag(_CONNECT_TAG)
-        future = self._worker.call(lambda: ([self._worker.worker.tag_recv(array(inbox), tag)], None))
+        worker = self._worker.worker
+        future = self._worker.call(lambda: ([worker.tag_recv(array(inbox), tag)], None))
         future.add_done_callback(self._on_connect)
 
     def _on_connect(self, future: concurrent.futures.Future[Any]) -> None:
