@@ -123,6 +123,15 @@ def test_notification_arrives_after_the_bytes(pair: tuple[TransferEngine, Transf
     assert [n.message for n in b.notifications(timeout=5)] == [b"only"]
 
 
+def test_an_empty_batch_is_done_at_once(pair: tuple[TransferEngine, TransferEngine]) -> None:
+    a, b = pair
+    peer = a.connect(b.metadata())
+    for handle in (peer.write([]), peer.read([]), peer.write(np.zeros(0, OP_DTYPE))):
+        assert handle.done and handle.bytes == 0
+        handle.wait(0)
+    assert a.stats()["batches"] == 3
+
+
 def test_handles_are_awaitable(pair: tuple[TransferEngine, TransferEngine]) -> None:
     a, b = pair
     src, dst = _random(MiB), np.zeros(MiB, np.uint8)

@@ -19,7 +19,12 @@ class TransferHandle:
     :class:`TransferError`; ``await handle`` works from asyncio.
     """
 
-    def __init__(self, nbytes: int, parts: int, on_settle: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        nbytes: int,
+        parts: int,
+        on_settle: Callable[[TransferHandle], None] | None = None,
+    ) -> None:
         self.bytes = nbytes
         self._parts = parts
         self._error: TransferError | None = None
@@ -89,7 +94,7 @@ class TransferHandle:
             self._event.set()
             callbacks, self._callbacks = self._callbacks, []
         if self._on_settle is not None:
-            self._on_settle()
+            self._on_settle(self)
         for callback in callbacks:
             callback(self)
 

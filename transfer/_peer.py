@@ -191,7 +191,7 @@ class Peer:
         handle = TransferHandle(
             nbytes,
             len(frames) + (1 if notify is not None else 0),
-            on_settle=lambda: engine._settled(handle, access, local),
+            on_settle=lambda settled: engine._settled(settled, access, local),
         )
         batch = _Batch(self, batch_ops, handle, notify)
         if handle.done:
