@@ -248,12 +248,23 @@ class UcxPipe:
         tags = self._tags(self._send_channel, self._send_seq, len(messages))
         self._send_seq += len(messages)
         endpoint, array = self._endpoint, self._worker.Array
+        if endpoint is None:
+            raise EOFError("the UCX pipe is closed")
 
         def post() -> Any:
             pairs = zip(messages, tags, strict=True)
-            return [endpoint.tag_send(array(m), t) for m, t in pairs], None
+            return [endpoint.tag_send(array(m), t) for m, t in pairs], messages
 
-        self._wait(self._worker.call(post))
+        # Sends complete in the background, so that many frames are in flight (as over TCP,
+        # where sendall returns once the kernel has the bytes). The future's result keeps
+        # the messages alive until UCX is done with them; the region bytes stay untouched
+        # until the remote ACK anyway. A failed send closes the pipe: the receiving side
+        # of this stream then sees the end, and the peer breaks.
+        self._worker.call(post).add_done_callback(self._sent)
+
+    def _sent(self, future: concurrent.futures.Future[Any]) -> None:
+        if not future.cancelled() and future.exception() is not None:
+            self.close()
 
     def _receive(self, buffers: list[Any]) -> None:
         tags = self._tags(self._recv_channel, self._recv_seq, len(buffers))
