@@ -177,7 +177,7 @@ class Peer:
             engine._regions,
             self.regions,
             slice_bytes=engine.settings.slice_bytes,
-            frame_bytes=engine.settings.frame_bytes,
+            frame_bytes=max(engine.settings.frame_bytes, self._transport.frame_bytes),
             streams=engine.settings.streams,
         )
         with self._lock:

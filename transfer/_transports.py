@@ -22,6 +22,8 @@ Accept = Callable[[Pipe], None]
 
 class Transport(Protocol):
     name: str
+    frame_bytes: int
+    """Smallest frame size that suits the transport (the engine uses at least this)."""
 
     def address(self) -> dict[str, Any]:
         """How peers reach this transport (goes into the engine's metadata)."""
@@ -37,6 +39,7 @@ class TcpTransport:
     """TCP streams: zero-copy ``sendmsg``/``recvmsg_into`` on each connection."""
 
     name = "tcp"
+    frame_bytes = 0
 
     def __init__(self, host: str, port: int, accept: Accept, *, socket_buffer: int) -> None:
         self._accept = accept
@@ -94,6 +97,7 @@ class MemoryTransport:
     """Pipes between engines of this process, found by a random name."""
 
     name = "memory"
+    frame_bytes = 0
 
     def __init__(self, accept: Accept) -> None:
         self._name = secrets.token_hex(8)

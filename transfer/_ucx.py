@@ -338,6 +338,10 @@ class UcxTransport:
     """Pipes over UCX endpoints made from worker addresses."""
 
     name = "ucx"
+    frame_bytes = 64 << 20
+    """A receiver posts a frame's payload receives together; each 1 MiB rendezvous waits on
+    wake-ups, so more of them in flight is what hides that: one stream with 16 MiB frames
+    moved 0.95 GB/s over shared memory, with 64 MiB frames 2.24 GB/s."""
 
     def __init__(self, accept: Callable[[Pipe], None]) -> None:
         self._accept = accept
