@@ -100,6 +100,7 @@ class _Worker:
         self._stopping = False
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)  # a full pipe already means "wake up"
         self._thread = threading.Thread(target=self._run, name="kvbridge-ucx", daemon=True)
         self._thread.start()
 
@@ -107,12 +108,12 @@ class _Worker:
         """Run ``fn`` on the worker thread. It returns ``(requests, result)``; the future
         gets ``result`` once every request completed, or the first request's error."""
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        with self._lock:
+        with self._lock:  # the wake pipe is closed under this lock too
             if self._stopping:
                 future.set_exception(EOFError("the UCX transport is closed"))
                 return future
             self._commands.append((fn, future))
-        os.write(self._wake_w, b"x")
+            self._wake()
         return future
 
     def close(self) -> None:
@@ -120,12 +121,17 @@ class _Worker:
         order: endpoints first (their owners dropped them), the worker, the context."""
         with self._lock:
             self._stopping = True
-        os.write(self._wake_w, b"x")
+            self._wake()
         self._thread.join()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        with self._lock:
+            os.close(self._wake_r)
+            os.close(self._wake_w)
         self.worker = None
         self._context = None
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._wake_w, b"x")
 
     def _run(self) -> None:
         poller = select.poll()
