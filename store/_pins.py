@@ -67,9 +67,6 @@ class PinTable:
         """Every key with a live pin (expired pins are swept)."""
         return [key for key in list(self._by_key) if self.is_pinned(key)]
 
-    def forget(self, key: BlockKey) -> None:
-        self._by_key.pop(key, None)
-
 
 class Lease:
     """A pin on some blocks; release it (or leave the ``with`` block) when done.

@@ -54,7 +54,7 @@ class SocketPipe:
         self.sock = sock
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._scratch = bytearray(_DISCARD_BYTES)
+        self._scratch: bytearray | None = None  # for discards only, made on first use
 
     def recv_exact(self, n: int) -> bytes:
         buf = bytearray(n)
@@ -97,6 +97,8 @@ class SocketPipe:
 
     def discard(self, lengths: Sequence[int]) -> None:
         n = sum(lengths)
+        if self._scratch is None:
+            self._scratch = bytearray(_DISCARD_BYTES)
         view = memoryview(self._scratch)
         while n:
             k = self.sock.recv_into(view[: min(n, len(view))])
@@ -107,7 +109,7 @@ class SocketPipe:
     def send(self, buffers: Sequence[bytes | memoryview]) -> None:
         """Small buffers go out together with ``sendmsg`` (gather), each big one with its own
         ``sendall``: one huge sendmsg of a 16 MiB frame measured 5% slower on loopback."""
-        pending = [memoryview(b).cast("B") for b in buffers]
+        pending = byte_views(buffers)
         first = 0
         sock = self.sock
         while first < len(pending):
@@ -125,6 +127,15 @@ class SocketPipe:
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
+
+
+def byte_views(buffers: Sequence[bytes | memoryview]) -> list[memoryview]:
+    """Byte-format memoryviews of ``buffers``. Region views already are (cast once at
+    registration), so only headers get wrapped: casting all 1,024 views of a frame again
+    cost ~120 us, checking them ~50 us."""
+    return [
+        b if type(b) is memoryview and b.format == "B" else memoryview(b).cast("B") for b in buffers
+    ]
 
 
 def _small_run(views: Sequence[memoryview], first: int) -> int:

@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ._errors import PeerClosed
-from ._pipes import Pipe
+from ._pipes import Pipe, byte_views
 
 UCX_DEFAULTS = {"TLS": "posix,sysv,self,tcp", "TCP_RX_SEG_SIZE": "512K", "TCP_TX_SEG_SIZE": "512K"}
 """UCX settings applied unless the user set ``UCX_<name>`` (see the module docstring)."""
@@ -244,11 +244,10 @@ class UcxPipe:
         return [tag((channel << 32) | ((first + i) & 0xFFFFFFFF)) for i in range(count)]
 
     def send(self, buffers: Sequence[bytes | memoryview]) -> None:
-        first = memoryview(buffers[0]).cast("B")
+        first, *views = byte_views(buffers)
         messages: list[Any] = [first[:_HEADER_BYTES]]
         if len(first) > _HEADER_BYTES:
             messages.append(first[_HEADER_BYTES:])
-        views = [memoryview(b).cast("B") for b in buffers[1:]]
         for start, end in _runs([v.nbytes for v in views]):
             messages.append(views[start] if end - start == 1 else b"".join(views[start:end]))
         tags = self._tags(self._send_channel, self._send_seq, len(messages))
