@@ -74,6 +74,9 @@ def main() -> None:
         thread.start()
         sys.stdin.read()
         stop.set()
+        # Closed on the worker thread: an endpoint dropped unclosed closes blocking, and
+        # over TCP that can wait forever for a peer that is gone.
+        raw.call(lambda: ([], holder.pop().close())).result(10)
     raw.close()
     thread.join()
 

@@ -136,9 +136,13 @@ class TransferEngine:
         """Register a buffer (numpy, memoryview, bytearray, mmap...) for remote access.
 
         ``access`` is what peers may do: ``"r"``, ``"w"`` or ``"rw"``. Keep the buffer
-        alive and unchanged in size until :meth:`unregister`.
+        alive and unchanged in size until :meth:`unregister`. GPU memory (a cupy array, or
+        anything with ``__cuda_array_interface__``) needs the ``ucx`` transport and moves
+        only to peers reached over it.
         """
         self._check_open()
+        if hasattr(buffer, "__cuda_array_interface__") and "ucx" not in self._transports:
+            raise LocalProtocolError("GPU memory moves over the ucx transport only")
         return self._regions.register(buffer, access)
 
     def unregister(self, region: Region) -> None:

@@ -72,11 +72,17 @@ def _region_id(region: Any) -> Any:
 
 
 def check(
-    ops: np.ndarray, local: RegionTable, remote: Mapping[int, RegionInfo], access: str
+    ops: np.ndarray,
+    local: RegionTable,
+    remote: Mapping[int, RegionInfo],
+    access: str,
+    *,
+    device_ok: bool = False,
 ) -> list[Region]:
     """Check a batch against local regions and the peer's regions; return the local regions.
 
     ``access`` is what the batch needs of the remote regions: ``"w"`` (write) or ``"r"``.
+    ``device_ok``: the transport carries GPU memory (local GPU regions are refused if not).
     """
     if len(ops) == 0:
         return []
@@ -88,6 +94,8 @@ def check(
         region = local.get(region_id)
         if access == "r" and region.readonly:
             raise LocalProtocolError(f"read into read-only local region {region_id}")
+        if region.device and not device_ok:
+            raise LocalProtocolError(f"local region {region_id} is GPU memory: use ucx")
         _check_bounds(ops, "local", region_id, region.length)
         regions.append(region)
     for region_id in distinct(ops["remote_region"]):

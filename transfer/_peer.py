@@ -171,7 +171,13 @@ class Peer:
         engine = self._engine
         engine._check_open()
         batch_ops = normalize(ops)
-        local = check(batch_ops, engine._regions, self.regions, access)
+        local = check(
+            batch_ops,
+            engine._regions,
+            self.regions,
+            access,
+            device_ok=self._transport.device_memory,
+        )
         frames = plan(
             batch_ops,
             engine._regions,

@@ -51,27 +51,23 @@ class RegionInfo:
 class Region:
     """A registered buffer. ``key`` is random (64 bits); remote ops must carry it.
 
-    The engine holds a memoryview of the buffer until :meth:`TransferEngine.unregister`:
-    keep the buffer alive and do not resize it while registered.
+    The engine holds a view of the buffer until :meth:`TransferEngine.unregister`: keep
+    the buffer alive and do not resize it while registered. Host memory is viewed as a
+    byte memoryview; GPU memory (anything with ``__cuda_array_interface__``, with cupy
+    installed) as a 1-D ``uint8`` cupy array, and ``device`` is true: such a region moves
+    over the ``ucx`` transport only.
     """
 
     def __init__(self, region_id: int, buffer: Any, access: str) -> None:
         if access not in ACCESS_MODES:
             raise LocalProtocolError(f"access must be one of {ACCESS_MODES}, not {access!r}")
-        try:
-            view = memoryview(buffer)
-        except TypeError:
-            raise LocalProtocolError(
-                f"{type(buffer).__name__} does not support the buffer protocol"
-            ) from None
-        if not view.c_contiguous:
-            raise LocalProtocolError("a region must be C-contiguous memory")
+        self.device = hasattr(buffer, "__cuda_array_interface__")
+        self.view: Any = _device_view(buffer) if self.device else _host_view(buffer)
         self.id = region_id
-        self.view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
-        self.length = self.view.nbytes
+        self.length: int = self.view.nbytes
         self.access = access
         self.key = secrets.randbits(64)
-        self.readonly = view.readonly
+        self.readonly = not self.device and self.view.readonly
         self._busy = 0
 
     @property
@@ -80,6 +76,29 @@ class Region:
 
     def __repr__(self) -> str:
         return f"Region(id={self.id}, length={self.length}, access={self.access!r})"
+
+
+def _host_view(buffer: Any) -> memoryview:
+    try:
+        view = memoryview(buffer)
+    except TypeError:
+        raise LocalProtocolError(
+            f"{type(buffer).__name__} does not support the buffer protocol"
+        ) from None
+    if not view.c_contiguous:
+        raise LocalProtocolError("a region must be C-contiguous memory")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def _device_view(buffer: Any) -> Any:
+    try:
+        import cupy  # noqa: PLC0415 - optional dependency
+    except ImportError:
+        raise LocalProtocolError("registering GPU memory needs cupy: kvbridge[gpu]") from None
+    array = cupy.asarray(buffer)  # no copy: wraps __cuda_array_interface__
+    if not array.flags.c_contiguous:
+        raise LocalProtocolError("a region must be C-contiguous memory")
+    return array.reshape(-1).view(cupy.uint8)
 
 
 class RegionTable:
@@ -104,7 +123,8 @@ class RegionTable:
             if region._busy:
                 raise RegionBusy(f"{region!r} is used by {region._busy} transfer(s)")
             del self._regions[region.id]
-            region.view.release()
+            if not region.device:
+                region.view.release()
 
     def get(self, region_id: int) -> Region:
         with self._lock:
@@ -128,10 +148,13 @@ class RegionTable:
             for region in regions:
                 region._busy -= 1
 
-    def resolve(self, ops: np.ndarray, access: str) -> tuple[list[memoryview], list[Region]]:
+    def resolve(
+        self, ops: np.ndarray, access: str, *, device_ok: bool = False
+    ) -> tuple[list[memoryview], list[Region]]:
         """Check remote ops (DESCRIPTOR array) against the regions and return the views
-        they address, with the regions acquired. Raises :class:`AccessDenied` naming the
-        first bad op; nothing is acquired then."""
+        they address, with the regions acquired. ``device_ok``: the stream can carry GPU
+        memory. Raises :class:`AccessDenied` naming the first bad op; nothing is acquired
+        then."""
         with self._lock:
             regions: dict[int, Region] = {}
             for region_id in distinct(ops["region"]):
@@ -148,6 +171,8 @@ class RegionTable:
                     bad, reason = mine, f"region {region_id} does not allow '{access}'"
                 if not bad.any() and access == "w" and region.readonly:
                     bad, reason = mine, f"region {region_id} is read-only memory"
+                if not bad.any() and region.device and not device_ok:
+                    bad, reason = mine, f"region {region_id} is GPU memory: it moves over ucx only"
                 if not bad.any():
                     ends = ops["offset"] + ops["length"]
                     bad = mine & (

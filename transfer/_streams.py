@@ -242,7 +242,7 @@ def _receive_write(
     on_bytes: Callable[[int, int], None],
 ) -> None:
     try:
-        views, used = regions.resolve(event.ops, "w")
+        views, used = regions.resolve(event.ops, "w", device_ok=pipe.device_memory)
     except AccessDenied as exc:
         pipe.discard(event.ops["length"].tolist())
         conn.payload_received()
@@ -265,7 +265,7 @@ def _send_read(
     on_bytes: Callable[[int, int], None],
 ) -> None:
     try:
-        views, used = regions.resolve(event.ops, "r")
+        views, used = regions.resolve(event.ops, "r", device_ok=pipe.device_memory)
     except AccessDenied as exc:
         pipe.send([conn.error(event.request_id, str(exc), exc.op_index)])
         return

@@ -23,6 +23,7 @@ Accept = Callable[[Pipe], None]
 class Transport(Protocol):
     name: str
     frame_bytes: int
+    device_memory: bool
     """Smallest frame size that suits the transport (the engine uses at least this)."""
 
     def address(self) -> dict[str, Any]:
@@ -40,6 +41,7 @@ class TcpTransport:
 
     name = "tcp"
     frame_bytes = 0
+    device_memory = False
 
     def __init__(self, host: str, port: int, accept: Accept, *, socket_buffer: int) -> None:
         self._accept = accept
@@ -98,6 +100,7 @@ class MemoryTransport:
 
     name = "memory"
     frame_bytes = 0
+    device_memory = False
 
     def __init__(self, accept: Accept) -> None:
         self._name = secrets.token_hex(8)

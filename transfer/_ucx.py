@@ -7,6 +7,10 @@ its own message, sent from and received straight into the registered region (UCX
 large messages by rendezvous: nothing is staged); runs of smaller payloads travel packed in
 one message and are copied once on each side, which costs less than a message per op.
 
+GPU regions (cupy arrays) are posted to UCX as they are: UCX moves them with CUDA IPC on
+one host and GPUDirect RDMA between hosts where the hardware has it (else it stages them
+itself). Packed runs of small GPU payloads are copied through host memory.
+
 Every UCX call runs on one thread per transport (:class:`_Worker`), which also drives the
 worker in blocking mode (``arm`` then ``poll`` on its event fd: no busy loop); stream
 threads hand it closures and wait on futures.
@@ -19,9 +23,10 @@ dies is then noticed by the engine's transfer timeout rather than by UCX. Betwee
 error handling stays on.
 
 UCX settings kvbridge applies unless the matching ``UCX_*`` variable is set:
-``TLS=posix,sysv,self,tcp`` (shared memory plus TCP; ``cma`` is left out because it hangs
-where ptrace is restricted, as in containers) and ``TCP_RX_SEG_SIZE``/``TCP_TX_SEG_SIZE`` of
-512K (the default segment caps UCX's TCP at about 1.1 GB/s; 512K lifts it to 4-6 GB/s).
+``TLS=^cma`` (every transport UCX has: RDMA, CUDA, shared memory, TCP; but not ``cma``,
+which hangs where ptrace is restricted, as in containers) and
+``TCP_RX_SEG_SIZE``/``TCP_TX_SEG_SIZE`` of 512K (the default segment caps UCX's TCP at
+about 1.1 GB/s; 512K lifts it to 4-6 GB/s).
 """
 
 from __future__ import annotations
@@ -39,10 +44,12 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy
+
 from ._errors import PeerClosed
 from ._pipes import Pipe, byte_views
 
-UCX_DEFAULTS = {"TLS": "posix,sysv,self,tcp", "TCP_RX_SEG_SIZE": "512K", "TCP_TX_SEG_SIZE": "512K"}
+UCX_DEFAULTS = {"TLS": "^cma", "TCP_RX_SEG_SIZE": "512K", "TCP_TX_SEG_SIZE": "512K"}
 """UCX settings applied unless the user set ``UCX_<name>`` (see the module docstring)."""
 
 PACK_BELOW_BYTES = 64 << 10
@@ -87,6 +94,7 @@ class _Worker:
 
         self.ucx: Any = ucx
         self.Array: Any = Array
+        self._gpu = _current_gpu()  # UCX finds CUDA memory when a context exists first
         config = {k: v for k, v in UCX_DEFAULTS.items() if f"UCX_{k}" not in os.environ}
         self._context = ucx.UCXContext(
             config_dict=config, feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP)
@@ -134,6 +142,8 @@ class _Worker:
             os.write(self._wake_w, b"x")
 
     def _run(self) -> None:
+        if self._gpu is not None:
+            self._gpu.use()  # device memory is posted and progressed from this thread
         poller = select.poll()
         poller.register(self.worker.epoll_file_descriptor, select.POLLIN)
         poller.register(self._wake_r, select.POLLIN)
@@ -195,6 +205,34 @@ class _Worker:
         self._pending = []
 
 
+def _current_gpu() -> Any:
+    """The current cupy device, its CUDA context made, or ``None`` without cupy or GPU."""
+    try:
+        import cupy  # noqa: PLC0415 - optional dependency
+
+        device = cupy.cuda.Device()
+        cupy.cuda.runtime.free(0)  # makes the primary context
+    except Exception:  # no cupy, no driver, or no GPU
+        return None
+    return device
+
+
+def _pack(views: Sequence[Any]) -> bytes:
+    """One message of small payloads; GPU views are copied to host memory first."""
+    return b"".join(v.get() if hasattr(v, "__cuda_array_interface__") else v for v in views)
+
+
+def _unpack(staging: bytearray, views: Sequence[Any]) -> None:
+    offset = 0
+    for view in views:
+        part = memoryview(staging)[offset : offset + view.nbytes]
+        if hasattr(view, "__cuda_array_interface__"):
+            view.set(numpy.frombuffer(part, numpy.uint8))
+        else:
+            view[:] = part
+        offset += view.nbytes
+
+
 def _settle(
     future: concurrent.futures.Future[Any], *, result: Any = None, exc: BaseException | None = None
 ) -> None:
@@ -227,6 +265,8 @@ def _runs(lengths: Sequence[int]) -> list[tuple[int, int]]:
 class UcxPipe:
     """One stream over a UCX endpoint: tagged messages in two private channels."""
 
+    device_memory = True
+
     def __init__(self, worker: _Worker, endpoint: Any, send_channel: int, recv_channel: int):
         self._worker = worker
         self._endpoint = endpoint
@@ -249,7 +289,7 @@ class UcxPipe:
         if len(first) > _HEADER_BYTES:
             messages.append(first[_HEADER_BYTES:])
         for start, end in _runs([v.nbytes for v in views]):
-            messages.append(views[start] if end - start == 1 else b"".join(views[start:end]))
+            messages.append(views[start] if end - start == 1 else _pack(views[start:end]))
         tags = self._tags(self._send_channel, self._send_seq, len(messages))
         self._send_seq += len(messages)
         endpoint, array = self._endpoint, self._worker.Array
@@ -298,10 +338,7 @@ class UcxPipe:
                 unpack.append((staging, views[start:end]))
         self._receive(targets)
         for staging, parts in unpack:
-            offset = 0
-            for view in parts:
-                view[:] = staging[offset : offset + view.nbytes]
-                offset += view.nbytes
+            _unpack(staging, parts)
 
     def discard(self, lengths: Sequence[int]) -> None:
         self._receive([bytearray(sum(lengths[s:e])) for s, e in _runs(list(lengths))])
@@ -343,6 +380,7 @@ class UcxTransport:
     """Pipes over UCX endpoints made from worker addresses."""
 
     name = "ucx"
+    device_memory = True
     frame_bytes = 64 << 20
     """A receiver posts a frame's payload receives together; each 1 MiB rendezvous waits on
     wake-ups, so more of them in flight is what hides that: one stream with 16 MiB frames
