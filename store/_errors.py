@@ -49,6 +49,11 @@ class StoreFull(StoreError):
     """Not enough unpinned room in any tier for the new blocks; nothing was stored."""
 
 
+class LeaseExpired(StoreError):
+    """A staged put or a pinned read outlived its lease: its slots may have been reused, so
+    the put is not committed and the read's bytes must not be trusted."""
+
+
 class StoreClosed(StoreError, RuntimeError):
     """The store (or tier) has been closed."""
 

@@ -57,10 +57,23 @@ class SlotTier:
     def reserve(self, key: BlockKey) -> BlockArray:
         """Index ``key`` in a free slot and return the slot's view, for the caller to fill
         before the block is read (``put`` fills a whole batch at once, merging copies)."""
-        slot = self._free.popleft()
+        slot = self.take_slot()
+        self.adopt(key, slot)
+        return self.memory.slot(slot)
+
+    def take_slot(self) -> int:
+        """Take a free slot without indexing anything in it (a staged put fills it first;
+        the store counts it as used)."""
+        return self._free.popleft()
+
+    def free_slot(self, slot: int) -> None:
+        """Give back a slot taken with :meth:`take_slot` and never adopted."""
+        self._free.append(slot)
+
+    def adopt(self, key: BlockKey, slot: int) -> None:
+        """Index ``key`` in ``slot`` (taken with :meth:`take_slot`, already filled)."""
         self._slot_of[key] = slot
         self.policy.insert(key)
-        return self.memory.slot(slot)
 
     def delete(self, key: BlockKey) -> None:
         self._free.append(self._slot_of.pop(key))

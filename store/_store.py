@@ -25,15 +25,25 @@ from collections.abc import Callable, Container, Iterator, Sequence
 from types import TracebackType
 from typing import Literal
 
+import numpy as np
+
 from ._buffers import BlockArray, as_sequence, copy_blocks, split_blocks
 from ._disk import CheckReport, DiskTier
-from ._errors import BlockNotFound, BlockPinned, StoreClosed, StoreFull
+from ._errors import (
+    BlockNotFound,
+    BlockPinned,
+    LeaseExpired,
+    StoreClosed,
+    StoreFull,
+    TierUnavailable,
+)
 from ._keys import KEY_BYTES, BlockKey, validate_key
 from ._pins import DEFAULT_PIN_TTL_S, Lease, PinTable
 from ._policy import EvictionPolicy, make_policy
 from ._sizes import parse_size
 from ._slab import DeviceSlab, HostSlab
 from ._slots import SlotTier
+from ._staging import StagingTable
 from ._stats import StoreStats, TierStats
 from ._tier import Tier
 
@@ -142,6 +152,10 @@ class TieredStore:
         self.pin_ttl = pin_ttl
         self._lock = threading.RLock()
         self._pins = PinTable()
+        top = tiers[0]
+        self._staging = StagingTable(
+            top.capacity if isinstance(top, SlotTier) else 0, clock=self._pins.clock
+        )
         self._stats = StoreStats()
         self._tier_evictions = [0] * len(tiers)
         self._closed = False
@@ -289,6 +303,135 @@ class TieredStore:
                 for key, dst in zip(checked, targets, strict=True):
                     self._use(key, dst, protect)
 
+    # -- staged puts and resident pins (what a cache server hands to remote clients) -----
+
+    def stage(
+        self, keys: Sequence[bytes], *, ttl: float | None = None
+    ) -> tuple[int, list[int | None]]:
+        """Reserve top-tier slots for the keys not yet stored, for someone else to fill.
+
+        Returns a lease id and, per key, the slot to write (``None`` for a key already
+        stored, which counts as a use, or repeated earlier in ``keys``). The blocks become
+        visible only with :meth:`commit`; :meth:`abort`, or the lease expiring after ``ttl``
+        seconds (default ``pin_ttl``), gives the slots back. The lease id is 0 when there
+        is nothing to fill. Raises :class:`StoreFull`, staging nothing, when the top tier
+        cannot free enough unpinned slots.
+        """
+        checked = _keys(keys)
+        lifetime = self._lifetime(ttl)
+        with self._lock:
+            self._check_open()
+            top = self._slot_top()
+            self._sweep_staged()
+            fresh: dict[BlockKey, int] = {}
+            for i, key in enumerate(checked):
+                if key in fresh:
+                    continue
+                where = self._locate(key)
+                if where is None:
+                    fresh[key] = i
+                else:
+                    self._tiers[where].touch(key)
+            self._stats.duplicates += len(checked) - len(fresh)
+            positions: list[int | None] = [None] * len(checked)
+            if not fresh:
+                return 0, positions
+            pinned_here = sum(key in top for key in self._pins.pinned())
+            room = top.capacity - self._staging.slots - pinned_here
+            if len(fresh) > room:
+                raise StoreFull(
+                    f"{len(fresh)} new block(s) but the {top.name} tier can free at most "
+                    f"{max(room, 0)} slot(s) ({pinned_here} pinned, {self._staging.slots} staged)"
+                )
+            slots: list[int] = []
+            with self._batch():
+                for i in fresh.values():
+                    if not self._make_room(0, fresh.keys(), taken=len(slots)):
+                        raise StoreFull("no room")  # unreachable: room was checked above
+                    slots.append(top.take_slot())
+                    positions[i] = slots[-1]
+            staging = self._staging.add(tuple(fresh), tuple(slots), lifetime)
+            return staging.id, positions
+
+    def commit(self, lease_id: int) -> int:
+        """Make a staged put visible; return how many blocks it added (a key stored by
+        someone else meanwhile is not stored twice). Raises :class:`LeaseExpired` when the
+        lease is unknown or expired: the slots are then reclaimed and nothing is stored."""
+        with self._lock:
+            self._check_open()
+            staging = self._staging.pop(lease_id)
+            top = self._slot_top()
+            if staging is None:
+                raise LeaseExpired(f"staged put {lease_id} is unknown, committed or expired")
+            if staging.deadline <= self._pins.clock():
+                for slot in staging.slots:
+                    top.free_slot(slot)
+                raise LeaseExpired(f"staged put {lease_id} expired before its commit")
+            stored = 0
+            protect = set(staging.keys)
+            with self._batch():
+                for key, slot in zip(staging.keys, staging.slots, strict=True):
+                    where = self._locate(key)
+                    if where is not None:
+                        top.free_slot(slot)
+                        self._tiers[where].touch(key)
+                        continue
+                    top.adopt(key, slot)
+                    stored += 1
+                    if self.write_through and self._persistent != 0:
+                        self._write_through(key, top.memory.slot(slot), protect)
+            self._stats.puts += stored
+            self._stats.bytes_in += stored * self.block_bytes
+            return stored
+
+    def abort(self, lease_id: int) -> None:
+        """Give back the slots of a staged put (unknown or expired leases are fine)."""
+        with self._lock:
+            staging = self._staging.pop(lease_id)
+            if staging is not None and not self._closed:
+                top = self._slot_top()
+                for slot in staging.slots:
+                    top.free_slot(slot)
+
+    def writable_slots(self, first: np.ndarray, last: np.ndarray) -> np.ndarray:
+        """Per slot range ``first..last`` of the top tier: whether open staged puts own it."""
+        with self._lock:
+            return self._staging.writable(first, last)
+
+    def pin_resident(
+        self, keys: Sequence[bytes], *, ttl: float | None = None
+    ) -> tuple[Lease, list[int]]:
+        """Pin blocks in the top memory tier, copying up those held lower; return the lease
+        and each key's slot there, for someone else to read. Counts as a hit on every key.
+
+        Raises :class:`BlockNotFound` naming every absent key (pinning nothing), and
+        :class:`StoreFull` when the top tier cannot free enough unpinned slots (blocks
+        already copied up stay there; nothing is lost).
+        """
+        checked = _keys(keys)
+        lifetime = self._lifetime(ttl)
+        with self._lock:
+            self._check_open()
+            top = self._slot_top()
+            missing = [key for key in checked if self._locate(key) is None]
+            if missing:
+                self._stats.misses += len(missing)
+                raise BlockNotFound(missing)
+            protect = set(checked)
+            with self._batch():
+                for key in dict.fromkeys(checked):
+                    t = self._locate(key)
+                    if t == 0:
+                        top.touch(key)
+                        continue
+                    assert t is not None
+                    self._lift(t, key, protect)
+            lease_id, deadline = self._pins.add(checked, lifetime)
+            self._stats.hits += len(checked)
+            self._stats.bytes_out += len(checked) * self.block_bytes
+            lease = Lease(self._release, self._pins.clock, lease_id, tuple(checked), deadline)
+            return lease, [top.position(key) for key in checked]
+
     # -- pins and removal --------------------------------------------------------------
 
     def pin(self, keys: Sequence[bytes], *, ttl: float | None = None) -> Lease:
@@ -387,7 +530,8 @@ class TieredStore:
             tiers = [self._tiers[self._persistent]]
         else:
             tiers = self._tiers
-        return sum(tier.capacity - sum(key in tier for key in pinned) for tier in tiers)
+        staged = self._staging.slots if tiers[0] is self._tiers[0] else 0
+        return sum(tier.capacity - sum(key in tier for key in pinned) for tier in tiers) - staged
 
     @contextlib.contextmanager
     def _batch(self) -> Iterator[None]:
@@ -415,10 +559,11 @@ class TieredStore:
             raise StoreFull("no room for the write-through copy")  # unreachable, see _room
         self._tiers[self._persistent].store(key, src)
 
-    def _make_room(self, t: int, protect: Container[BlockKey]) -> bool:
-        """Ensure tier ``t`` has a free slot, evicting one unpinned, unprotected block."""
+    def _make_room(self, t: int, protect: Container[BlockKey], *, taken: int = 0) -> bool:
+        """Ensure tier ``t`` has a free slot, evicting one unpinned, unprotected block.
+        Staged slots, and ``taken`` slots about to be staged, count as used."""
         tier = self._tiers[t]
-        if len(tier) < tier.capacity:
+        if len(tier) + (self._staging.slots + taken if t == 0 else 0) < tier.capacity:
             return True
         for key in tier.policy.candidates():
             if key not in protect and not self._pins.is_pinned(key):
@@ -469,6 +614,41 @@ class TieredStore:
                 source.store(key, data)
                 return
         self._tiers[0].store(key, data)
+        self._stats.promotions += 1
+
+    def _lifetime(self, ttl: float | None) -> float:
+        lifetime = self.pin_ttl if ttl is None else ttl
+        if not lifetime > 0:
+            raise ValueError(f"ttl must be positive, got {lifetime}")
+        return lifetime
+
+    def _slot_top(self) -> SlotTier:
+        top = self._tiers[0]
+        if not isinstance(top, SlotTier):
+            raise TierUnavailable("staged puts and resident pins need a memory top tier")
+        return top
+
+    def _sweep_staged(self) -> None:
+        """Reclaim the slots of staged puts whose lease expired."""
+        top = self._tiers[0]
+        for staging in self._staging.expired():
+            assert isinstance(top, SlotTier)
+            for slot in staging.slots:
+                top.free_slot(slot)
+
+    def _lift(self, t: int, key: BlockKey, protect: set[BlockKey]) -> None:
+        """Copy ``key`` from tier ``t`` into the top tier (moving it out of a memory tier)."""
+        if not self._make_room(0, protect):
+            raise StoreFull(f"the {self._tiers[0].name} tier has no unpinned slot to read from")
+        source = self._tiers[t]
+        with source.reading() as read:
+            data = read(key)
+            if data is None:
+                self._drop_corrupt([key])
+                raise BlockNotFound([key])
+            self._tiers[0].store(key, data)
+        if not source.persistent:
+            source.delete(key)
         self._stats.promotions += 1
 
     def _drop_corrupt(self, keys: list[BlockKey]) -> None:

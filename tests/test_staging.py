@@ -1,0 +1,123 @@
+"""Staged puts (slots filled by someone else, then committed) and resident pins."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import keys, payload, payloads
+
+from kvbridge.store import BlockNotFound, LeaseExpired, StoreFull, TieredStore
+
+BB = 4096
+
+
+def _fill(store: TieredStore, slots: list[int | None], ks: list[bytes]) -> None:
+    top = store.tiers[0]
+    for slot, k in zip(slots, ks, strict=True):
+        if slot is not None:
+            top.memory.slot(slot)[:] = payload(k, BB)  # type: ignore[attr-defined]
+
+
+def test_a_staged_put_is_invisible_until_commit() -> None:
+    with TieredStore(BB, host_capacity=8 * BB) as store:
+        ks = keys(0, 3)
+        lease, slots = store.stage(ks)
+        assert lease > 0 and all(s is not None for s in slots) and len(set(slots)) == 3
+        assert store.contains(ks) == [False] * 3
+        _fill(store, slots, ks)
+        assert store.commit(lease) == 3
+        out = np.zeros((3, BB), np.uint8)
+        store.get(ks, out)
+        np.testing.assert_array_equal(out, payloads(ks, BB))
+        with pytest.raises(LeaseExpired):
+            store.commit(lease)  # once only
+
+
+def test_present_and_repeated_keys_get_no_slot() -> None:
+    with TieredStore(BB, host_capacity=8 * BB) as store:
+        ks = keys(0, 2)
+        store.put(ks[:1], payloads(ks[:1], BB))
+        lease, slots = store.stage([ks[0], ks[1], ks[1]])
+        assert slots[0] is None and slots[1] is not None and slots[2] is None
+        assert store.stats().duplicates == 2
+        store.abort(lease)
+        assert store.stage(ks[:1]) == (0, [None])  # nothing to fill: no lease
+
+
+def test_abort_and_expiry_give_the_slots_back() -> None:
+    with TieredStore(BB, host_capacity=2 * BB) as store:
+        ks = keys(0, 4)
+        lease, _ = store.stage(ks[:2])
+        with pytest.raises(StoreFull):
+            store.stage(ks[2:3])  # both slots are staged
+        store.abort(lease)
+        short, _ = store.stage(ks[:2], ttl=0.05)
+        time.sleep(0.1)
+        lease, slots = store.stage(ks[2:4])  # the expired lease was swept
+        assert sorted(s for s in slots if s is not None) == [0, 1]
+        with pytest.raises(LeaseExpired):
+            store.commit(short)
+        assert store.contains(ks[:2]) == [False, False]
+
+
+def test_a_lease_that_expires_before_commit_stores_nothing() -> None:
+    with TieredStore(BB, host_capacity=2 * BB) as store:
+        ks = keys(0, 2)
+        lease, _ = store.stage(ks, ttl=0.05)
+        time.sleep(0.1)
+        with pytest.raises(LeaseExpired):
+            store.commit(lease)
+        assert store.contains(ks) == [False, False]
+        assert store.stage(ks)[0] > 0  # and its slots are free again
+
+
+def test_staging_evicts_unpinned_blocks_and_refuses_when_all_are_pinned() -> None:
+    with TieredStore(BB, host_capacity=2 * BB) as store:
+        old, new = keys(0, 2), keys(2, 4)
+        store.put(old, payloads(old, BB))
+        with store.pin(old[:1]):
+            with pytest.raises(StoreFull, match="pinned"):
+                store.stage(new)  # one slot can be freed, two are needed
+            assert store.contains(old) == [True, True]  # nothing changed
+            lease, _ = store.stage(new[:1])
+        assert store.contains(old) == [True, False]
+        store.abort(lease)
+
+
+def test_a_commit_racing_a_put_of_the_same_key_stores_it_once() -> None:
+    with TieredStore(BB, host_capacity=4 * BB) as store:
+        ks = keys(0, 1)
+        lease, _ = store.stage(ks)
+        store.put(ks, payloads(ks, BB))
+        assert store.commit(lease) == 0
+        assert len(store.tiers[0]) == 1
+        assert store.stage(keys(1, 4))[0] > 0  # the duplicate's slot was freed
+
+
+def test_writable_slots_cover_only_open_staged_puts() -> None:
+    with TieredStore(BB, host_capacity=4 * BB) as store:
+        lease, slots = store.stage(keys(0, 2))
+        assert slots == [0, 1]
+        first, last = np.array([0, 1, 0, 2, 0, 5]), np.array([0, 1, 1, 2, 2, 5])
+        assert store.writable_slots(first, last).tolist() == [True, True, True, False, False, False]
+        store.commit(lease)
+        assert not store.writable_slots(first, last).any()
+
+
+def test_pin_resident_lifts_blocks_from_disk_into_memory(tmp_path: Path) -> None:
+    with TieredStore(BB, host_capacity=2 * BB, disk_path=tmp_path, disk_capacity=8 * BB) as store:
+        ks = keys(0, 4)
+        store.put(ks, payloads(ks, BB))  # two of them were demoted to disk
+        assert len(store.tiers[0]) == 2
+        lease, slots = store.pin_resident(ks[:2])
+        top = store.tiers[0]
+        for k, slot in zip(ks[:2], slots, strict=True):
+            np.testing.assert_array_equal(top.memory.slot(slot), payload(k, BB))  # type: ignore[attr-defined]
+        with pytest.raises(StoreFull):
+            store.pin_resident(ks[2:])  # the two host slots are pinned
+        lease.release()
+        with pytest.raises(BlockNotFound):
+            store.pin_resident(keys(9, 10))
