@@ -6,9 +6,13 @@ Public surface:
 - :class:`TieredStore`: device/host/disk tiers with dedup, eviction, pins and checksums.
 - Tiers and their building blocks, for custom stacks: :class:`SlotTier`, :class:`HostSlab`,
   :class:`DeviceSlab`, :class:`DiskTier`, :class:`EvictionPolicy` and the policies.
+- The cache server and its client: :class:`CacheServer` (``kvbridge serve``), its
+  settings (:class:`ServerConfig`, :func:`load_config`), and :class:`StoreClient`, which has
+  the surface of a local :class:`TieredStore`.
 - Typed errors, all subclasses of :class:`StoreError`.
 """
 
+from ._client import StoreClient
 from ._disk import CheckReport, DiskTier
 from ._errors import (
     BlockNotFound,
@@ -26,23 +30,30 @@ from ._errors import (
 from ._keys import KEY_BYTES, BlockKey, HashAlgo, prefix_hashes
 from ._pins import DEFAULT_PIN_TTL_S, Lease
 from ._policy import FIFO, LRU, POLICIES, EvictionPolicy
+from ._server import CacheServer
+from ._server_config import DEFAULT_PORT, ConfigError, ServerConfig, load_config
 from ._sizes import parse_size
 from ._slab import DeviceSlab, HostSlab, SlotMemory
 from ._slots import SlotTier
 from ._stats import StoreStats, TierStats
 from ._store import TieredStore
 from ._tier import Tier
+from ._wire import BadRequest, TooManyRequests, UnknownNamespace
 
 __all__ = [
     "DEFAULT_PIN_TTL_S",
+    "DEFAULT_PORT",
     "FIFO",
     "KEY_BYTES",
     "LRU",
     "POLICIES",
+    "BadRequest",
     "BlockKey",
     "BlockNotFound",
     "BlockPinned",
+    "CacheServer",
     "CheckReport",
+    "ConfigError",
     "DeviceSlab",
     "DiskTier",
     "EvictionPolicy",
@@ -54,8 +65,10 @@ __all__ = [
     "InvalidTokens",
     "Lease",
     "LeaseExpired",
+    "ServerConfig",
     "SlotMemory",
     "SlotTier",
+    "StoreClient",
     "StoreClosed",
     "StoreError",
     "StoreFull",
@@ -64,6 +77,9 @@ __all__ = [
     "TierStats",
     "TierUnavailable",
     "TieredStore",
+    "TooManyRequests",
+    "UnknownNamespace",
+    "load_config",
     "parse_size",
     "prefix_hashes",
 ]

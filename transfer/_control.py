@@ -12,7 +12,9 @@ Handshake (two round trips)::
 
 Each side proves that it knows the shared secret without sending it; an engine with a
 secret refuses a peer without one, either way round. The token then admits the peer's data
-streams (their HELLO frame) and its later metadata requests.
+streams (their HELLO frame), its later metadata requests, and its ``call`` requests: an
+application's own request/reply messages (a msgpack map each way), answered by the handler
+the engine was given (a cache server's store operations ride on this).
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ MAX_SESSIONS = 4096
 """Sessions kept per engine; the oldest is forgotten first (its streams stay up)."""
 MAX_CHALLENGES = 1024
 """Handshakes half done at once; the oldest is dropped first."""
+
+
+RequestHandler = Callable[[str, dict[str, Any]], dict[str, Any]]
+"""``handler(peer_name, body) -> reply body`` for ``call`` requests."""
 
 
 def _proof(secret: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
@@ -74,6 +80,7 @@ class ControlServer:
         metadata: Callable[[], bytes],
         name: str,
     ) -> None:
+        self.handler: RequestHandler | None = None
         self._secret = secret
         self._metadata = metadata
         self._name = name
@@ -117,10 +124,10 @@ class ControlServer:
                     continue  # not a DEALER request envelope: drop it
                 identity, _, body = frames
                 try:
-                    reply = self._answer(unpack(body))
-                except (RemoteProtocolError, AuthenticationError, KeyError, TypeError) as exc:
-                    reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-                self._socket.send_multipart([identity, b"", pack(reply)])
+                    reply = pack(self._answer(unpack(body)))
+                except Exception as exc:  # any bad request gets an answer; the loop goes on
+                    reply = pack({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+                self._socket.send_multipart([identity, b"", reply])
         finally:
             self._socket.close()
             self._wake_rx.close()
@@ -163,6 +170,14 @@ class ControlServer:
             if self.session(_bytes(message["token"], TOKEN_BYTES)) is None:
                 raise AuthenticationError("unknown session token")
             return {"ok": True, "metadata": self._metadata()}
+        if op == "call":
+            caller = self.session(_bytes(message["token"], TOKEN_BYTES))
+            if caller is None:
+                raise AuthenticationError("unknown session token")
+            body = message["body"]
+            if self.handler is None or not isinstance(body, dict):
+                raise RemoteProtocolError("this engine answers no calls")
+            return {"ok": True, "body": self.handler(caller, body)}
         raise RemoteProtocolError(f"unknown control op {op!r}")
 
 
@@ -221,6 +236,12 @@ class ControlClient:
 
     def metadata(self, token: bytes) -> bytes:
         return bytes(self.request({"op": "metadata", "token": token})["metadata"])
+
+    def call(self, token: bytes, body: dict[str, Any]) -> dict[str, Any]:
+        reply = self.request({"op": "call", "token": token, "body": body}).get("body")
+        if not isinstance(reply, dict):
+            raise RemoteProtocolError(f"{self._endpoint}: a call reply must be a map")
+        return reply
 
     def close(self) -> None:
         self._socket.close()

@@ -26,13 +26,13 @@ from typing import Any
 
 import zmq
 
-from ._control import ControlServer
+from ._control import ControlClient, ControlServer, RequestHandler
 from ._errors import EngineClosed, LocalProtocolError
 from ._handle import TransferHandle
 from ._metadata import EngineInfo
 from ._peer import Peer
 from ._pipes import Pipe
-from ._regions import Region, RegionTable
+from ._regions import Guard, Region, RegionTable
 from ._settings import TransferSettings
 from ._streams import serve
 from ._transports import MemoryTransport, TcpTransport, Transport
@@ -132,22 +132,35 @@ class TransferEngine:
 
     # -- regions and metadata ----------------------------------------------------------
 
-    def register(self, buffer: Any, *, access: str = "rw") -> Region:
+    def register(self, buffer: Any, *, access: str = "rw", guard: Guard | None = None) -> Region:
         """Register a buffer (numpy, memoryview, bytearray, mmap...) for remote access.
 
         ``access`` is what peers may do: ``"r"``, ``"w"`` or ``"rw"``. Keep the buffer
         alive and unchanged in size until :meth:`unregister`. GPU memory (a cupy array, or
         anything with ``__cuda_array_interface__``) needs the ``ucx`` transport and moves
-        only to peers reached over it.
+        only to peers reached over it. ``guard(access, offsets, lengths)``, if given, is
+        asked about every remote op that passed the key and bounds checks and returns a
+        mask of the ops it allows (a cache server lets writes land only in staged slots).
         """
         self._check_open()
         if hasattr(buffer, "__cuda_array_interface__") and "ucx" not in self._transports:
             raise LocalProtocolError("GPU memory moves over the ucx transport only")
-        return self._regions.register(buffer, access)
+        return self._regions.register(buffer, access, guard)
+
+    def set_request_handler(self, handler: RequestHandler | None) -> None:
+        """Answer peers' :meth:`Peer.call` requests with ``handler(peer_name, body)``,
+        which returns the reply body (a map of msgpack types). It runs on the control
+        thread, one request at a time; an exception it raises becomes an error reply."""
+        self._control.handler = handler
 
     def unregister(self, region: Region) -> None:
         """Forget a region; raises :class:`RegionBusy` while a transfer uses it."""
         self._regions.unregister(region)
+
+    @property
+    def address(self) -> str:
+        """``host:port`` of the control socket: what :meth:`dial` takes."""
+        return self._control.endpoint.removeprefix("tcp://")
 
     def metadata(self) -> bytes:
         """What a peer needs to reach this engine and its regions (msgpack, versioned)."""
@@ -160,6 +173,19 @@ class TransferEngine:
         return info.encode()
 
     # -- peers -------------------------------------------------------------------------
+
+    def dial(self, address: str) -> Peer:
+        """Connect to the engine whose control socket listens at ``address``
+        (``host:port``, or a ``tcp://`` endpoint): :meth:`connect` without carrying its
+        metadata out of band."""
+        self._check_open()
+        endpoint = address if "://" in address else f"tcp://{address}"
+        client = ControlClient(self._context, endpoint, self.settings.connect_timeout)
+        try:
+            _, metadata = client.handshake(self.name, self._secret)
+        finally:
+            client.close()
+        return self.connect(metadata)
 
     def connect(self, metadata: bytes) -> Peer:
         """Authenticate with the engine ``metadata`` describes and open data streams to it.

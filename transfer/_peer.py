@@ -73,6 +73,8 @@ class Peer:
         self.transport: str = transport.name
         self.regions: dict[int, RegionInfo] = dict(info.regions)
         self._streams: list[InitiatorStream] = []
+        self._calls: ControlClient | None = None
+        self._calls_lock = threading.Lock()
         self._token = b""
         self._error: str | None = None
         self._next_stream = 0
@@ -118,6 +120,25 @@ class Peer:
             client.close()
         return self.regions
 
+    def call(self, body: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        """Send an application request (a map of msgpack types) to the peer's request
+        handler (:meth:`TransferEngine.set_request_handler`) and return its reply.
+        Thread-safe; calls are answered one at a time. Raises :class:`PeerClosed` when no
+        answer comes within ``timeout`` (default: the engine's transfer timeout)."""
+        wait = self._engine.settings.timeout if timeout is None else timeout
+        with self._calls_lock:
+            if self._error is not None:
+                raise PeerClosed(f"peer {self.name} is closed: {self._error}")
+            if self._calls is None:
+                self._calls = ControlClient(self._engine._context, self._info.control, wait)
+            self._calls._timeout = wait
+            try:
+                return self._calls.call(self._token, body)
+            except PeerClosed:
+                self._calls.close()  # a late answer must not be taken for the next one
+                self._calls = None
+                raise
+
     def reconnect(self) -> None:
         """Close the streams (failing what is in flight) and connect afresh."""
         self.close()
@@ -135,6 +156,10 @@ class Peer:
             streams, self._streams = self._streams, []
         for stream in streams:
             stream.close(reason)
+        with self._calls_lock:
+            if self._calls is not None:
+                self._calls.close()
+                self._calls = None
 
     def _broken(self, reason: str) -> None:
         """A stream failed: the whole peer goes (a batch spans all its streams)."""

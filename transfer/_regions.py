@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import secrets
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +13,9 @@ import numpy as np
 from ._errors import AccessDenied, LocalProtocolError, RegionBusy
 
 ACCESS_MODES = ("r", "w", "rw")
+
+Guard = Callable[[str, np.ndarray, np.ndarray], np.ndarray]
+"""``guard(access, offsets, lengths) -> mask`` of the remote ops a region allows."""
 
 
 def distinct(values: np.ndarray) -> list[int]:
@@ -58,7 +62,9 @@ class Region:
     over the ``ucx`` transport only.
     """
 
-    def __init__(self, region_id: int, buffer: Any, access: str) -> None:
+    def __init__(
+        self, region_id: int, buffer: Any, access: str, guard: Guard | None = None
+    ) -> None:
         if access not in ACCESS_MODES:
             raise LocalProtocolError(f"access must be one of {ACCESS_MODES}, not {access!r}")
         self.device = hasattr(buffer, "__cuda_array_interface__")
@@ -68,6 +74,7 @@ class Region:
         self.access = access
         self.key = secrets.randbits(64)
         self.readonly = not self.device and self.view.readonly
+        self.guard = guard
         self._busy = 0
 
     @property
@@ -109,9 +116,9 @@ class RegionTable:
         self._next_id = 1
         self._lock = threading.Lock()
 
-    def register(self, buffer: Any, access: str) -> Region:
+    def register(self, buffer: Any, access: str, guard: Guard | None = None) -> Region:
         with self._lock:
-            region = Region(self._next_id, buffer, access)
+            region = Region(self._next_id, buffer, access, guard)
             self._next_id += 1
             self._regions[region.id] = region
             return region
@@ -181,6 +188,10 @@ class RegionTable:
                         | (ends > region.length)
                     )
                     reason = f"bytes outside region {region_id} ({region.length} bytes)"
+                if not bad.any() and region.guard is not None:
+                    allowed = np.ones(len(ops), dtype=bool)
+                    allowed[mine] = region.guard(access, ops["offset"][mine], ops["length"][mine])
+                    bad, reason = ~allowed, f"region {region_id} refuses this {access} op"
                 if bad.any():
                     index = int(np.argmax(bad))
                     raise AccessDenied(f"op {index}: {reason}", op_index=index)

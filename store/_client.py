@@ -1,0 +1,304 @@
+"""StoreClient: a cache server with the surface of a local :class:`TieredStore`.
+
+``put``/``get`` take the same buffers as the local store and move them without a copy:
+the client registers the caller's buffer with its transfer engine for the duration of the
+call, and the engine writes it straight into the server's staged slots (``put``) or reads
+pinned slots straight into it (``get``). ``put_from``/``get_into`` do the same with a
+region registered once (``client.register(buffer)``), for buffers that are reused.
+
+Deduplication happens before any byte moves: the server stages slots only for the keys it
+does not hold, and only those blocks are sent (``counters["bytes_saved"]`` adds up the rest).
+Every blocking call has an awaitable twin (``aput``, ``aget``, ...) that runs it off the
+event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+from collections.abc import Iterator, Sequence
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+
+from ..transfer import OP_DTYPE, Region, TransferEngine, TransferError
+from ._buffers import as_array
+from ._errors import InvalidBlock, LeaseExpired
+from ._keys import BlockKey
+from ._server_config import DEFAULT_PORT
+from ._stats import StoreStats, TierStats
+from ._store import _keys
+from ._wire import MAX_KEYS_PER_REQUEST, raise_error
+
+_Locations = tuple[np.ndarray, np.ndarray]  # per key: local region id, offset in it
+
+
+class StoreClient:
+    """A connection to ``kvbridge serve`` for one namespace and block size.
+
+    ``address`` is ``host:port``. ``secret`` must match the server's. ``transports`` are
+    the client engine's (the first one the server also offers is used). Pass ``engine`` to
+    share a :class:`TransferEngine` the caller owns (it is not closed with the client).
+    """
+
+    def __init__(
+        self,
+        address: str = f"127.0.0.1:{DEFAULT_PORT}",
+        *,
+        block_bytes: int,
+        namespace: bytes | str = b"",
+        secret: bytes | str | None = None,
+        transports: Sequence[str] | str = ("tcp",),
+        timeout: float = 30.0,
+        engine: TransferEngine | None = None,
+    ) -> None:
+        if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes <= 0:
+            raise ValueError(f"block_bytes must be a positive int, got {block_bytes!r}")
+        self.block_bytes = block_bytes
+        self.namespace = namespace.encode() if isinstance(namespace, str) else bytes(namespace)
+        self._own_engine = engine is None
+        self.engine = engine or TransferEngine(
+            f"kvbridge-client-{secrets.token_hex(4)}",
+            transports=transports,
+            secret=secret,
+            timeout=timeout,
+        )
+        self.counters = {"bytes_pushed": 0, "bytes_saved": 0, "bytes_pulled": 0}
+        self._timeout = timeout
+        try:
+            self.peer = self.engine.dial(address)
+            opened = self._call(
+                {"op": "open", "namespace": self.namespace, "block_bytes": block_bytes}
+            )
+            self.peer.refresh()  # the namespace's region may be newer than our handshake
+        except BaseException:
+            self.close()
+            raise
+        self._ns: int = opened["ns"]
+        self._region: int = opened["region"]
+        self.capacity_blocks: int = opened["capacity"]
+        self.lease_ttl: float = opened["lease_ttl"]
+
+    # -- the TieredStore surface -------------------------------------------------------
+
+    def put(self, keys: Sequence[bytes], blocks: object) -> list[bool]:
+        """Store each block under its key; return, per key, whether this call sent it (a
+        key the server already held is not sent). ``blocks``: one buffer of
+        ``len(keys) * block_bytes`` bytes or a sequence of ``block_bytes`` buffers."""
+        checked = _keys(keys)
+        if not checked:
+            return []
+        with self._registered(blocks, len(checked), writable=False) as where:
+            return self._put(checked, where)
+
+    def put_from(self, keys: Sequence[bytes], region: Region, offsets: Sequence[int]) -> list[bool]:
+        """``put`` from a registered region: block ``i`` is at ``offsets[i]`` in it."""
+        checked = _keys(keys)
+        return self._put(checked, self._locations(region, offsets, len(checked)))
+
+    def get(self, keys: Sequence[bytes], out: object) -> None:
+        """Fill ``out`` with the blocks of ``keys``; raises :class:`BlockNotFound` (``out``
+        untouched) when any is absent."""
+        checked = _keys(keys)
+        if not checked:
+            return
+        with self._registered(out, len(checked), writable=True) as where:
+            self._get(checked, where)
+
+    def get_into(self, keys: Sequence[bytes], region: Region, offsets: Sequence[int]) -> None:
+        """``get`` into a registered region: block ``i`` lands at ``offsets[i]``."""
+        checked = _keys(keys)
+        self._get(checked, self._locations(region, offsets, len(checked)))
+
+    def match_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading keys the server holds (the cache hit of a prefix, in blocks)."""
+        checked = _keys(keys)
+        total = 0
+        for start, chunk in _chunks(checked):
+            count = int(self._call({"op": "match", "ns": self._ns, "keys": chunk})["count"])
+            total = start + count
+            if count < len(chunk):
+                break
+        return total
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        checked = _keys(keys)
+        present: list[bool] = []
+        for _, chunk in _chunks(checked):
+            present += self._call({"op": "contains", "ns": self._ns, "keys": chunk})["present"]
+        return present
+
+    def remove(self, keys: Sequence[bytes]) -> list[bool]:
+        checked = _keys(keys)
+        removed: list[bool] = []
+        for _, chunk in _chunks(checked):
+            removed += self._call({"op": "remove", "ns": self._ns, "keys": chunk})["removed"]
+        return removed
+
+    def stats(self) -> StoreStats:
+        """The namespace's store counters, as the server sees them."""
+        for entry in self.server_stats()["namespaces"]:
+            if entry["handle"] == self._ns:
+                tiers = [TierStats(**t) for t in entry.pop("tiers")]
+                entry.pop("handle")
+                entry.pop("name")
+                return StoreStats(**entry, tiers=tiers)
+        raise LookupError("the server no longer lists this namespace")
+
+    def server_stats(self) -> dict[str, Any]:
+        return self._call({"op": "stats"})
+
+    def register(self, buffer: Any, *, access: str = "rw") -> Region:
+        """Register a buffer for ``put_from``/``get_into`` (keep it alive meanwhile)."""
+        return self.engine.register(buffer, access=access)
+
+    def close(self) -> None:
+        peer = getattr(self, "peer", None)
+        if peer is not None:
+            peer.close()
+        if self._own_engine:
+            self.engine.close()
+
+    def __enter__(self) -> StoreClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # -- awaitable twins ---------------------------------------------------------------
+
+    async def aput(self, keys: Sequence[bytes], blocks: object) -> list[bool]:
+        return await asyncio.to_thread(self.put, keys, blocks)
+
+    async def aget(self, keys: Sequence[bytes], out: object) -> None:
+        await asyncio.to_thread(self.get, keys, out)
+
+    async def aput_from(
+        self, keys: Sequence[bytes], region: Region, offsets: Sequence[int]
+    ) -> list[bool]:
+        return await asyncio.to_thread(self.put_from, keys, region, offsets)
+
+    async def aget_into(
+        self, keys: Sequence[bytes], region: Region, offsets: Sequence[int]
+    ) -> None:
+        await asyncio.to_thread(self.get_into, keys, region, offsets)
+
+    async def amatch_prefix(self, keys: Sequence[bytes]) -> int:
+        return await asyncio.to_thread(self.match_prefix, keys)
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _call(self, body: dict[str, Any]) -> dict[str, Any]:
+        reply = self.peer.call(body, timeout=self._timeout)
+        raise_error(reply)
+        return reply
+
+    def _put(self, keys: Sequence[BlockKey], where: _Locations) -> list[bool]:
+        sent: list[bool] = []
+        for start, chunk in _chunks(keys):
+            staged = self._call({"op": "stage", "ns": self._ns, "keys": chunk})
+            self.counters["bytes_saved"] += int(staged["saved_bytes"])
+            slots, lease = staged["slots"], int(staged["lease"])
+            picked = [i for i, slot in enumerate(slots) if slot is not None]
+            sent += [slot is not None for slot in slots]
+            if not lease:
+                continue
+            try:
+                ops = self._ops(where, start, picked, [slots[i] for i in picked])
+                self.peer.write(ops).wait(self._timeout)
+            except BaseException:
+                self._quietly({"op": "abort", "ns": self._ns, "lease": lease})
+                raise
+            self._call({"op": "commit", "ns": self._ns, "lease": lease})
+            self.counters["bytes_pushed"] += len(picked) * self.block_bytes
+        return sent
+
+    def _get(self, keys: Sequence[BlockKey], where: _Locations) -> None:
+        for start, chunk in _chunks(keys):
+            pinned = self._call({"op": "pin", "ns": self._ns, "keys": chunk})
+            lease, slots = int(pinned["lease"]), pinned["slots"]
+            try:
+                ops = self._ops(where, start, list(range(len(chunk))), slots)
+                self.peer.read(ops).wait(self._timeout)
+            except BaseException:
+                self._quietly({"op": "release", "ns": self._ns, "lease": lease})
+                raise
+            self._call({"op": "release", "ns": self._ns, "lease": lease})  # LeaseExpired: void
+            self.counters["bytes_pulled"] += len(chunk) * self.block_bytes
+
+    def _ops(
+        self, where: _Locations, start: int, picked: list[int], slots: list[int]
+    ) -> np.ndarray:
+        regions, offsets = where
+        index = np.asarray(picked, dtype=np.int64) + start
+        ops = np.zeros(len(picked), dtype=OP_DTYPE)
+        ops["local_region"] = regions[index]
+        ops["local_offset"] = offsets[index]
+        ops["remote_region"] = self._region
+        ops["remote_offset"] = np.asarray(slots, dtype=np.uint64) * np.uint64(self.block_bytes)
+        ops["length"] = self.block_bytes
+        return ops
+
+    def _quietly(self, body: dict[str, Any]) -> None:
+        """Give a lease back after a failure; the lease expiring does the same if this fails."""
+        with contextlib.suppress(TransferError, LeaseExpired):
+            self.peer.call(body, timeout=self._timeout)
+
+    def _locations(self, region: Region, offsets: Sequence[int], count: int) -> _Locations:
+        at = np.asarray(offsets, dtype=np.int64)
+        if at.shape != (count,):
+            raise InvalidBlock(f"{count} key(s) but {at.size} offset(s)")
+        if (at < 0).any() or (at + self.block_bytes > region.length).any():
+            raise InvalidBlock(f"an offset puts a block outside {region!r}")
+        return np.full(count, region.id, dtype=np.uint64), at.astype(np.uint64)
+
+    def _registered(self, blocks: object, count: int, *, writable: bool) -> _Registration:
+        return _Registration(self, blocks, count, writable)
+
+
+class _Registration:
+    """Registers a caller's buffer(s) for one call and unregisters them after it."""
+
+    def __init__(self, client: StoreClient, blocks: object, count: int, writable: bool) -> None:
+        bb = client.block_bytes
+        self._engine = client.engine
+        if isinstance(blocks, list | tuple):
+            if len(blocks) != count:
+                raise InvalidBlock(f"{count} key(s) but {len(blocks)} block buffer(s)")
+            arrays = [as_array(b, writable=writable) for b in blocks]
+            for i, arr in enumerate(arrays):
+                if arr.size != bb:
+                    raise InvalidBlock(f"block {i} is {arr.size} bytes, expected {bb}")
+            offsets = np.zeros(count, dtype=np.uint64)
+        else:
+            flat = as_array(blocks, writable=writable)
+            if flat.size != count * bb:
+                raise InvalidBlock(
+                    f"buffer is {flat.size} bytes, expected {count} x {bb} = {count * bb}"
+                )
+            arrays = [flat]
+            offsets = np.arange(count, dtype=np.uint64) * np.uint64(bb)
+        access = "rw" if writable else "r"
+        self._regions = [self._engine.register(a, access=access) for a in arrays]
+        ids = [r.id for r in self._regions]
+        regions = np.array(ids if len(ids) == count else ids * count, dtype=np.uint64)
+        self.where: _Locations = (regions[:count], offsets)
+
+    def __enter__(self) -> _Locations:
+        return self.where
+
+    def __exit__(self, *exc: object) -> None:
+        for region in self._regions:
+            self._engine.unregister(region)
+
+
+def _chunks(keys: Sequence[BlockKey]) -> Iterator[tuple[int, list[bytes]]]:
+    for start in range(0, len(keys), MAX_KEYS_PER_REQUEST):
+        yield start, list(keys[start : start + MAX_KEYS_PER_REQUEST])

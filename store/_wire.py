@@ -1,0 +1,108 @@
+"""The cache server's request/reply messages: msgpack maps over the engine's ``call``.
+
+Requests name an ``op``; store ops also carry ``ns`` (a namespace handle from ``open``).
+Replies are maps; a refused request answers ``{"error": kind, "message": ..., "keys": ...}``
+and changed nothing. ``kind`` is the name of a :mod:`kvbridge.store` error class, which the
+client raises again.
+
+=========  ===========================================  =====================================
+op         request fields                               reply fields
+=========  ===========================================  =====================================
+open       namespace (bytes), block_bytes               ns, region, block_bytes, capacity
+contains   ns, keys                                     present (bools)
+match      ns, keys                                     count
+stage      ns, keys                                     lease, slots (int or nil), saved_bytes
+commit     ns, lease                                    stored
+abort      ns, lease                                    (empty)
+pin        ns, keys                                     lease, slots
+release    ns, lease                                    (empty), or error LeaseExpired
+remove     ns, keys                                     removed (bools)
+stats      (none)                                       server, namespaces, engine
+=========  ===========================================  =====================================
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._errors import (
+    BlockNotFound,
+    BlockPinned,
+    InvalidKey,
+    LeaseExpired,
+    StoreClosed,
+    StoreError,
+    StoreFull,
+)
+from ._keys import KEY_BYTES
+
+MAX_KEYS_PER_REQUEST = 16384
+"""Keys in one request: 16,384 keys of 32 bytes are 0.5 MiB, inside the 1 MiB control limit."""
+
+_KEY_LENGTHS = frozenset(KEY_BYTES.values())
+
+
+class BadRequest(StoreError, ValueError):
+    """The server could not make sense of a request (a client bug, or not a client)."""
+
+
+class TooManyRequests(StoreError):
+    """This client holds as many open leases as the server allows; release some first."""
+
+
+class UnknownNamespace(StoreError, LookupError):
+    """The request names a namespace handle the server does not have."""
+
+
+ERRORS: dict[str, type[StoreError]] = {
+    cls.__name__: cls
+    for cls in (
+        BadRequest,
+        BlockNotFound,
+        BlockPinned,
+        InvalidKey,
+        LeaseExpired,
+        StoreClosed,
+        StoreFull,
+        TooManyRequests,
+        UnknownNamespace,
+    )
+}
+
+
+def error_reply(exc: StoreError) -> dict[str, Any]:
+    reply: dict[str, Any] = {"error": type(exc).__name__, "message": str(exc)}
+    keys = getattr(exc, "keys", None)
+    if keys is not None:
+        reply["keys"] = list(keys)[:MAX_KEYS_PER_REQUEST]
+    return reply
+
+
+def raise_error(reply: dict[str, Any]) -> None:
+    """Raise the error a reply carries, as the server raised it (``BadRequest`` if unknown)."""
+    kind = reply.get("error")
+    if kind is None:
+        return
+    cls = ERRORS.get(str(kind), BadRequest)
+    message = str(reply.get("message", kind))
+    if cls in (BlockNotFound, BlockPinned):
+        keys = [bytes(k) for k in reply.get("keys", [])]
+        raise cls(keys)
+    raise cls(message)
+
+
+def field(message: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    value = message.get(name)
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+        raise BadRequest(f"field {name!r} is missing or not {getattr(kind, '__name__', kind)}")
+    return value
+
+
+def keys_field(message: dict[str, Any]) -> list[bytes]:
+    keys: list[bytes] = field(message, "keys", list)
+    if len(keys) > MAX_KEYS_PER_REQUEST:
+        raise BadRequest(f"{len(keys)} keys in one request; at most {MAX_KEYS_PER_REQUEST}")
+    for key in keys:
+        if type(key) is not bytes or len(key) not in _KEY_LENGTHS:
+            raise InvalidKey(f"a key must be 16 or 32 bytes, got {key!r:.60}")
+    return keys
