@@ -80,6 +80,9 @@ class StoreClient:
         self._region: int = opened["region"]
         self.capacity_blocks: int = opened["capacity"]
         self.lease_ttl: float = opened["lease_ttl"]
+        # A put or get stages or pins all of a request's blocks in host memory at once:
+        # requests of at most half of it leave room for other clients meanwhile.
+        self._request_keys = max(1, min(MAX_KEYS_PER_REQUEST, self.capacity_blocks // 2))
 
     # -- the TieredStore surface -------------------------------------------------------
 
@@ -116,7 +119,7 @@ class StoreClient:
         """How many leading keys the server holds (the cache hit of a prefix, in blocks)."""
         checked = _keys(keys)
         total = 0
-        for start, chunk in _chunks(checked):
+        for start, chunk in _chunks(checked, MAX_KEYS_PER_REQUEST):
             count = int(self._call({"op": "match", "ns": self._ns, "keys": chunk})["count"])
             total = start + count
             if count < len(chunk):
@@ -126,14 +129,14 @@ class StoreClient:
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         checked = _keys(keys)
         present: list[bool] = []
-        for _, chunk in _chunks(checked):
+        for _, chunk in _chunks(checked, MAX_KEYS_PER_REQUEST):
             present += self._call({"op": "contains", "ns": self._ns, "keys": chunk})["present"]
         return present
 
     def remove(self, keys: Sequence[bytes]) -> list[bool]:
         checked = _keys(keys)
         removed: list[bool] = []
-        for _, chunk in _chunks(checked):
+        for _, chunk in _chunks(checked, MAX_KEYS_PER_REQUEST):
             removed += self._call({"op": "remove", "ns": self._ns, "keys": chunk})["removed"]
         return removed
 
@@ -202,7 +205,7 @@ class StoreClient:
 
     def _put(self, keys: Sequence[BlockKey], where: _Locations) -> list[bool]:
         sent: list[bool] = []
-        for start, chunk in _chunks(keys):
+        for start, chunk in _chunks(keys, self._request_keys):
             staged = self._call({"op": "stage", "ns": self._ns, "keys": chunk})
             self.counters["bytes_saved"] += int(staged["saved_bytes"])
             slots, lease = staged["slots"], int(staged["lease"])
@@ -221,7 +224,7 @@ class StoreClient:
         return sent
 
     def _get(self, keys: Sequence[BlockKey], where: _Locations) -> None:
-        for start, chunk in _chunks(keys):
+        for start, chunk in _chunks(keys, self._request_keys):
             pinned = self._call({"op": "pin", "ns": self._ns, "keys": chunk})
             lease, slots = int(pinned["lease"]), pinned["slots"]
             try:
@@ -299,6 +302,6 @@ class _Registration:
             self._engine.unregister(region)
 
 
-def _chunks(keys: Sequence[BlockKey]) -> Iterator[tuple[int, list[bytes]]]:
-    for start in range(0, len(keys), MAX_KEYS_PER_REQUEST):
-        yield start, list(keys[start : start + MAX_KEYS_PER_REQUEST])
+def _chunks(keys: Sequence[BlockKey], size: int) -> Iterator[tuple[int, list[bytes]]]:
+    for start in range(0, len(keys), size):
+        yield start, list(keys[start : start + size])

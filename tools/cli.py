@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from kvbridge import __version__
 
-from . import _demo, _store_cmds
+from . import _demo, _serve_cmds, _store_cmds
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -20,6 +20,7 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     _demo.add_parser(commands)
     _store_cmds.add_parsers(commands)
+    _serve_cmds.add_parsers(commands)
     return parser
 
 

@@ -1,0 +1,430 @@
+"""The cache server end to end: a real `kvbridge serve` process and StoreClients."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+from helpers import keys, payloads
+
+from kvbridge.store import (
+    BadRequest,
+    BlockNotFound,
+    CacheServer,
+    ConfigError,
+    ServerConfig,
+    StoreClient,
+    StoreFull,
+    TieredStore,
+    TooManyRequests,
+    UnknownNamespace,
+    load_config,
+)
+from kvbridge.transfer import OP_DTYPE, AuthenticationError, TransferError
+
+BB = 64 << 10
+
+
+class _Server:
+    """``kvbridge serve`` in a subprocess; ``address`` is read from its first line."""
+
+    def __init__(self, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvbridge", "serve", "--port", "0", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert "listening on" in line, line + self.proc.stderr.read()  # type: ignore[union-attr]
+        self.address = line.split("listening on ")[1].split()[0]
+        self.line = line
+
+    def stop(self, sig: int = signal.SIGTERM) -> str:
+        self.proc.send_signal(sig)
+        out, _ = self.proc.communicate(timeout=30)
+        return out
+
+
+@pytest.fixture
+def server() -> Iterator[_Server]:
+    s = _Server("--host-capacity", "16MiB", "--max-namespaces", "2", "--lease-ttl", "1")
+    yield s
+    if s.proc.poll() is None:
+        s.stop(signal.SIGKILL)
+
+
+def test_push_from_one_client_pull_from_another_with_dedup(server: _Server) -> None:
+    ks = keys(0, 40)
+    data = payloads(ks, BB)
+    with (
+        StoreClient(server.address, block_bytes=BB, namespace="llama") as prefill,
+        StoreClient(server.address, block_bytes=BB, namespace="llama") as decode,
+    ):
+        assert prefill.put(ks[:30], data[:30]) == [True] * 30
+        assert decode.match_prefix(ks) == 30
+        assert prefill.put(ks, data) == [False] * 30 + [True] * 10  # only 10 sent
+        assert prefill.counters["bytes_saved"] == 30 * BB
+        assert prefill.counters["bytes_pushed"] == 40 * BB
+        out = np.zeros_like(data)
+        decode.get(ks, out)
+        np.testing.assert_array_equal(out, data)
+        blocks = [np.zeros(BB, np.uint8) for _ in range(3)]  # a list of buffers works too
+        decode.get(ks[5:8], blocks)
+        np.testing.assert_array_equal(np.stack(blocks), data[5:8])
+        stats = decode.stats()
+        assert stats.puts == 40 and stats.duplicates == 30 and stats.hits == 43
+
+
+def test_zero_copy_variants_move_registered_regions(server: _Server) -> None:
+    ks = keys(100, 108)
+    data = payloads(ks, BB)
+    with StoreClient(server.address, block_bytes=BB, namespace="llama") as client:
+        src = client.register(data.reshape(-1), access="r")
+        offsets = [i * BB for i in range(8)][::-1]  # any placement in the region
+        client.put_from(ks, src, offsets)
+        dst_buffer = np.zeros(8 * BB, np.uint8)
+        dst = client.register(dst_buffer)
+        client.get_into(ks, dst, offsets)
+        np.testing.assert_array_equal(dst_buffer, data.reshape(-1))
+
+
+def test_missing_blocks_and_bad_requests_are_typed_and_change_nothing(server: _Server) -> None:
+    ks = keys(200, 204)
+    with StoreClient(server.address, block_bytes=BB, namespace="m") as client:
+        client.put(ks[:2], payloads(ks[:2], BB))
+        out = np.full((4, BB), 7, np.uint8)
+        with pytest.raises(BlockNotFound) as missing:
+            client.get(ks, out)
+        assert set(missing.value.keys) == set(ks[2:])
+        assert (out == 7).all()  # untouched
+        with pytest.raises(BadRequest):
+            client._call({"op": "nope"})
+        with pytest.raises(UnknownNamespace):
+            client._call({"op": "match", "ns": 99, "keys": []})
+        with pytest.raises(BadRequest):
+            StoreClient(server.address, block_bytes=BB * 2, namespace="m")  # another size
+        assert client.contains(ks) == [True, True, False, False]
+
+
+def test_a_client_cannot_write_outside_its_staged_slots(server: _Server) -> None:
+    ks = keys(300, 302)
+    with StoreClient(server.address, block_bytes=BB, namespace="m") as client:
+        client.put(ks[:1], payloads(ks[:1], BB))
+        junk = client.register(np.full(BB, 0xEE, np.uint8))
+        ops = np.zeros(1, OP_DTYPE)
+        ops["local_region"], ops["remote_region"] = junk.id, client._region
+        ops["remote_offset"], ops["length"] = 0, BB  # slot 0 holds a committed block
+        with pytest.raises(TransferError, match="refuses"):
+            client.peer.write(ops).wait(5)
+        out = np.zeros((1, BB), np.uint8)
+        client.get(ks[:1], out)
+        np.testing.assert_array_equal(out, payloads(ks[:1], BB))
+
+
+_HOLD_LEASES = textwrap.dedent(
+    """
+    import sys, time
+    from kvbridge.store import StoreClient
+    client = StoreClient(sys.argv[1], block_bytes=int(sys.argv[2]), namespace="m")
+    keys = [i.to_bytes(32, "little") for i in range(int(sys.argv[3]))]
+    reply = client._call({"op": "stage", "ns": client._ns, "keys": keys})
+    print(reply["lease"], flush=True)
+    time.sleep(60)
+    """
+)
+
+
+def test_a_killed_clients_leases_expire_and_its_slots_come_back(server: _Server) -> None:
+    capacity = (16 << 20) // 2 // BB  # the namespace's share of host memory, in blocks
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_LEASES, server.address, str(BB), str(capacity)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout is not None
+    assert int(holder.stdout.readline()) > 0  # every slot is staged by the holder
+    with StoreClient(server.address, block_bytes=BB, namespace="m") as client:
+        ks = keys(400, 400 + capacity)
+        with pytest.raises(StoreFull):
+            client.put(ks[:1], payloads(ks[:1], BB))  # fails fast, nothing blocks
+        holder.kill()
+        holder.wait()
+        time.sleep(1.2)  # the lease TTL is 1 s
+        client.put(ks, payloads(ks, BB))  # the whole namespace is free again
+        assert client.match_prefix(ks) == capacity
+
+
+def test_too_many_open_leases_is_refused() -> None:
+    config = ServerConfig(port=0, host_capacity=8 << 20, max_leases_per_client=2)
+    with (
+        CacheServer(config) as server,
+        StoreClient(server.address, block_bytes=BB, namespace="m") as client,
+    ):
+        leases = [
+            client._call({"op": "stage", "ns": client._ns, "keys": keys(i, i + 1)})["lease"]
+            for i in range(2)
+        ]
+        with pytest.raises(TooManyRequests):
+            client.put(keys(10, 11), payloads(keys(10, 11), BB))
+        client._call({"op": "abort", "ns": client._ns, "lease": leases[0]})
+        client.put(keys(10, 11), payloads(keys(10, 11), BB))  # room for one lease again
+        assert client.contains(keys(0, 2) + keys(10, 11)) == [False, False, True]
+
+
+def test_everything_pinned_means_store_full_fast() -> None:
+    config = ServerConfig(port=0, host_capacity=4 * BB, max_namespaces=1)
+    with (
+        CacheServer(config) as server,
+        StoreClient(server.address, block_bytes=BB, namespace="m") as client,
+    ):
+        ks = keys(0, 5)
+        client.put(ks[:4], payloads(ks[:4], BB))
+        client._call({"op": "pin", "ns": client._ns, "keys": ks[:4]})
+        start = time.monotonic()
+        with pytest.raises(StoreFull):
+            client.put(ks[4:], payloads(ks[4:], BB))
+        assert time.monotonic() - start < 5  # refused, not queued
+        assert client.contains(ks) == [True] * 4 + [False]
+
+
+def test_restart_on_the_same_disk_serves_the_same_blocks(tmp_path: Path) -> None:
+    args = ("--host-capacity", "4MiB", "--disk-path", str(tmp_path), "--disk-capacity", "64MiB")
+    ks = keys(0, 100)  # more than host memory holds: most are on disk only
+    data = payloads(ks, BB)
+    first = _Server(*args)
+    try:
+        with StoreClient(first.address, block_bytes=BB, namespace="m") as client:
+            client.put(ks, data)
+    finally:
+        assert "stopped" in first.stop(signal.SIGTERM)
+    assert first.proc.returncode == 0
+    second = _Server(*args)
+    try:
+        with StoreClient(second.address, block_bytes=BB, namespace="m") as client:
+            assert client.match_prefix(ks) == 100
+            out = np.zeros_like(data)
+            client.get(ks, out)
+            np.testing.assert_array_equal(out, data)
+    finally:
+        second.stop(signal.SIGKILL)
+
+
+def test_a_killed_server_loses_no_committed_block(tmp_path: Path) -> None:
+    args = ("--host-capacity", "4MiB", "--disk-path", str(tmp_path), "--disk-capacity", "64MiB")
+    ks = keys(0, 20)
+    first = _Server(*args)
+    with StoreClient(first.address, block_bytes=BB, namespace="m") as client:
+        client.put(ks, payloads(ks, BB))
+        first.stop(signal.SIGKILL)
+    second = _Server(*args)
+    try:
+        with StoreClient(second.address, block_bytes=BB, namespace="m") as client:
+            out = np.zeros((20, BB), np.uint8)
+            client.get(ks, out)
+            np.testing.assert_array_equal(out, payloads(ks, BB))
+    finally:
+        second.stop(signal.SIGKILL)
+
+
+def test_auth_accepted_and_refused(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text("correct horse battery staple\n")
+    server = _Server("--secret-file", str(secret), "--host-capacity", "8MiB")
+    try:
+        with StoreClient(
+            server.address, block_bytes=BB, namespace="m", secret="correct horse battery staple"
+        ) as client:
+            client.put(keys(0, 1), payloads(keys(0, 1), BB))
+        with pytest.raises(AuthenticationError):
+            StoreClient(server.address, block_bytes=BB, namespace="m", secret="wrong")
+        with pytest.raises(AuthenticationError):
+            StoreClient(server.address, block_bytes=BB, namespace="m")
+    finally:
+        server.stop()
+
+
+def test_no_secret_means_loopback_only(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="secret"):
+        load_config({"host": "0.0.0.0"}, environ={})
+    assert load_config({"host": "0.0.0.0", "insecure": True}, environ={}).insecure
+    refused = subprocess.run(
+        [sys.executable, "-m", "kvbridge", "serve", "--host", "0.0.0.0"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert refused.returncode == 2 and "secret" in refused.stderr
+
+
+def test_settings_precedence_flags_then_toml_then_environment(tmp_path: Path) -> None:
+    toml = tmp_path / "server.toml"
+    toml.write_text('[server]\nport = 7701\nhost_capacity = "1GiB"\nlease_ttl = 5\n')
+    env = {
+        "KVBRIDGE_PORT": "7702",
+        "KVBRIDGE_HOST_CAPACITY": "3GiB",
+        "KVBRIDGE_MAX_NAMESPACES": "9",
+    }
+    config = load_config({"port": 7700, "host_capacity": None}, toml, env)
+    assert config.port == 7700  # flag
+    assert config.host_capacity == 1 << 30 and config.lease_ttl == 5.0  # file
+    assert config.max_namespaces == 9  # environment
+    assert load_config({}, None, {}).port == 7600  # embedded default
+    (tmp_path / "bad.toml").write_text("nonsense = 1\n")
+    with pytest.raises(ConfigError, match="nonsense"):
+        load_config({}, tmp_path / "bad.toml", {})
+    with pytest.raises(ConfigError, match="environment: host_capacity"):
+        load_config({}, None, {"KVBRIDGE_HOST_CAPACITY": "lots"})
+
+
+def test_fuzzed_control_port_while_a_client_keeps_working(server: _Server) -> None:
+    rng = np.random.default_rng(1)
+    context = zmq.Context()
+    fuzzer = context.socket(zmq.DEALER)
+    fuzzer.setsockopt(zmq.LINGER, 0)
+    fuzzer.connect(f"tcp://{server.address}")
+    ks = keys(500, 504)
+    try:
+        with StoreClient(server.address, block_bytes=BB, namespace="m") as client:
+            token = client.peer._token
+            for round_ in range(300):
+                kind = round_ % 3
+                if kind == 0:
+                    body = rng.bytes(int(rng.integers(0, 200)))
+                elif kind == 1:
+                    junk = {"op": "call", "token": token, "body": _random_message(rng)}
+                    body = msgpack.packb(junk, use_bin_type=True)
+                else:
+                    body = msgpack.packb(_random_message(rng), use_bin_type=True)
+                fuzzer.send_multipart([b"", body])
+                if round_ % 50 == 0:
+                    client.put(ks, payloads(ks, BB))
+                    out = np.zeros((4, BB), np.uint8)
+                    client.get(ks, out)
+                    np.testing.assert_array_equal(out, payloads(ks, BB))
+            answered = 0
+            while fuzzer.poll(2000):
+                fuzzer.recv_multipart()
+                answered += 1
+            assert answered == 300  # every junk message got an (error) answer
+            assert client.match_prefix(ks) == 4
+    finally:
+        fuzzer.close()
+        context.term()
+    assert server.proc.poll() is None
+
+
+def _random_message(rng: np.random.Generator) -> object:
+    ops = ["open", "stage", "commit", "pin", "release", "match", "remove", "stats", "abort", 7]
+    values: list[object] = [
+        None,
+        -1,
+        2**64 - 1 if rng.random() < 0.1 else int(rng.integers(-5, 5)),
+        rng.bytes(int(rng.integers(0, 40))),
+        "x" * int(rng.integers(0, 5)),
+        [rng.bytes(32)] * int(rng.integers(0, 3)),
+        [1, 2],
+        {"a": 1},
+        1.5,
+    ]
+    message: dict[str, object] = {"op": ops[int(rng.integers(0, len(ops)))]}
+    for name in ("ns", "keys", "lease", "namespace", "block_bytes"):
+        if rng.random() < 0.7:
+            message[name] = values[int(rng.integers(0, len(values)))]
+    return message
+
+
+def test_metrics_endpoint_exposes_the_store_figures() -> None:
+    config = ServerConfig(port=0, host_capacity=8 << 20, metrics_port=0)
+    with CacheServer(config) as server:
+        with StoreClient(server.address, block_bytes=BB, namespace="m") as client:
+            ks = keys(0, 3)
+            client.put(ks, payloads(ks, BB))
+            client.get(ks, np.zeros((3, BB), np.uint8))
+            with pytest.raises(BlockNotFound):
+                client.get(keys(9, 10), np.zeros((1, BB), np.uint8))
+        assert server.metrics_port is not None
+        url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            text = response.read().decode()
+    assert 'kvbridge_hits_total{namespace="m/65536"} 3.0' in text
+    assert 'kvbridge_misses_total{namespace="m/65536"} 1.0' in text
+    assert 'kvbridge_tier_blocks{namespace="m/65536",tier="host"} 3.0' in text
+    assert 'kvbridge_request_errors_total{kind="BlockNotFound",op="pin"} 1.0' in text
+    assert 'kvbridge_request_seconds_count{op="stage"}' in text
+
+
+def test_stats_command_prints_the_table(server: _Server) -> None:
+    with StoreClient(server.address, block_bytes=BB, namespace="llama") as client:
+        client.put(keys(0, 2), payloads(keys(0, 2), BB))
+    done = subprocess.run(
+        [sys.executable, "-m", "kvbridge", "stats", server.address],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    assert "llama/65536" in done.stdout and "host" in done.stdout
+
+
+def test_code_written_for_tieredstore_runs_against_a_server(server: _Server) -> None:
+    def workload(store: TieredStore | StoreClient) -> list[object]:
+        ks = keys(600, 610)
+        results: list[object] = [store.put(ks[:5], payloads(ks[:5], BB))]
+        results.append(store.match_prefix(ks))
+        results.append(store.contains(ks[3:7]))
+        out = np.zeros((5, BB), np.uint8)
+        store.get(ks[:5], out)
+        results.append(bool((out == payloads(ks[:5], BB)).all()))
+        results.append(store.remove(ks[4:6]))
+        results.append(store.match_prefix(ks))
+        return results
+
+    with TieredStore(BB, host_capacity=8 << 20) as local:
+        expected = workload(local)
+    with StoreClient(server.address, block_bytes=BB, namespace="same") as remote:
+        assert workload(remote) == expected
+
+
+def test_async_twins(server: _Server) -> None:
+    import asyncio  # noqa: PLC0415
+
+    async def main() -> None:
+        with StoreClient(server.address, block_bytes=BB, namespace="m") as client:
+            ks = keys(700, 704)
+            await client.aput(ks, payloads(ks, BB))
+            assert await client.amatch_prefix(ks) == 4
+            out = np.zeros((4, BB), np.uint8)
+            await client.aget(ks, out)
+            np.testing.assert_array_equal(out, payloads(ks, BB))
+
+    asyncio.run(main())
+
+
+def test_environment_variables_reach_the_server_process() -> None:
+    env = {**os.environ, "KVBRIDGE_HOST_CAPACITY": "3MiB"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvbridge", "serve", "--port", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert proc.stdout is not None
+    try:
+        assert "(3 MiB host" in proc.stdout.readline()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)

@@ -1,0 +1,158 @@
+"""``kvbridge serve`` (the cache server in the foreground) and ``kvbridge stats``."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from kvbridge.store import (
+    DEFAULT_PORT,
+    CacheServer,
+    ConfigError,
+    load_config,
+)
+from kvbridge.transfer import TransferEngine, TransferError
+
+
+def add_parsers(commands: Any) -> None:
+    serve = commands.add_parser(
+        "serve",
+        help="run a cache server",
+        description="Run a cache server until SIGTERM or SIGINT. Settings: flags, then "
+        "--config FILE (TOML), then KVBRIDGE_* variables, then defaults (host memory only, "
+        f"127.0.0.1:{DEFAULT_PORT}).",
+    )
+    serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help=f"control port (default {DEFAULT_PORT})")
+    serve.add_argument("--host-capacity", help="host memory, e.g. 4GiB (default 2GiB)")
+    serve.add_argument("--disk-path", help="directory of the disk tier (LMDB)")
+    serve.add_argument("--disk-capacity", help="disk tier size, e.g. 100GiB")
+    serve.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    serve.add_argument("--max-namespaces", type=int, help="namespaces at once (default 4)")
+    serve.add_argument("--lease-ttl", type=float, help="seconds a lease lasts (default 60)")
+    serve.add_argument("--transports", help="comma-separated: tcp, ucx, auto (default tcp)")
+    serve.add_argument("--secret-file", help="file holding the shared secret clients must know")
+    serve.add_argument(
+        "--insecure",
+        action="store_const",
+        const=True,
+        help="allow binding beyond loopback without a secret",
+    )
+    serve.add_argument("--config", help="TOML settings file")
+    serve.set_defaults(run=_serve)
+
+    stats = commands.add_parser("stats", help="print a cache server's figures")
+    stats.add_argument(
+        "address", nargs="?", default=f"127.0.0.1:{DEFAULT_PORT}", help="host:port of the server"
+    )
+    stats.add_argument("--secret-file", help="file holding the server's shared secret")
+    stats.set_defaults(run=_stats)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    names = [
+        *("host", "port", "host_capacity", "disk_path", "disk_capacity", "metrics_port"),
+        *("max_namespaces", "lease_ttl", "transports", "secret_file", "insecure"),
+    ]
+    try:
+        config = load_config({name: getattr(args, name) for name in names}, args.config)
+        server = CacheServer(config)
+    except (ConfigError, OSError) as exc:
+        print(f"kvbridge serve: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+
+    def _on_signal(signum: int, frame: Any) -> None:
+        stop.set()
+
+    previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        metrics = f", metrics on :{server.metrics_port}" if server.metrics_port else ""
+        disk = f", disk {config.disk_path}" if config.disk_path else ""
+        print(
+            f"kvbridge serve: listening on {server.address} "
+            f"({config.host_capacity >> 20} MiB host{disk}{metrics})",
+            flush=True,
+        )
+        stop.wait()
+    finally:
+        server.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    print("kvbridge serve: stopped", flush=True)
+    return 0
+
+
+def _stats(args: argparse.Namespace) -> int:
+    secret = None
+    if args.secret_file:
+        with open(args.secret_file, "rb") as f:
+            secret = f.read().strip()
+    try:
+        stats = server_stats(args.address, secret)
+    except TransferError as exc:
+        print(f"kvbridge stats: {args.address}: {exc}", file=sys.stderr)
+        return 1
+    print(format_stats(stats))
+    return 0
+
+
+def server_stats(address: str, secret: bytes | None = None) -> dict[str, Any]:
+    """Ask a server for its figures (opens no namespace)."""
+    with TransferEngine("kvbridge-stats", secret=secret, timeout=5.0) as engine:
+        return engine.dial(address).call({"op": "stats"})
+
+
+def format_stats(stats: dict[str, Any]) -> str:
+    server = stats["server"]
+    lines = [
+        f"server {server['address']}  up {server['uptime_s']:.0f} s  "
+        f"transports {','.join(server['transports'])}  open leases {server['open_leases']}",
+        "",
+    ]
+    header = ("namespace", "hits", "misses", "puts", "dups", "in MiB", "out MiB", "evicted")
+    rows = [header]
+    for ns in stats["namespaces"]:
+        rows.append(
+            (
+                ns["name"],
+                str(ns["hits"]),
+                str(ns["misses"]),
+                str(ns["puts"]),
+                str(ns["duplicates"]),
+                f"{ns['bytes_in'] / 2**20:.1f}",
+                f"{ns['bytes_out'] / 2**20:.1f}",
+                str(ns["evictions"]),
+            )
+        )
+    lines += _table(rows)
+    tier_rows = [("namespace", "tier", "blocks", "capacity", "used", "evictions")]
+    for ns in stats["namespaces"]:
+        for tier in ns["tiers"]:
+            used = tier["blocks"] / tier["capacity_blocks"] if tier["capacity_blocks"] else 0.0
+            tier_rows.append(
+                (
+                    ns["name"],
+                    tier["name"],
+                    str(tier["blocks"]),
+                    str(tier["capacity_blocks"]),
+                    f"{used:.0%}",
+                    str(tier["evictions"]),
+                )
+            )
+    lines += ["", *_table(tier_rows)]
+    return "\n".join(lines)
+
+
+def _table(rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    out = []
+    for row in rows:
+        rest = [cell.rjust(width) for cell, width in zip(row[1:], widths[1:], strict=True)]
+        cells = [row[0].ljust(widths[0]), *rest]
+        out.append("  ".join(cells))
+    return out
