@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -36,13 +38,63 @@ def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert "usage: kvbridge" in capsys.readouterr().out
 
 
-def test_demo_runs_and_verifies_every_block() -> None:
-    result = _kvbridge("demo", "--conversations", "8", "--turns", "4")
+def _summary(stdout: str) -> dict[str, str]:
+    rows = [line.split("  ", 1) for line in stdout.splitlines() if "  " in line]
+    return {name.strip(): value.strip() for name, value in rows}
+
+
+def test_demo_moves_kv_between_prefill_and_decode_processes(tmp_path: Path) -> None:
+    plot = tmp_path / "demo.png"
+    args = ["demo", "--conversations", "4", "--turns", "3", "--model", "deepseek-v3"]
+    if importlib.util.find_spec("matplotlib") is not None:
+        args += ["--plot", str(plot)]
+    result = _kvbridge(*args)
     assert result.returncode == 0, result.stderr
-    lines = dict(line.split(None, 1) for line in result.stdout.splitlines() if line)
-    assert lines["requests"] == "32"
-    hit_rate = float(lines["cached"].split("hit rate ")[1].rstrip("%)")) / 100
+    summary = _summary(result.stdout)
+    assert summary["requests"].startswith("12 in")
+    hit_rate = float(summary["cache-hit tokens"].split("hit rate ")[1].rstrip("%)")) / 100
     assert 0.3 < hit_rate < 1.0  # later turns reuse earlier ones
+    verified, checked = re.match(r"([\d,]+) of ([\d,]+)", summary["verified"]).groups()  # type: ignore[union-attr]
+    assert verified == checked and int(checked.replace(",", "")) > 100
+    assert summary["evicted too soon"].startswith("0 blocks")
+    assert "of the" in summary["throughput"] and "p99" in summary["move one request"]
+    if "--plot" in args:
+        assert plot.stat().st_size > 1000
+
+
+def test_demo_replays_a_trace_with_a_model_config(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    lines = [
+        {"timestamp": 0, "input_length": 1100, "output_length": 5, "hash_ids": [1, 2, 3]},
+        {"timestamp": 5, "input_length": 1500, "output_length": 5, "hash_ids": [1, 2, 4]},
+        {"timestamp": 9, "input_length": 600, "output_length": 5, "hash_ids": [9, 10]},
+    ]
+    trace.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    config = tmp_path / "config.json"
+    config.write_text(
+        json.dumps(
+            {
+                "num_hidden_layers": 4,
+                "num_attention_heads": 8,
+                "num_key_value_heads": 2,
+                "hidden_size": 512,
+                "torch_dtype": "bfloat16",
+            }
+        )
+    )
+    result = _kvbridge(
+        "demo", "--trace", str(trace), "--model-config", str(config), "--speedup", "1000"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "2.0 KiB of KV per token" in result.stdout  # 2 x 4 layers x 2 heads x 64 x 2 bytes
+    summary = _summary(result.stdout)
+    assert summary["requests"].startswith("3 in")
+    assert summary["cache-hit tokens"].startswith("1,024")  # two shared 512-token blocks
+
+
+def test_demo_rejects_bad_input() -> None:
+    result = _kvbridge("demo", "--trace", "/nonexistent/trace.jsonl")
+    assert result.returncode == 2 and "kvbridge demo" in result.stderr
 
 
 def test_hash_matches_the_library(capsys: pytest.CaptureFixture[str]) -> None:
