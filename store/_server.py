@@ -242,6 +242,7 @@ class CacheServer:
             host_capacity=host_share,
             namespace=name,
             pin_ttl=cfg.lease_ttl,
+            prefault=True,
             **disk,
         )
         handle = len(self._namespaces) + 1

@@ -41,15 +41,28 @@ class HostSlab:
     """``slots * block_bytes`` bytes of page-aligned host memory.
 
     ``pin``: ``"auto"`` pins through cupy when a GPU is present, ``True`` requires it,
-    ``False`` never pins. ``pinned`` says what happened.
+    ``False`` never pins. ``pinned`` says what happened. ``prefault`` maps every page up
+    front (``MAP_POPULATE``): a cache server wants that, because a remote write into a
+    never-touched slot otherwise pays a page fault per 4 KiB (4 MiB writes into fresh slots
+    took 3.7 ms against 1.7 ms into touched ones).
     """
 
-    def __init__(self, slots: int, block_bytes: int, *, pin: bool | Literal["auto"] = "auto"):
+    def __init__(
+        self,
+        slots: int,
+        block_bytes: int,
+        *,
+        pin: bool | Literal["auto"] = "auto",
+        prefault: bool = False,
+    ):
         if slots < 0 or block_bytes <= 0:
             raise ValueError(f"bad slab geometry: {slots} slots of {block_bytes} bytes")
         self.slots = slots
         self.block_bytes = block_bytes
-        self._mmap: mmap.mmap | None = mmap.mmap(-1, max(slots * block_bytes, 1))
+        flags = mmap.MAP_SHARED  # what mmap(-1, n) maps by default (anonymous added for -1)
+        if prefault:
+            flags |= getattr(mmap, "MAP_POPULATE", 0)
+        self._mmap: mmap.mmap | None = mmap.mmap(-1, max(slots * block_bytes, 1), flags=flags)
         self.array: np.ndarray = np.frombuffer(self._mmap, dtype=np.uint8)[: slots * block_bytes]
         self.pinned = False
         if pin is not False:

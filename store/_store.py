@@ -61,7 +61,7 @@ class TieredStore:
     size is refused. ``policy`` names an eviction policy (``"lru"``, ``"fifo"``) or is a
     factory; each tier gets its own instance. ``pin_ttl`` is the default pin lifetime in
     seconds. ``pin_host_memory``: ``"auto"`` pins the host slab through cupy when a GPU is
-    present.
+    present. ``prefault`` maps the host slab's pages at once (see :class:`HostSlab`).
     """
 
     def __init__(
@@ -80,6 +80,7 @@ class TieredStore:
         promote: bool = True,
         pin_ttl: float = DEFAULT_PIN_TTL_S,
         pin_host_memory: bool | Literal["auto"] = "auto",
+        prefault: bool = False,
     ) -> None:
         if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes <= 0:
             raise ValueError(f"block_bytes must be a positive int, got {block_bytes!r}")
@@ -99,7 +100,7 @@ class TieredStore:
                 memory = DeviceSlab(device_slots, block_bytes, device_id=device_id)
                 tiers.append(SlotTier("device", memory, make_policy(policy)))
             if host_slots:
-                slab = HostSlab(host_slots, block_bytes, pin=pin_host_memory)
+                slab = HostSlab(host_slots, block_bytes, pin=pin_host_memory, prefault=prefault)
                 tiers.append(SlotTier("host", slab, make_policy(policy)))
             if disk_path is not None:
                 disk = DiskTier(

@@ -226,8 +226,10 @@ def test_a_killed_server_loses_no_committed_block(tmp_path: Path) -> None:
     args = ("--host-capacity", "4MiB", "--disk-path", str(tmp_path), "--disk-capacity", "64MiB")
     ks = keys(0, 20)
     first = _Server(*args)
-    with StoreClient(first.address, block_bytes=BB, namespace="m") as client:
-        client.put(ks, payloads(ks, BB))
+    try:
+        with StoreClient(first.address, block_bytes=BB, namespace="m") as client:
+            client.put(ks, payloads(ks, BB))
+    finally:
         first.stop(signal.SIGKILL)
     second = _Server(*args)
     try:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
 import secrets
 import threading
 import time
@@ -123,10 +124,19 @@ class ControlServer:
                 if len(frames) != 3 or frames[1] != b"":
                     continue  # not a DEALER request envelope: drop it
                 identity, _, body = frames
+                rid = None
                 try:
-                    reply = pack(self._answer(unpack(body)))
+                    message = unpack(body)
+                    rid = message.get("rid")
+                    answer = self._answer(message)
                 except Exception as exc:  # any bad request gets an answer; the loop goes on
-                    reply = pack({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+                    answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+                if isinstance(rid, int):
+                    answer["rid"] = rid  # lets a client tell this answer from a late one
+                try:
+                    reply = pack(answer)
+                except Exception as exc:
+                    reply = pack({"ok": False, "error": f"unpackable answer: {exc}", "rid": rid})
                 self._socket.send_multipart([identity, b"", reply])
         finally:
             self._socket.close()
@@ -197,18 +207,26 @@ class ControlClient:
         self._socket.connect(endpoint)
         self._endpoint = endpoint
         self._timeout = timeout
+        self._rids = itertools.count(1)
+
+    def send(self, message: dict[str, Any]) -> None:
+        """Send without waiting: the answer is skipped by the next :meth:`request`."""
+        self._socket.send_multipart([b"", pack({**message, "rid": next(self._rids)})])
 
     def request(self, message: dict[str, Any]) -> dict[str, Any]:
-        self._socket.send_multipart([b"", pack(message)])
+        rid = next(self._rids)
+        self._socket.send_multipart([b"", pack({**message, "rid": rid})])
         deadline = time.monotonic() + self._timeout
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not self._socket.poll(int(left * 1000) + 1):
                 raise PeerClosed(f"no answer from {self._endpoint} within {self._timeout} s")
             frames = self._socket.recv_multipart()
-            if len(frames) == 2 and frames[0] == b"":
-                break
-        reply = unpack(frames[1])
+            if len(frames) != 2 or frames[0] != b"":
+                continue
+            reply = unpack(frames[1])
+            if reply.get("rid") == rid:
+                break  # earlier answers (to sends, or to timed-out requests) are skipped
         if not reply.get("ok"):
             error = str(reply.get("error", "refused"))
             if error.startswith("AuthenticationError"):
@@ -236,6 +254,10 @@ class ControlClient:
 
     def metadata(self, token: bytes) -> bytes:
         return bytes(self.request({"op": "metadata", "token": token})["metadata"])
+
+    def cast(self, token: bytes, body: dict[str, Any]) -> None:
+        """A call whose answer nobody waits for."""
+        self.send({"op": "call", "token": token, "body": body})
 
     def call(self, token: bytes, body: dict[str, Any]) -> dict[str, Any]:
         reply = self.request({"op": "call", "token": token, "body": body}).get("body")

@@ -139,6 +139,17 @@ class Peer:
                 self._calls = None
                 raise
 
+    def cast(self, body: dict[str, Any]) -> None:
+        """:meth:`call` without waiting for (or seeing) the answer: for requests whose
+        outcome the caller does not need, such as giving back a lease."""
+        with self._calls_lock:
+            if self._error is not None:
+                raise PeerClosed(f"peer {self.name} is closed: {self._error}")
+            if self._calls is None:
+                wait = self._engine.settings.timeout
+                self._calls = ControlClient(self._engine._context, self._info.control, wait)
+            self._calls.cast(self._token, body)
+
     def reconnect(self) -> None:
         """Close the streams (failing what is in flight) and connect afresh."""
         self.close()
