@@ -22,6 +22,7 @@ from collections.abc import Iterator, Sequence
 from types import TracebackType
 from typing import Any
 
+import msgpack
 import numpy as np
 
 from ..transfer import OP_DTYPE, Region, TransferEngine, TransferError
@@ -218,13 +219,15 @@ class StoreClient:
             sent += [slot is not None for slot in slots]
             if not lease:
                 continue
+            commit = msgpack.packb({"op": "commit", "ns": self._ns, "lease": lease})
             try:
                 ops = self._ops(where, start, picked, [slots[i] for i in picked])
-                self.peer.write(ops).wait(self._timeout)
-            except BaseException:
+                self.peer.write(ops, notify=commit).wait(self._timeout)  # landed, committed
+            except BaseException as exc:
                 self._quietly({"op": "abort", "ns": self._ns, "lease": lease})
+                if isinstance(exc, TransferError) and "LeaseExpired:" in str(exc):
+                    raise LeaseExpired(f"put not committed: {exc}") from exc
                 raise
-            self._call({"op": "commit", "ns": self._ns, "lease": lease})
             self.counters["bytes_pushed"] += len(picked) * self.block_bytes
         return sent
 

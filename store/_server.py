@@ -7,6 +7,9 @@ through the control path: a client writes blocks straight into staged slots of t
 namespace's host slab, and reads pinned slots straight out of it, with the engine.
 
 Put: ``stage`` (slots under a lease) -> the client writes -> ``commit`` (only now visible).
+The commit normally rides the data stream as the write's notification: the server commits
+on the serve thread once the bytes landed, before the client's write completes, so a put
+costs one control round trip; refusing it (``LeaseExpired``) fails the client's write.
 Get: ``pin`` (blocks lifted into host memory, pinned under a lease) -> the client reads ->
 ``release``. Leases expire after ``lease_ttl``: a client that dies loses them and their
 slots come back; a commit or release after expiry is refused (``LeaseExpired``), so bytes
@@ -27,9 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 
-from ..transfer import Region, TransferEngine
+from ..transfer import NotifyRefused, Region, TransferEngine
 from ._errors import LeaseExpired, StoreError, StoreFull
 from ._metrics import ServerMetrics
 from ._pins import Lease
@@ -118,7 +122,9 @@ class CacheServer:
             "stats": self._stats,
         }
         self._closed = False
+        self._state = threading.Lock()  # leases and namespaces: control and serve threads
         self.engine.set_request_handler(self._handle)
+        self.engine.set_notify_handler(self._on_notify)
 
     def close(self) -> None:
         """Stop answering, close every stream, then close the stores (disk synced)."""
@@ -153,7 +159,8 @@ class CacheServer:
         try:
             if handler is None:
                 raise BadRequest(f"unknown op {op!r}; known: {sorted(self._ops)}")
-            return handler(client, body)
+            with self._state:
+                return handler(client, body)
         except StoreError as exc:
             self.metrics.errors.labels(label, type(exc).__name__).inc()
             return error_reply(exc)
@@ -162,6 +169,19 @@ class CacheServer:
             return error_reply(BadRequest(f"{type(exc).__name__}: {exc}"))
         finally:
             self.metrics.requests.labels(label).observe(time.perf_counter() - start)
+
+    def _on_notify(self, client: str, message: bytes) -> None:
+        """A write's notification: ``{"op": "commit", "ns", "lease"}`` commits the put whose
+        bytes just landed; a refusal fails the client's write with the error's kind."""
+        try:
+            body = msgpack.unpackb(message, raw=False, strict_map_key=True)
+        except Exception as exc:
+            raise NotifyRefused(f"BadRequest: not a msgpack map ({exc})") from None
+        if not isinstance(body, dict) or body.get("op") != "commit":
+            raise NotifyRefused("BadRequest: a notification must be a commit")
+        reply = self._handle(client, body)
+        if "error" in reply:
+            raise NotifyRefused(f"{reply['error']}: {reply['message']}")
 
     def _namespace(self, body: dict[str, Any]) -> _Namespace:
         handle = message_field(body, "ns", int)

@@ -430,3 +430,27 @@ def test_environment_variables_reach_the_server_process() -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
+
+
+def test_a_put_whose_lease_expired_is_refused_and_stores_nothing() -> None:
+    config = ServerConfig(port=0, host_capacity=8 << 20, lease_ttl=0.2)
+    with (
+        CacheServer(config) as server,
+        StoreClient(server.address, block_bytes=BB, namespace="m") as client,
+    ):
+        ks = keys(0, 2)
+        staged = client._call({"op": "stage", "ns": client._ns, "keys": ks})
+        time.sleep(0.3)
+        src = client.register(payloads(ks, BB).reshape(-1), access="r")
+        ops = client._ops(
+            (np.full(2, src.id, np.uint64), np.arange(2, dtype=np.uint64) * BB),
+            0,
+            [0, 1],
+            staged["slots"],
+        )
+        commit = msgpack.packb({"op": "commit", "ns": client._ns, "lease": staged["lease"]})
+        with pytest.raises(TransferError, match=r"LeaseExpired|refuses"):
+            client.peer.write(ops, notify=commit).wait(5)
+        assert client.contains(ks) == [False, False]
+        client.put(ks, payloads(ks, BB))  # a fresh lease works
+        assert client.contains(ks) == [True, True]

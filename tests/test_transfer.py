@@ -292,3 +292,26 @@ def test_metadata_garbage_is_refused() -> None:
         for junk in (b"", b"\x93\x01\x02\x03", b"\xc1", b"{}"):
             with pytest.raises(LocalProtocolError):
                 a.connect(junk)
+
+
+def test_a_notify_handler_can_refuse_a_batch() -> None:
+    from kvbridge.transfer import NotifyRefused  # noqa: PLC0415
+
+    seen: list[tuple[str, bytes]] = []
+
+    def handler(peer: str, message: bytes) -> None:
+        if message == b"no":
+            raise NotifyRefused("not today")
+        seen.append((peer, message))
+
+    with TransferEngine("a", timeout=5.0) as a, TransferEngine("b", timeout=5.0) as b:
+        b.set_notify_handler(handler)
+        src, dst = np.ones(4096, np.uint8), np.zeros(4096, np.uint8)
+        here, there = a.register(src), b.register(dst)
+        peer = a.connect(b.metadata())
+        peer.write([(here, 0, there.id, 0, 4096)], notify=b"yes").wait(5)
+        assert seen == [("a", b"yes")] and b.notifications() == []
+        with pytest.raises(TransferError, match="not today"):
+            peer.write([(here, 0, there.id, 0, 4096)], notify=b"no").wait(5)
+        peer.write([(here, 0, there.id, 0, 4096)], notify=b"again").wait(5)  # still up
+        assert seen[-1] == ("a", b"again")

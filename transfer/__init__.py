@@ -30,6 +30,7 @@ from ._ops import OP_DTYPE
 from ._peer import Peer
 from ._regions import Region, RegionInfo
 from ._settings import TransferSettings
+from ._streams import NotifyRefused
 from ._ucx import ucx_available
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "EngineClosed",
     "LocalProtocolError",
     "Notification",
+    "NotifyRefused",
     "Peer",
     "PeerClosed",
     "Region",

@@ -19,7 +19,7 @@ from __future__ import annotations
 import secrets
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -90,6 +90,7 @@ class TransferEngine:
         self._served: dict[Pipe, threading.Thread] = {}
         self._peers: list[Peer] = []
         self._inbox: deque[Notification] = deque()
+        self._notify_handler: Callable[[str, bytes], None] | None = None
         self._inbox_cond = threading.Condition()
         self._counters = {
             "bytes_written": 0,
@@ -146,6 +147,13 @@ class TransferEngine:
         if hasattr(buffer, "__cuda_array_interface__") and "ucx" not in self._transports:
             raise LocalProtocolError("GPU memory moves over the ucx transport only")
         return self._regions.register(buffer, access, guard)
+
+    def set_notify_handler(self, handler: Callable[[str, bytes], None] | None) -> None:
+        """Take notifications with ``handler(peer_name, message)`` instead of queueing them
+        for :meth:`notifications`. It runs on the stream's serve thread after the batch's
+        bytes landed, before the writer's batch is done; raising :class:`NotifyRefused`
+        fails the writer's batch with its message (a cache server commits puts this way)."""
+        self._notify_handler = handler
 
     def set_request_handler(self, handler: RequestHandler | None) -> None:
         """Answer peers' :meth:`Peer.call` requests with ``handler(peer_name, body)``,
@@ -289,13 +297,20 @@ class TransferEngine:
                 pipe,
                 self._regions,
                 check_token=self._control.session,
-                on_notify=self._deliver,
+                on_notify=self._notify,
                 on_bytes=self._count_served,
                 handshake_timeout=self.settings.connect_timeout,
             )
         finally:
             with self._lock:
                 self._served.pop(pipe, None)
+
+    def _notify(self, peer: str, message: bytes) -> None:
+        handler = self._notify_handler
+        if handler is None:
+            self._deliver(peer, message)
+        else:
+            handler(peer, message)
 
     def _deliver(self, peer: str, message: bytes) -> None:
         with self._inbox_cond:

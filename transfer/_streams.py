@@ -198,6 +198,10 @@ class InitiatorStream:
             item.on_error(PeerClosed(reason))
 
 
+class NotifyRefused(Exception):
+    """Raised by a notification handler to fail the writer's batch with this message."""
+
+
 def serve(
     pipe: Pipe,
     regions: RegionTable,
@@ -226,8 +230,12 @@ def serve(
             elif isinstance(event, Read):
                 _send_read(conn, pipe, regions, event, on_bytes)
             elif isinstance(event, Notify):
-                on_notify(peer, event.message)
-                pipe.send([conn.ack(event.request_id)])
+                try:
+                    on_notify(peer, event.message)
+                except NotifyRefused as exc:  # the receiver's handler said no: tell the writer
+                    pipe.send([conn.error(event.request_id, str(exc))])
+                else:
+                    pipe.send([conn.ack(event.request_id)])
     except (OSError, EOFError, RemoteProtocolError):
         return  # the initiator went away or misbehaved: only this stream ends
     finally:
