@@ -29,7 +29,7 @@ from ._errors import (
 )
 from ._keys import KEY_BYTES, BlockKey, HashAlgo, prefix_hashes
 from ._pins import DEFAULT_PIN_TTL_S, Lease
-from ._policy import FIFO, LRU, POLICIES, EvictionPolicy
+from ._policy import FIFO, LRU, POLICIES, EvictionPolicy, ReuseLRU
 from ._server import CacheServer
 from ._server_config import DEFAULT_PORT, ConfigError, ServerConfig, load_config
 from ._sizes import parse_size
@@ -65,6 +65,7 @@ __all__ = [
     "InvalidTokens",
     "Lease",
     "LeaseExpired",
+    "ReuseLRU",
     "ServerConfig",
     "SlotMemory",
     "SlotTier",

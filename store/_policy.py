@@ -5,6 +5,7 @@ A tier owns its index, its pins and its capacity; a policy is told what happened
 (``candidates``, coldest first). The tier walks the candidates and skips the ones it cannot
 evict (pinned, or part of the batch being stored), so a policy never needs to know about pins.
 
+``reuse`` (:class:`ReuseLRU`) beats LRU on shared-prefix workloads; see its docstring.
 Every operation is O(1) (amortised). Add a policy by writing a class with these four methods
 and registering it in :data:`POLICIES`.
 """
@@ -72,7 +73,84 @@ class FIFO:
         return iter(self._order)
 
 
-POLICIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": LRU, "fifo": FIFO}
+class ReuseLRU:
+    """LRU that evicts blocks never reused before blocks that were: the default's better
+    for shared prefix caches.
+
+    Why it works. In a prefix cache most blocks are used once: the tail of a conversation
+    that never continues, a document asked about once. In the Kimi and synthetic Mooncake
+    traces 77% and 58% of blocks are never used again, but a block that has been used twice
+    is used again with probability 0.43-0.84 (against 0.23-0.42 for a new one), and reuse
+    comes late: half of all reuses come more than a cache's worth of newer blocks after the
+    last use, which is exactly where LRU has already dropped them. So this policy keeps two
+    recency queues: blocks seen for the first time, and blocks seen before (the block is in
+    the queue of reused blocks when it is touched, or when it comes back within the ghost
+    history of recently evicted keys). The victim is the coldest new block, unless the
+    coldest reused block has gone unused for ``protect`` times the cache's size in accesses
+    (so a block reused long ago cannot hold its slot forever). New blocks still get the
+    whole cache while nothing was reused, so a workload without reuse runs as LRU.
+
+    Measured with ``kvbridge replay`` (token hit rate, 512-token blocks): at 3M tokens
+    0.179 against LRU's 0.141 on the conversation trace (1.27x) and 0.342 against 0.315 on
+    the synthetic one (1.09x); at 1M 0.107 / 0.157 against 0.053 / 0.142; at 6M 0.232 /
+    0.501 against 0.229 / 0.466. Nothing in it knows a trace: its only constants are ratios
+    to the cache's own size.
+
+    All operations are O(1): two ordered dicts and a bounded ghost dict; ``candidates``
+    merges the two queues' heads lazily.
+    """
+
+    PROTECT = 8
+    """A reused block outranks new ones until it goes ``PROTECT`` x cache-size accesses
+    without use (at 2x the conversation trace's gain shrank from 1.27x to 1.13x; at 8x and
+    16x it was the same)."""
+    GHOSTS = 8
+    """Evicted keys remembered, as a multiple of the cache size (reuse is late: 4x kept
+    1.20x of LRU on the conversation trace at 3M tokens, 8x 1.27x)."""
+
+    def __init__(self) -> None:
+        self._new: OrderedDict[BlockKey, int] = OrderedDict()
+        self._reused: OrderedDict[BlockKey, int] = OrderedDict()
+        self._ghosts: OrderedDict[BlockKey, None] = OrderedDict()
+        self._clock = 0
+
+    def insert(self, key: BlockKey) -> None:
+        self._clock += 1
+        if key in self._ghosts:  # it was here before: a reuse
+            del self._ghosts[key]
+            self._reused[key] = self._clock
+        else:
+            self._new[key] = self._clock
+
+    def touch(self, key: BlockKey) -> None:
+        self._clock += 1
+        if self._new.pop(key, None) is None:
+            del self._reused[key]
+        self._reused[key] = self._clock
+
+    def remove(self, key: BlockKey) -> None:
+        if self._new.pop(key, None) is None:
+            del self._reused[key]
+        self._ghosts[key] = None
+        limit = self.GHOSTS * max(len(self._new) + len(self._reused), 1)
+        while len(self._ghosts) > limit:
+            self._ghosts.popitem(last=False)
+
+    def candidates(self) -> Iterator[BlockKey]:
+        grace = self.PROTECT * (len(self._new) + len(self._reused))
+        new, reused = iter(self._new.items()), iter(self._reused.items())
+        n, r = next(new, None), next(reused, None)
+        while n is not None or r is not None:
+            if r is None or (n is not None and n[1] <= r[1] + grace):
+                assert n is not None
+                yield n[0]
+                n = next(new, None)
+            else:
+                yield r[0]
+                r = next(reused, None)
+
+
+POLICIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": LRU, "fifo": FIFO, "reuse": ReuseLRU}
 """Policies selectable by name (``TieredStore(policy="lru")``)."""
 
 

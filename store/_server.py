@@ -262,6 +262,7 @@ class CacheServer:
             host_capacity=host_share,
             namespace=name,
             pin_ttl=cfg.lease_ttl,
+            policy=cfg.policy,
             prefault=True,
             **disk,
         )

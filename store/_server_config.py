@@ -13,6 +13,7 @@ TOML (``kvbridge serve --config server.toml``), every key optional, top level or
     max_namespaces = 4
     lease_ttl = 60.0
     max_leases_per_client = 256
+    policy = "reuse"
     transports = ["tcp"]
     secret_file = "/etc/kvbridge/secret"
     insecure = false
@@ -31,6 +32,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from ._policy import POLICIES
 from ._sizes import parse_size
 
 if sys.version_info >= (3, 11):
@@ -62,6 +64,8 @@ class ServerConfig:
     lease_ttl: float = 60.0
     """Seconds a staged put or a pinned read stays valid: more than any transfer timeout."""
     max_leases_per_client: int = 256
+    policy: str = "lru"
+    """Eviction policy of every tier (``lru``, ``fifo``, ``reuse``: see ``POLICIES``)."""
     transports: tuple[str, ...] = ("tcp",)
     secret: bytes | None = None
     insecure: bool = False
@@ -77,6 +81,8 @@ class ServerConfig:
             raise ConfigError(f"lease_ttl must be positive, got {self.lease_ttl}")
         if self.host_capacity <= 0:
             raise ConfigError("host_capacity must be positive: the server needs host memory")
+        if self.policy not in POLICIES:
+            raise ConfigError(f"unknown policy {self.policy!r}; choose from {sorted(POLICIES)}")
         if (self.disk_path is None) != (self.disk_capacity == 0):
             raise ConfigError("disk_path and disk_capacity go together")
         if self.secret is None and not self.insecure and self.host not in _LOOPBACK:
@@ -169,6 +175,6 @@ def _convert(name: str, value: Any) -> Any:
         if not isinstance(items, list | tuple) or not items:
             raise ValueError(f"not a list of transports: {value!r}")
         return tuple(str(t).strip() for t in items)
-    if name in ("host", "disk_path", "secret_file"):
+    if name in ("host", "disk_path", "secret_file", "policy"):
         return str(value)
     return value

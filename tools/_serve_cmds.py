@@ -35,6 +35,7 @@ def add_parsers(commands: Any) -> None:
     serve.add_argument("--max-namespaces", type=int, help="namespaces at once (default 4)")
     serve.add_argument("--lease-ttl", type=float, help="seconds a lease lasts (default 60)")
     serve.add_argument("--transports", help="comma-separated: tcp, ucx, auto (default tcp)")
+    serve.add_argument("--policy", help="eviction policy: lru (default), fifo, reuse")
     serve.add_argument("--secret-file", help="file holding the shared secret clients must know")
     serve.add_argument(
         "--insecure",
@@ -56,7 +57,7 @@ def add_parsers(commands: Any) -> None:
 def _serve(args: argparse.Namespace) -> int:
     names = [
         *("host", "port", "host_capacity", "disk_path", "disk_capacity", "metrics_port"),
-        *("max_namespaces", "lease_ttl", "transports", "secret_file", "insecure"),
+        *("max_namespaces", "lease_ttl", "transports", "secret_file", "insecure", "policy"),
     ]
     try:
         config = load_config({name: getattr(args, name) for name in names}, args.config)
