@@ -40,6 +40,7 @@ class ModelShape:
 PRESETS = {
     "llama-3-8b": ModelShape("llama-3-8b", layers=32, kv_heads=8, head_dim=128),
     "llama-3-70b": ModelShape("llama-3-70b", layers=80, kv_heads=8, head_dim=128),
+    "opt-13b": ModelShape("opt-13b", layers=40, kv_heads=40, head_dim=128),
     "opt-66b": ModelShape("opt-66b", layers=64, kv_heads=72, head_dim=128),
     "deepseek-v3": ModelShape("deepseek-v3", layers=61, latent_dim=512 + 64),
 }

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from kvbridge import __version__
 
-from . import _demo, _replay, _serve_cmds, _store_cmds
+from . import _demo, _plan, _replay, _serve_cmds, _store_cmds
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -22,6 +22,7 @@ def _parser() -> argparse.ArgumentParser:
     _store_cmds.add_parsers(commands)
     _serve_cmds.add_parsers(commands)
     _replay.add_parser(commands)
+    _plan.add_parser(commands)
     return parser
 
 
