@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _transfer_target import TOTAL, shuffled_offsets
+from _transfer_target import TOTAL, read_ready, shuffled_offsets
 
 from kvbridge.transfer import OP_DTYPE, TransferEngine
 
@@ -52,7 +52,7 @@ def kvbridge_target() -> Iterator[bytes]:
         text=True,
     )
     assert proc.stdout is not None and proc.stdin is not None
-    metadata_hex, _ = proc.stdout.readline().split()
+    metadata_hex, _ = read_ready(proc.stdout)
     yield bytes.fromhex(metadata_hex)
     proc.stdin.close()
     proc.wait(30)

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _transfer_target import RAW_HEADER, TOTAL, shuffled_offsets
+from _transfer_target import RAW_HEADER, TOTAL, read_ready, shuffled_offsets
 
 from kvbridge.transfer import OP_DTYPE, TransferEngine
 
@@ -40,7 +40,7 @@ def target() -> Iterator[tuple[bytes, int]]:
         text=True,
     )
     assert proc.stdout is not None and proc.stdin is not None
-    metadata_hex, port = proc.stdout.readline().split()
+    metadata_hex, port = read_ready(proc.stdout)
     yield bytes.fromhex(metadata_hex), int(port)
     proc.stdin.close()
     proc.wait(30)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from kvbridge import __version__
 
-from . import _demo, _plan, _replay, _serve_cmds, _store_cmds
+from . import _bench, _demo, _linkcheck, _plan, _replay, _serve_cmds, _store_cmds
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -23,6 +23,8 @@ def _parser() -> argparse.ArgumentParser:
     _serve_cmds.add_parsers(commands)
     _replay.add_parser(commands)
     _plan.add_parser(commands)
+    _bench.add_parser(commands)
+    _linkcheck.add_parser(commands)
     return parser
 
 
