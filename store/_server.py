@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,7 +63,10 @@ class _Namespace:
     store: TieredStore
     region: Region | None = None
     stagings: dict[int, tuple[str, float]] = field(default_factory=dict)
+    staged_keys: dict[int, list[bytes]] = field(default_factory=dict)
     pins: dict[int, tuple[str, Lease]] = field(default_factory=dict)
+    unread: OrderedDict[bytes, float] = field(default_factory=OrderedDict)
+    """Committed blocks still held for their first read: key -> handoff pin deadline."""
 
     @property
     def label(self) -> str:
@@ -205,6 +208,7 @@ class CacheServer:
             for lease_id, (client, deadline) in list(ns.stagings.items()):
                 if deadline <= now:
                     del ns.stagings[lease_id]
+                    ns.staged_keys.pop(lease_id, None)
                     self._owned[client] -= 1
                     ns.store.abort(lease_id)
             for lease_id, (client, lease) in list(ns.pins.items()):
@@ -298,6 +302,7 @@ class CacheServer:
         self.metrics.saved.inc(saved)
         if lease:
             ns.stagings[lease] = (client, time.monotonic() + self.config.lease_ttl)
+            ns.staged_keys[lease] = [k for k, s in zip(keys, slots, strict=True) if s is not None]
             self._owned[client] += 1
         return {"lease": lease, "slots": slots, "saved_bytes": saved}
 
@@ -305,7 +310,10 @@ class CacheServer:
         ns = self._namespace(body)
         lease = message_field(body, "lease", int)
         self._take(ns.stagings, lease, client)
-        return {"stored": ns.store.commit(lease)}
+        keys = ns.staged_keys.pop(lease, [])
+        stored = ns.store.commit(lease)
+        self._hand_off(ns, keys)
+        return {"stored": stored}
 
     def _abort(self, client: str, body: dict[str, Any]) -> dict[str, Any]:
         ns = self._namespace(body)
@@ -313,6 +321,7 @@ class CacheServer:
         owner, _ = ns.stagings.get(lease, ("", 0.0))
         if owner == client:  # anything else: already gone, nothing to give back
             self._take(ns.stagings, lease, client)
+            ns.staged_keys.pop(lease, None)
             ns.store.abort(lease)
         return {}
 
@@ -323,6 +332,7 @@ class CacheServer:
         lease, slots = ns.store.pin_resident(keys, ttl=self.config.lease_ttl)
         ns.pins[lease.id] = (client, lease)
         self._owned[client] += 1
+        self._first_read(ns, keys)
         return {"lease": lease.id, "slots": slots}
 
     def _release(self, client: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -354,6 +364,37 @@ class CacheServer:
                 for ns in namespaces
             ],
         }
+
+    def _hand_off(self, ns: _Namespace, keys: list[bytes]) -> None:
+        """Hold freshly committed blocks until their first read (or ``handoff_ttl``).
+
+        Prefill pushes a request's blocks and decode pulls them moments later; until then
+        nothing says they are wanted, and a policy that evicts never-reused blocks first
+        (``reuse``) would drop them first. Their pins go at the first read, at the deadline,
+        or oldest first once they would hold more than half of the top tier (so pushes
+        alone cannot fill the store with pins)."""
+        ttl = min(self.config.handoff_ttl, self.config.lease_ttl)
+        fresh = [key for key in keys if key not in ns.unread and ns.store.contains([key])[0]]
+        if ttl <= 0 or not fresh:
+            return
+        ns.store.pin(fresh, ttl=ttl)
+        deadline = time.monotonic() + ttl
+        for key in fresh:
+            ns.unread[key] = deadline
+        limit = ns.store.tiers[0].capacity // 2
+        while len(ns.unread) > limit:
+            self._release_handoff(ns, *ns.unread.popitem(last=False))
+
+    def _first_read(self, ns: _Namespace, keys: list[bytes]) -> None:
+        for key in keys:
+            deadline = ns.unread.pop(key, None)
+            if deadline is not None:
+                self._release_handoff(ns, key, deadline)
+
+    @staticmethod
+    def _release_handoff(ns: _Namespace, key: bytes, deadline: float) -> None:
+        if deadline > time.monotonic():  # an expired pin is gone already: nothing to undo
+            ns.store.unpin([key])  # the pin expiring first: handoff_ttl <= lease_ttl
 
     def _take(self, book: dict[int, Any], lease: int, client: str) -> Any:
         entry = book.get(lease)

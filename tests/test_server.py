@@ -454,3 +454,28 @@ def test_a_put_whose_lease_expired_is_refused_and_stores_nothing() -> None:
         assert client.contains(ks) == [False, False]
         client.put(ks, payloads(ks, BB))  # a fresh lease works
         assert client.contains(ks) == [True, True]
+
+
+@pytest.mark.parametrize("handoff", [5.0, 0.0])
+def test_pushed_blocks_are_held_for_their_first_read(handoff: float) -> None:
+    config = ServerConfig(
+        port=0, host_capacity=8 * BB, max_namespaces=1, policy="reuse", handoff_ttl=handoff
+    )
+    with (
+        CacheServer(config) as server,
+        StoreClient(server.address, block_bytes=BB, namespace="m") as client,
+    ):
+        ks = keys(0, 10)
+        out = np.zeros((4, BB), np.uint8)
+        client.put(ks[:4], payloads(ks[:4], BB))
+        client.get(ks[:4], out)  # read once: reused, and no longer held
+        client.put(ks[4:6], payloads(ks[4:6], BB))  # pushed, not yet pulled
+        client.put(ks[6:10], payloads(ks[6:10], BB))  # needs two evictions
+        held = client.contains(ks[4:6])
+        if handoff:
+            assert held == [True, True]  # the older, reused blocks went instead
+            assert client.contains(ks[:2]) == [False, False]
+            client.get(ks[4:6], out[:2])  # the first read releases the hold
+            np.testing.assert_array_equal(out[:2], payloads(ks[4:6], BB))
+        else:
+            assert held == [False, False]  # `reuse` drops never-read blocks first

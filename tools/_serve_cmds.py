@@ -34,8 +34,11 @@ def add_parsers(commands: Any) -> None:
     serve.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     serve.add_argument("--max-namespaces", type=int, help="namespaces at once (default 4)")
     serve.add_argument("--lease-ttl", type=float, help="seconds a lease lasts (default 60)")
+    serve.add_argument(
+        "--handoff-ttl", type=float, help="seconds a new block is held for its first read (5)"
+    )
     serve.add_argument("--transports", help="comma-separated: tcp, ucx, auto (default tcp)")
-    serve.add_argument("--policy", help="eviction policy: lru (default), fifo, reuse")
+    serve.add_argument("--policy", help="eviction policy: reuse (default), lru, fifo")
     serve.add_argument("--secret-file", help="file holding the shared secret clients must know")
     serve.add_argument(
         "--insecure",
@@ -58,6 +61,7 @@ def _serve(args: argparse.Namespace) -> int:
     names = [
         *("host", "port", "host_capacity", "disk_path", "disk_capacity", "metrics_port"),
         *("max_namespaces", "lease_ttl", "transports", "secret_file", "insecure", "policy"),
+        "handoff_ttl",
     ]
     try:
         config = load_config({name: getattr(args, name) for name in names}, args.config)
