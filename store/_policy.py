@@ -92,9 +92,11 @@ class ReuseLRU:
 
     Measured with ``kvbridge replay`` (token hit rate, 512-token blocks): at 3M tokens
     0.179 against LRU's 0.141 on the conversation trace (1.27x) and 0.342 against 0.315 on
-    the synthetic one (1.09x); at 1M 0.107 / 0.157 against 0.053 / 0.142; at 6M 0.232 /
-    0.501 against 0.229 / 0.466. Nothing in it knows a trace: its only constants are ratios
-    to the cache's own size.
+    the synthetic one (1.08x); at 1M 0.105 / 0.157 against 0.053 / 0.142; at 6M 0.232 /
+    0.501 against 0.229 / 0.466. Where the cache nearly holds the working set it can lose a
+    little: at 8M and 16M tokens on the conversation trace 0.249 and 0.319 against LRU's
+    0.259 and 0.325 (the synthetic trace: 0.567 / 0.639 against 0.536 / 0.637). Nothing in
+    it knows a trace: its only constants are ratios to the cache's own size.
 
     All operations are O(1): two ordered dicts and a bounded ghost dict; ``candidates``
     merges the two queues' heads lazily.
@@ -102,11 +104,12 @@ class ReuseLRU:
 
     PROTECT = 8
     """A reused block outranks new ones until it goes ``PROTECT`` x cache-size accesses
-    without use (at 2x the conversation trace's gain shrank from 1.27x to 1.13x; at 8x and
-    16x it was the same)."""
+    without use. Conversation trace at 3M / 8M tokens: 2x gave 0.162 / 0.273, 4x 0.177 /
+    0.258, 8x 0.178 / 0.249 (LRU 0.141 / 0.259): longer protection wins small caches and
+    costs a little in large ones."""
     GHOSTS = 8
-    """Evicted keys remembered, as a multiple of the cache size (reuse is late: 4x kept
-    1.20x of LRU on the conversation trace at 3M tokens, 8x 1.27x)."""
+    """Evicted keys remembered, as a multiple of the cache size (reuse comes late; 4x and
+    8x gave the same 3M figures, 8x 0.157 against 0.155 on the synthetic trace at 1M)."""
 
     def __init__(self) -> None:
         self._new: OrderedDict[BlockKey, int] = OrderedDict()
