@@ -2,8 +2,11 @@
 
 ``python -m kvbridge.tools._linkcheck_client METADATA_HEX HOST RAW_PORT SECONDS
 REQUEST_BYTES BLOCK_BYTES STREAMS`` prints one JSON line: engine goodput and raw TCP
-goodput (bytes/s, writes of 1 MiB blocks in batches of up to 64 MiB), and the times to
-write three requests' KV cache (``REQUEST_BYTES`` in ``BLOCK_BYTES`` blocks).
+goodput (bytes/s, writes of 1 MiB blocks in batches of 64 MiB), and the times to write
+three requests' KV cache (``REQUEST_BYTES`` in ``BLOCK_BYTES`` blocks).
+
+With ``--loop`` first it instead answers commands on stdin, ``engine`` or ``raw``, each
+moving one 64 MiB batch and printing ``done`` (for benchmarks that time rounds).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -23,6 +27,9 @@ _BATCH_BLOCKS = 64
 
 
 def main(argv: list[str]) -> None:
+    loop = argv[:1] == ["--loop"]
+    if loop:
+        argv = argv[1:]
     metadata_hex, host, raw_port, seconds, request_bytes, block_bytes, streams = argv
     source = np.random.default_rng(0).integers(0, 256, TOTAL, dtype=np.uint8)
     with TransferEngine("linkcheck", streams=int(streams)) as engine:
@@ -39,6 +46,9 @@ def main(argv: list[str]) -> None:
             peer.write(ops).wait(600)
 
         write(_BLOCK, 4, 0)  # connection warm-up
+        if loop:
+            _serve_loop(write, RawLink(int(raw_port), int(streams), source.data, host))
+            return
         goodput = _rate(lambda seed: write(_BLOCK, _BATCH_BLOCKS, seed), float(seconds))
         raw = RawLink(int(raw_port), int(streams), source.data, host)
         try:
@@ -64,6 +74,19 @@ def main(argv: list[str]) -> None:
         ),
         flush=True,
     )
+
+
+def _serve_loop(write: Callable[[int, int, int], None], raw: RawLink) -> None:
+    print("ready", flush=True)
+    try:
+        for seed, line in enumerate(sys.stdin, 1):
+            if line.strip() == "engine":
+                write(_BLOCK, _BATCH_BLOCKS, seed)
+            else:
+                raw.send(_BLOCK, _BATCH_BLOCKS, seed)
+            print("done", flush=True)
+    finally:
+        raw.close()
 
 
 def _rate(batch: object, seconds: float) -> float:
