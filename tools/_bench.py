@@ -239,7 +239,7 @@ def _format(r: BenchRow) -> str:
         f"{r.block_bytes >> 20} MiB" if r.block_bytes >= 1 << 20 else f"{r.block_bytes >> 10} KiB"
     )
     return (
-        f"{r.transport:9} {r.streams:7d} {size:>8} {r.batch:5d} {r.gbps:7.2f} {r.raw_gbps:8.2f} "
+        f"{r.transport:9} {r.streams:7d} {size:>8} {r.batch:5d} {r.gbps:7.3f} {r.raw_gbps:8.3f} "
         f"{r.ratio:5.2f} {r.p50_ms:8.3f} {r.p99_ms:8.3f} {r.raw_p50_ms:8.3f} {r.raw_p99_ms:8.3f}"
     )
 
