@@ -226,16 +226,7 @@ class TieredStore:
         with self._lock:
             self._check_open()
             stored = [False] * len(checked)
-            fresh: dict[BlockKey, int] = {}
-            for i, key in enumerate(checked):
-                if key in fresh:
-                    continue
-                where = self._locate(key)
-                if where is None:
-                    fresh[key] = i
-                else:
-                    self._tiers[where].touch(key)
-            self._stats.duplicates += len(checked) - len(fresh)
+            fresh = self._fresh(checked)
             if not fresh:
                 return stored
             room = self._room()
@@ -324,16 +315,7 @@ class TieredStore:
             self._check_open()
             top = self._slot_top()
             self._sweep_staged()
-            fresh: dict[BlockKey, int] = {}
-            for i, key in enumerate(checked):
-                if key in fresh:
-                    continue
-                where = self._locate(key)
-                if where is None:
-                    fresh[key] = i
-                else:
-                    self._tiers[where].touch(key)
-            self._stats.duplicates += len(checked) - len(fresh)
+            fresh = self._fresh(checked)
             positions: list[int | None] = [None] * len(checked)
             if not fresh:
                 return 0, positions
@@ -616,6 +598,21 @@ class TieredStore:
                 return
         self._tiers[0].store(key, data)
         self._stats.promotions += 1
+
+    def _fresh(self, keys: Sequence[BlockKey]) -> dict[BlockKey, int]:
+        """The keys not stored yet, each with its first index; present keys count as used
+        and repeats as duplicates."""
+        fresh: dict[BlockKey, int] = {}
+        for i, key in enumerate(keys):
+            if key in fresh:
+                continue
+            where = self._locate(key)
+            if where is None:
+                fresh[key] = i
+            else:
+                self._tiers[where].touch(key)
+        self._stats.duplicates += len(keys) - len(fresh)
+        return fresh
 
     def _lifetime(self, ttl: float | None) -> float:
         lifetime = self.pin_ttl if ttl is None else ttl
