@@ -26,7 +26,7 @@ import msgpack
 import numpy as np
 
 from ..transfer import OP_DTYPE, Region, TransferEngine, TransferError
-from ._buffers import as_array
+from ._buffers import as_array, split_blocks
 from ._errors import InvalidBlock, LeaseExpired
 from ._keys import BlockKey
 from ._server_config import DEFAULT_PORT
@@ -285,21 +285,12 @@ class _Registration:
     def __init__(self, client: StoreClient, blocks: object, count: int, writable: bool) -> None:
         bb = client.block_bytes
         self._engine = client.engine
-        if isinstance(blocks, list | tuple):
-            if len(blocks) != count:
-                raise InvalidBlock(f"{count} key(s) but {len(blocks)} block buffer(s)")
-            arrays = [as_array(b, writable=writable) for b in blocks]
-            for i, arr in enumerate(arrays):
-                if arr.size != bb:
-                    raise InvalidBlock(f"block {i} is {arr.size} bytes, expected {bb}")
+        views, positions = split_blocks(blocks, count, bb, writable=writable)  # validates
+        if positions is None:  # one buffer per block
+            arrays = views
             offsets = np.zeros(count, dtype=np.uint64)
-        else:
-            flat = as_array(blocks, writable=writable)
-            if flat.size != count * bb:
-                raise InvalidBlock(
-                    f"buffer is {flat.size} bytes, expected {count} x {bb} = {count * bb}"
-                )
-            arrays = [flat]
+        else:  # one buffer for all: registered once
+            arrays = [as_array(blocks, writable=writable)]
             offsets = np.arange(count, dtype=np.uint64) * np.uint64(bb)
         access = "rw" if writable else "r"
         self._regions = [self._engine.register(a, access=access) for a in arrays]
