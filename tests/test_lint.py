@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,6 +27,11 @@ def test_ruff_is_clean() -> None:
         assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.skipif(
+    tuple(int(x) for x in np.__version__.split(".")[:2]) < (2, 3),
+    reason="the code is typed against numpy >= 2.3 (Python >= 3.11), whose ndarray has "
+    "default type parameters; older numpy stubs want them spelled out under --strict",
+)
 def test_mypy_strict_is_clean() -> None:
     result = subprocess.run(
         _tool("mypy"), cwd=ROOT, capture_output=True, text=True, check=False, timeout=600
