@@ -347,7 +347,9 @@ class CacheServer:
 
     def _remove(self, client: str, body: dict[str, Any]) -> dict[str, Any]:
         ns = self._namespace(body)
-        return {"removed": ns.store.remove(keys_field(body))}
+        keys = keys_field(body)
+        self._first_read(ns, keys)  # a handoff hold must not make removal fail
+        return {"removed": ns.store.remove(keys)}
 
     def _stats(self, client: str, body: dict[str, Any]) -> dict[str, Any]:
         with self._lock:

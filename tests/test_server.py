@@ -477,5 +477,7 @@ def test_pushed_blocks_are_held_for_their_first_read(handoff: float) -> None:
             assert client.contains(ks[:2]) == [False, False]
             client.get(ks[4:6], out[:2])  # the first read releases the hold
             np.testing.assert_array_equal(out[:2], payloads(ks[4:6], BB))
+            client.put(keys(20, 21), payloads(keys(20, 21), BB))
+            assert client.remove(keys(20, 21)) == [True]  # a held block can still be removed
         else:
             assert held == [False, False]  # `reuse` drops never-read blocks first
