@@ -51,6 +51,10 @@ class PinTable:
             if leases:
                 self.release(min(leases, key=leases.__getitem__), (key,))
 
+    def __len__(self) -> int:
+        """Keys with a pin, expired ones not yet swept included (an upper bound)."""
+        return len(self._by_key)
+
     def is_pinned(self, key: BlockKey) -> bool:
         leases = self._by_key.get(key)
         if not leases:

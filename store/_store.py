@@ -229,7 +229,7 @@ class TieredStore:
             fresh = self._fresh(checked)
             if not fresh:
                 return stored
-            room = self._room()
+            room = self._room(len(fresh))
             if len(fresh) > room:
                 raise StoreFull(
                     f"{len(fresh)} new block(s) but the tiers hold at most {room} more "
@@ -319,12 +319,15 @@ class TieredStore:
             positions: list[int | None] = [None] * len(checked)
             if not fresh:
                 return 0, positions
-            pinned_here = sum(key in top for key in self._pins.pinned())
-            room = top.capacity - self._staging.slots - pinned_here
+            room = top.capacity - self._staging.slots - len(self._pins)  # at least this
+            if len(fresh) > room:  # count exactly: only pinned keys held by this tier count
+                pinned_here = sum(key in top for key in self._pins.pinned())
+                room = top.capacity - self._staging.slots - pinned_here
             if len(fresh) > room:
                 raise StoreFull(
                     f"{len(fresh)} new block(s) but the {top.name} tier can free at most "
-                    f"{max(room, 0)} slot(s) ({pinned_here} pinned, {self._staging.slots} staged)"
+                    f"{max(room, 0)} slot(s) ({top.capacity - self._staging.slots - room} "
+                    f"pinned, {self._staging.slots} staged)"
                 )
             slots: list[int] = []
             with self._batch():
@@ -505,16 +508,21 @@ class TieredStore:
                 return t
         return None
 
-    def _room(self) -> int:
-        """How many new blocks fit: every slot not held by a pin can be freed."""
-        pinned = self._pins.pinned()
+    def _room(self, needed: int) -> int:
+        """How many new blocks fit (every slot not held by a pin or a staged put can be
+        freed), counted exactly only when a cheap lower bound says fewer than ``needed``:
+        walking every pinned key on every put cost O(pins)."""
         if self.write_through:
             assert self._persistent is not None
             tiers = [self._tiers[self._persistent]]
         else:
             tiers = self._tiers
         staged = self._staging.slots if tiers[0] is self._tiers[0] else 0
-        return sum(tier.capacity - sum(key in tier for key in pinned) for tier in tiers) - staged
+        capacity = sum(tier.capacity for tier in tiers) - staged
+        if capacity - len(self._pins) * len(tiers) >= needed:
+            return capacity - len(self._pins) * len(tiers)
+        pinned = self._pins.pinned()
+        return capacity - sum(sum(key in tier for key in pinned) for tier in tiers)
 
     @contextlib.contextmanager
     def _batch(self) -> Iterator[None]:
