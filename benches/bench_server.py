@@ -37,6 +37,7 @@ class _Rig:
             [
                 *(sys.executable, "-m", "kvbridge", "serve", "--port", "0"),
                 *("--host-capacity", "2GiB", "--max-namespaces", "1"),
+                *("--policy", os.environ.get("KVBRIDGE_BENCH_POLICY", "reuse")),
             ],
             stdout=subprocess.PIPE,
             text=True,

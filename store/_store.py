@@ -331,9 +331,9 @@ class TieredStore:
                 )
             slots: list[int] = []
             with self._batch():
+                if not self._make_room_for(0, len(fresh), fresh.keys()):
+                    raise StoreFull("no room")  # unreachable: room was checked above
                 for i in fresh.values():
-                    if not self._make_room(0, fresh.keys(), taken=len(slots)):
-                        raise StoreFull("no room")  # unreachable: room was checked above
                     slots.append(top.take_slot())
                     positions[i] = slots[-1]
             staging = self._staging.add(tuple(fresh), tuple(slots), lifetime)
@@ -561,6 +561,27 @@ class TieredStore:
                 self._evict(t, key, protect)
                 return True
         return False
+
+    def _make_room_for(self, t: int, count: int, protect: Container[BlockKey]) -> bool:
+        """Free ``count`` slots of tier ``t`` in one walk of the policy's candidates (one
+        walk per block cost O(pinned) each time: a policy that ranks pinned blocks coldest
+        made a batch O(pinned x batch))."""
+        tier = self._tiers[t]
+        used = len(tier) + (self._staging.slots if t == 0 else 0)
+        need = used + count - tier.capacity
+        if need <= 0:
+            return True
+        victims = []
+        for key in tier.policy.candidates():
+            if key not in protect and not self._pins.is_pinned(key):
+                victims.append(key)
+                if len(victims) == need:
+                    break
+        else:
+            return False
+        for key in victims:
+            self._evict(t, key, protect)
+        return True
 
     def _evict(self, t: int, key: BlockKey, protect: Container[BlockKey]) -> None:
         """Move ``key`` from tier ``t`` one tier down, or out of the store from the last."""

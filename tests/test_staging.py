@@ -121,3 +121,30 @@ def test_pin_resident_lifts_blocks_from_disk_into_memory(tmp_path: Path) -> None
         lease.release()
         with pytest.raises(BlockNotFound):
             store.pin_resident(keys(9, 10))
+
+
+def test_staging_frees_a_batch_in_one_walk_past_pinned_blocks() -> None:
+    """With `reuse`, pinned never-read blocks lead the candidates: a batch must not walk
+    past them once per block (that made a server's handoff pins expire under load)."""
+    with TieredStore(BB, host_capacity=64 * BB, policy="reuse") as store:
+        old, held, new = keys(0, 32), keys(32, 64), keys(64, 80)
+        store.put(old, payloads(old, BB))
+        store.get(old, np.zeros((32, BB), np.uint8))  # reused now
+        store.put(held, payloads(held, BB))
+        lease = store.pin(held)
+        policy = store.tiers[0].policy
+        walks = 0
+        candidates = policy.candidates
+
+        def counted() -> object:
+            nonlocal walks
+            walks += 1
+            return candidates()
+
+        policy.candidates = counted  # type: ignore[method-assign]
+        lease_id, slots = store.stage(new)
+        assert walks == 1 and all(s is not None for s in slots)
+        assert store.contains(held) == [True] * 32  # the pinned ones stayed
+        assert sum(store.contains(old)) == 16  # the 16 victims were reused blocks
+        store.abort(lease_id)
+        lease.release()
