@@ -404,7 +404,11 @@ class TieredStore:
                 self._stats.misses += len(missing)
                 raise BlockNotFound(missing)
             protect = set(checked)
+            lifts = [key for key in dict.fromkeys(checked) if key not in top]
             with self._batch():
+                # Room for every lift in one walk (best effort: a copy out of a memory
+                # tier frees a slot there too); _lift then finds a free slot.
+                self._make_room_for(0, len(lifts), protect)
                 for key in dict.fromkeys(checked):
                     t = self._locate(key)
                     if t == 0:
