@@ -24,6 +24,8 @@ import numpy as np
 import pytest
 from conftest import _EXTRA_LINES
 
+from kvbridge.tools._serve_cmds import read_listening
+
 HERE = Path(__file__).parent
 CLIENTS = int(os.environ.get("KVB_CLIENTS", "8"))
 REQUESTS = 16
@@ -43,7 +45,7 @@ class _Rig:
             text=True,
         )
         assert self.server.stdout is not None
-        self.address = self.server.stdout.readline().split("listening on ")[1].split()[0]
+        self.address, _ = read_listening(self.server.stdout)
         self.echo = subprocess.Popen(
             [sys.executable, str(HERE / "_echo_server.py"), str(REQUEST_BYTES)],
             stdin=subprocess.PIPE,

@@ -90,12 +90,11 @@ class CacheServer:
     def __init__(self, config: ServerConfig | None = None) -> None:
         self.config = config or ServerConfig()
         cfg = self.config
-        transports: Any = "auto" if cfg.transports == ("auto",) else cfg.transports
         self.engine = TransferEngine(
             "kvbridge-server",
             host=cfg.host,
             port=cfg.port,
-            transports=transports,
+            transports=cfg.transports,
             secret=cfg.secret,
         )
         self._namespaces: dict[int, _Namespace] = {}

@@ -31,6 +31,7 @@ from kvbridge.store import (
     UnknownNamespace,
     load_config,
 )
+from kvbridge.tools._serve_cmds import read_listening
 from kvbridge.transfer import OP_DTYPE, AuthenticationError, TransferError
 
 BB = 64 << 10
@@ -47,10 +48,10 @@ class _Server:
             text=True,
         )
         assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        assert "listening on" in line, line + self.proc.stderr.read()  # type: ignore[union-attr]
-        self.address = line.split("listening on ")[1].split()[0]
-        self.line = line
+        try:
+            self.address, self.line = read_listening(self.proc.stdout)
+        except RuntimeError:
+            raise AssertionError(self.proc.stderr.read()) from None  # type: ignore[union-attr]
 
     def stop(self, sig: int = signal.SIGTERM) -> str:
         self.proc.send_signal(sig)

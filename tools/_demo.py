@@ -31,6 +31,7 @@ import zmq
 from kvbridge.store import parse_size
 
 from ._models import PRESETS, ModelShape, from_hf_config
+from ._serve_cmds import read_listening
 from ._workload import Request, conversations, load_trace
 
 
@@ -54,7 +55,7 @@ def add_parser(commands: Any) -> None:
     demo.add_argument("--speedup", type=float, default=20.0, help="trace time compression")
     demo.add_argument("--server-capacity", default="1GiB", help="the server's host memory")
     demo.add_argument("--transports", default="tcp", help="tcp, ucx or auto")
-    demo.add_argument("--inflight", type=int, default=4, help="requests in flight at most")
+    demo.add_argument("--inflight", type=int, default=2, help="requests in flight at most")
     demo.add_argument("--plot", help="draw throughput and latency over time into this PNG")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(run=run)
@@ -91,11 +92,11 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     largest = max((len(r.tokens) // args.block_tokens for r in requests), default=0) * block_bytes
-    if largest * args.inflight > capacity:
+    if largest > capacity // 2:  # the server holds unread blocks in up to half its memory
         print(
-            f"warning: {args.inflight} requests in flight of up to {largest / 1e9:.2f} GB of KV "
-            f"each exceed the server's {capacity / 1e9:.2f} GB: blocks will be evicted before "
-            "decode pulls them (raise --server-capacity or lower --inflight)",
+            f"warning: requests of up to {largest / 1e9:.2f} GB of KV exceed half the server's "
+            f"{capacity / 1e9:.2f} GB: blocks may be evicted before decode pulls them (raise "
+            "--server-capacity)",
             flush=True,
         )
     link = loopback_speed()
@@ -180,10 +181,7 @@ class _Cluster:
         )
         self._procs.append(proc)
         assert proc.stdout is not None
-        line = proc.stdout.readline()
-        if "listening on" not in line:
-            raise RuntimeError(f"the cache server did not start: {line!r}")
-        self.server_address = line.split("listening on ")[1].split()[0]
+        self.server_address, _ = read_listening(proc.stdout)
         return proc
 
     def drive(self, requests: list[Request]) -> tuple[list[_Outcome], float]:

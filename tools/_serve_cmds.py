@@ -7,7 +7,7 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import IO, Any
 
 from kvbridge.store import (
     DEFAULT_PORT,
@@ -79,8 +79,7 @@ def _serve(args: argparse.Namespace) -> int:
         metrics = f", metrics on :{server.metrics_port}" if server.metrics_port else ""
         disk = f", disk {config.disk_path}" if config.disk_path else ""
         print(
-            f"kvbridge serve: listening on {server.address} "
-            f"({config.host_capacity >> 20} MiB host{disk}{metrics})",
+            f"{LISTENING}{server.address} ({config.host_capacity >> 20} MiB host{disk}{metrics})",
             flush=True,
         )
         stop.wait()
@@ -104,6 +103,18 @@ def _stats(args: argparse.Namespace) -> int:
         return 1
     print(format_stats(stats))
     return 0
+
+
+LISTENING = "kvbridge serve: listening on "
+
+
+def read_listening(stdout: IO[str]) -> tuple[str, str]:
+    """The ``host:port`` a ``kvbridge serve`` child announced, and the announcing line;
+    other lines (UCX prints its warnings on stdout) are skipped."""
+    for line in stdout:
+        if line.startswith(LISTENING):
+            return line[len(LISTENING) :].split()[0], line
+    raise RuntimeError("the cache server exited before it was listening")
 
 
 def server_stats(address: str, secret: bytes | None = None) -> dict[str, Any]:

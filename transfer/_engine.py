@@ -74,7 +74,7 @@ class TransferEngine:
         **settings: Any,
     ) -> None:
         self.settings = TransferSettings.from_kwargs(settings)
-        if transports == "auto":
+        if transports == "auto" or list(transports) == ["auto"]:
             transports = ("ucx", "tcp") if ucx_available() else ("tcp",)
         elif isinstance(transports, str):
             transports = (transports,)
