@@ -32,7 +32,7 @@ from kvbridge.store import (
     load_config,
 )
 from kvbridge.tools._serve_cmds import read_listening
-from kvbridge.transfer import OP_DTYPE, AuthenticationError, TransferError
+from kvbridge.transfer import OP_DTYPE, AuthenticationError, TransferError, ucx_available
 
 BB = 64 << 10
 
@@ -482,3 +482,18 @@ def test_pushed_blocks_are_held_for_their_first_read(handoff: float) -> None:
             assert client.remove(keys(20, 21)) == [True]  # a held block can still be removed
         else:
             assert held == [False, False]  # `reuse` drops never-read blocks first
+
+
+@pytest.mark.skipif(not ucx_available(), reason="ucxx is not installed (kvbridge[ucx])")
+def test_a_client_over_ucx() -> None:
+    config = ServerConfig(port=0, host_capacity=8 << 20, transports=("ucx", "tcp"))
+    with (
+        CacheServer(config) as server,
+        StoreClient(server.address, block_bytes=BB, namespace="m", transports="ucx") as client,
+    ):
+        assert client.peer.transport == "ucx"
+        ks = keys(0, 8)
+        client.put(ks, payloads(ks, BB))
+        out = np.zeros((8, BB), np.uint8)
+        client.get(ks, out)
+        np.testing.assert_array_equal(out, payloads(ks, BB))
