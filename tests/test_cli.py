@@ -29,7 +29,7 @@ def _kvbridge(*args: str) -> subprocess.CompletedProcess[str]:
 def test_help_lists_the_commands() -> None:
     result = _kvbridge("--help")
     assert result.returncode == 0
-    for command in ("demo", "hash", "check"):
+    for command in ("demo", "serve", "stats", "plan", "replay", "bench", "linkcheck", "hash"):
         assert command in result.stdout
 
 
