@@ -241,6 +241,10 @@ class TieredStore:
             filling: list[BlockArray] = []
             filling_at: list[int | None] = []
             with self._batch():
+                # One walk frees the top tier for the whole batch when it can (else each
+                # block finds its tier below); per-block walks past pinned blocks were
+                # O(pinned x batch).
+                self._make_room_for(0, len(fresh), protect)
                 for key, i in fresh.items():
                     placed, slot = self._place(key, sources[i], protect)
                     if slot is not None:
