@@ -99,7 +99,7 @@ class StoreClient:
         checked = _keys(keys)
         if not checked:
             return []
-        with self._registered(blocks, len(checked), writable=False) as where:
+        with _Registration(self, blocks, len(checked), writable=False) as where:
             return self._put(checked, where)
 
     def put_from(self, keys: Sequence[bytes], region: Region, offsets: Sequence[int]) -> list[bool]:
@@ -113,7 +113,7 @@ class StoreClient:
         checked = _keys(keys)
         if not checked:
             return
-        with self._registered(out, len(checked), writable=True) as where:
+        with _Registration(self, out, len(checked), writable=True) as where:
             self._get(checked, where)
 
     def get_into(self, keys: Sequence[bytes], region: Region, offsets: Sequence[int]) -> None:
@@ -275,14 +275,11 @@ class StoreClient:
             raise InvalidBlock(f"an offset puts a block outside {region!r}")
         return np.full(count, region.id, dtype=np.uint64), at.astype(np.uint64)
 
-    def _registered(self, blocks: object, count: int, *, writable: bool) -> _Registration:
-        return _Registration(self, blocks, count, writable)
-
 
 class _Registration:
     """Registers a caller's buffer(s) for one call and unregisters them after it."""
 
-    def __init__(self, client: StoreClient, blocks: object, count: int, writable: bool) -> None:
+    def __init__(self, client: StoreClient, blocks: object, count: int, *, writable: bool) -> None:
         bb = client.block_bytes
         self._engine = client.engine
         views, positions = split_blocks(blocks, count, bb, writable=writable)  # validates

@@ -28,7 +28,7 @@ import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import numpy as np
@@ -56,14 +56,19 @@ MAX_NAMESPACE_BYTES = 256
 MAX_BLOCK_BYTES = 1 << 30
 
 
+class _Staged(NamedTuple):
+    deadline: float
+    keys: list[bytes]
+    """The keys that got a slot (what the commit makes visible)."""
+
+
 @dataclass
 class _Namespace:
     handle: int
     name: bytes
     store: TieredStore
     region: Region | None = None
-    stagings: dict[int, tuple[str, float]] = field(default_factory=dict)
-    staged_keys: dict[int, list[bytes]] = field(default_factory=dict)
+    stagings: dict[int, tuple[str, _Staged]] = field(default_factory=dict)
     pins: dict[int, tuple[str, Lease]] = field(default_factory=dict)
     unread: OrderedDict[bytes, float] = field(default_factory=OrderedDict)
     """Committed blocks still held for their first read: key -> handoff pin deadline."""
@@ -204,10 +209,9 @@ class CacheServer:
         """Forget leases past their deadline (their slots and pins are already void)."""
         now = time.monotonic()
         for ns in self._namespaces.values():
-            for lease_id, (client, deadline) in list(ns.stagings.items()):
-                if deadline <= now:
+            for lease_id, (client, staged) in list(ns.stagings.items()):
+                if staged.deadline <= now:
                     del ns.stagings[lease_id]
-                    ns.staged_keys.pop(lease_id, None)
                     self._owned[client] -= 1
                     ns.store.abort(lease_id)
             for lease_id, (client, lease) in list(ns.pins.items()):
@@ -300,27 +304,25 @@ class CacheServer:
         saved = present * ns.store.block_bytes
         self.metrics.saved.inc(saved)
         if lease:
-            ns.stagings[lease] = (client, time.monotonic() + self.config.lease_ttl)
-            ns.staged_keys[lease] = [k for k, s in zip(keys, slots, strict=True) if s is not None]
+            deadline = time.monotonic() + self.config.lease_ttl
+            fresh = [k for k, s in zip(keys, slots, strict=True) if s is not None]
+            ns.stagings[lease] = (client, _Staged(deadline, fresh))
             self._owned[client] += 1
         return {"lease": lease, "slots": slots, "saved_bytes": saved}
 
     def _commit(self, client: str, body: dict[str, Any]) -> dict[str, Any]:
         ns = self._namespace(body)
         lease = message_field(body, "lease", int)
-        self._take(ns.stagings, lease, client)
-        keys = ns.staged_keys.pop(lease, [])
+        staged: _Staged = self._take(ns.stagings, lease, client)
         stored = ns.store.commit(lease)
-        self._hand_off(ns, keys)
+        self._hand_off(ns, staged.keys)
         return {"stored": stored}
 
     def _abort(self, client: str, body: dict[str, Any]) -> dict[str, Any]:
         ns = self._namespace(body)
         lease = message_field(body, "lease", int)
-        owner, _ = ns.stagings.get(lease, ("", 0.0))
-        if owner == client:  # anything else: already gone, nothing to give back
+        if ns.stagings.get(lease, ("",))[0] == client:  # else: gone, nothing to give back
             self._take(ns.stagings, lease, client)
-            ns.staged_keys.pop(lease, None)
             ns.store.abort(lease)
         return {}
 

@@ -558,22 +558,15 @@ class TieredStore:
             raise StoreFull("no room for the write-through copy")  # unreachable, see _room
         self._tiers[self._persistent].store(key, src)
 
-    def _make_room(self, t: int, protect: Container[BlockKey], *, taken: int = 0) -> bool:
-        """Ensure tier ``t`` has a free slot, evicting one unpinned, unprotected block.
-        Staged slots, and ``taken`` slots about to be staged, count as used."""
-        tier = self._tiers[t]
-        if len(tier) + (self._staging.slots + taken if t == 0 else 0) < tier.capacity:
-            return True
-        for key in tier.policy.candidates():
-            if key not in protect and not self._pins.is_pinned(key):
-                self._evict(t, key, protect)
-                return True
-        return False
+    def _make_room(self, t: int, protect: Container[BlockKey]) -> bool:
+        """Ensure tier ``t`` has a free slot, evicting one unpinned, unprotected block."""
+        return self._make_room_for(t, 1, protect)
 
     def _make_room_for(self, t: int, count: int, protect: Container[BlockKey]) -> bool:
-        """Free ``count`` slots of tier ``t`` in one walk of the policy's candidates (one
-        walk per block cost O(pinned) each time: a policy that ranks pinned blocks coldest
-        made a batch O(pinned x batch))."""
+        """Free ``count`` slots of tier ``t`` (staged slots count as used), evicting
+        unpinned, unprotected blocks found in one walk of the policy's candidates (one walk
+        per block cost O(pinned) each time: a policy that ranks pinned blocks coldest made
+        a batch O(pinned x batch)). Evicts nothing when it cannot free them all."""
         tier = self._tiers[t]
         used = len(tier) + (self._staging.slots if t == 0 else 0)
         need = used + count - tier.capacity

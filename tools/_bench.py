@@ -197,10 +197,8 @@ class RawLink:
                 conn.sendall(self.source[offset : offset + block])
             conn.recv(1)
 
-        if streams == 1 or count == 1:
-            for i in range(min(streams, count)):
-                stream(i)
-            for i in range(count, streams):  # streams with no block still get a header
+        if streams == 1 or count == 1:  # nothing to overlap: no threads
+            for i in range(streams):  # a stream with no block still gets its header
                 stream(i)
             return
         threads = [threading.Thread(target=stream, args=(i,)) for i in range(streams)]

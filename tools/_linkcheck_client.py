@@ -89,9 +89,8 @@ def _serve_loop(write: Callable[[int, int, int], None], raw: RawLink) -> None:
         raw.close()
 
 
-def _rate(batch: object, seconds: float) -> float:
+def _rate(batch: Callable[[int], None], seconds: float) -> float:
     """Bytes per second of back-to-back batches of ``_BATCH_BLOCKS`` blocks."""
-    assert callable(batch)
     moved, start = 0, time.perf_counter()
     seed = 1
     while True:
