@@ -98,6 +98,13 @@ class ReuseLRU:
     0.259 and 0.325 (the synthetic trace: 0.567 / 0.639 against 0.536 / 0.637). Nothing in
     it knows a trace: its only constants are ratios to the cache's own size.
 
+    What it leaves: on the synthetic trace the rest of the room is in telling a reused
+    block whose conversation has ended from one whose next turn is late, and the turns'
+    gaps there are close to exponential. ``benches/policy_bounds.py`` measures the bounds:
+    a perfect detector of dead reused blocks on top of this rule would reach 1.36x LRU;
+    a hit-density ranking given the exact per-class statistics of use count, request
+    length and last reuse interval reaches 1.15x.
+
     All operations are O(1): two ordered dicts and a bounded ghost dict; ``candidates``
     merges the two queues' heads lazily.
     """

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -141,3 +142,31 @@ def test_the_store_runs_the_reuse_policy() -> None:
         store.get(ks[:1], np.zeros((1, bb), np.uint8))  # block 0 is reused
         store.put(ks[3:5], payloads(ks[3:5], bb))  # evicts the two new blocks 1 and 2
         assert store.contains(ks) == [True, False, False, True, True]
+
+
+@needs_traces
+def test_policy_bounds_study(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """benches/policy_bounds.py: its rows, its LRU equal to replay's, and the density
+    policy never leaves a cached block without its cached prefix."""
+    spec = importlib.util.spec_from_file_location(
+        "policy_bounds", Path(__file__).parents[1] / "benches" / "policy_bounds.py"
+    )
+    assert spec is not None and spec.loader is not None
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    trace = tmp_path / "head.jsonl"
+    trace.write_text("".join(SYNTHETIC.read_text().splitlines(keepends=True)[:800]))
+    assert study.main([str(trace), "--capacity", "200k"]) == 0
+    rows = dict(line.split()[:2] for line in capsys.readouterr().out.splitlines())
+    requests = load_requests(str(trace))
+    assert float(rows["lru"]) == pytest.approx(replay(requests, 2e5, "lru").hit_rate, abs=1e-4)
+    assert float(rows["oracle-keep"]) > float(rows["lru"])
+    assert len(rows) == 9
+    classes = study._classes(requests, ("f", "len"))
+    tables = study._densities(requests, classes, horizon=3000)
+    cache = study._ClassDensity(390, classes, tables)
+    for request in requests:
+        cache.request(request.hash_ids)
+        assert len(cache.present) <= 390
+        for block in cache.present.values():
+            assert block.parent is None or block.parent in cache.present
