@@ -161,40 +161,26 @@ class RegionTable:
         """Check remote ops (DESCRIPTOR array) against the regions and return the views
         they address, with the regions acquired. ``device_ok``: the stream can carry GPU
         memory. Raises :class:`AccessDenied` naming the first bad op; nothing is acquired
-        then."""
+        then.
+
+        The lock covers only the lookup and the busy count: an acquired region cannot be
+        unregistered and its fields do not change, so the checks (and the region's guard,
+        which may take its owner's locks) run outside it and the serving threads do not
+        queue behind each other's checks."""
+        regions: dict[int, Region] = {}
         with self._lock:
-            regions: dict[int, Region] = {}
             for region_id in distinct(ops["region"]):
                 region = self._regions.get(region_id)
                 if region is None:
                     index = int(np.argmax(ops["region"] == region_id))
                     raise AccessDenied(f"op {index}: no region {region_id}", op_index=index)
                 regions[region_id] = region
+            for region in regions.values():
+                region._busy += 1
+        acquired = list(regions.values())
+        try:
             for region_id, region in regions.items():
-                mine = ops["region"] == region_id
-                bad = mine & (ops["key"] != region.key)
-                reason = "wrong access key"
-                if not bad.any() and access not in region.access:
-                    bad, reason = mine, f"region {region_id} does not allow '{access}'"
-                if not bad.any() and access == "w" and region.readonly:
-                    bad, reason = mine, f"region {region_id} is read-only memory"
-                if not bad.any() and region.device and not device_ok:
-                    bad, reason = mine, f"region {region_id} is GPU memory: it moves over ucx only"
-                if not bad.any():
-                    ends = ops["offset"] + ops["length"]
-                    bad = mine & (
-                        (ops["offset"] > region.length)
-                        | (ops["length"] > region.length)
-                        | (ends > region.length)
-                    )
-                    reason = f"bytes outside region {region_id} ({region.length} bytes)"
-                if not bad.any() and region.guard is not None:
-                    allowed = np.ones(len(ops), dtype=bool)
-                    allowed[mine] = region.guard(access, ops["offset"][mine], ops["length"][mine])
-                    bad, reason = ~allowed, f"region {region_id} refuses this {access} op"
-                if bad.any():
-                    index = int(np.argmax(bad))
-                    raise AccessDenied(f"op {index}: {reason}", op_index=index)
+                _check(ops, region_id, region, access, device_ok)
             views = [
                 regions[r].view[o : o + n]
                 for r, o, n in zip(
@@ -204,7 +190,32 @@ class RegionTable:
                     strict=True,
                 )
             ]
-            acquired = list(regions.values())
-            for region in acquired:
-                region._busy += 1
-            return views, acquired
+        except BaseException:
+            self.release(acquired)
+            raise
+        return views, acquired
+
+
+def _check(ops: np.ndarray, region_id: int, region: Region, access: str, device_ok: bool) -> None:
+    """Raise :class:`AccessDenied` at the first op on ``region`` it must not run."""
+    mine = ops["region"] == region_id
+    bad = mine & (ops["key"] != region.key)
+    reason = "wrong access key"
+    if not bad.any() and access not in region.access:
+        bad, reason = mine, f"region {region_id} does not allow '{access}'"
+    if not bad.any() and access == "w" and region.readonly:
+        bad, reason = mine, f"region {region_id} is read-only memory"
+    if not bad.any() and region.device and not device_ok:
+        bad, reason = mine, f"region {region_id} is GPU memory: it moves over ucx only"
+    if not bad.any():
+        ends = ops["offset"] + ops["length"]
+        too_far = (ops["offset"] > region.length) | (ops["length"] > region.length)
+        bad = mine & (too_far | (ends > region.length))
+        reason = f"bytes outside region {region_id} ({region.length} bytes)"
+    if not bad.any() and region.guard is not None:
+        allowed = np.ones(len(ops), dtype=bool)
+        allowed[mine] = region.guard(access, ops["offset"][mine], ops["length"][mine])
+        bad, reason = ~allowed, f"region {region_id} refuses this {access} op"
+    if bad.any():
+        index = int(np.argmax(bad))
+        raise AccessDenied(f"op {index}: {reason}", op_index=index)
