@@ -21,8 +21,9 @@ it finishes (the class-density runs take about a minute each).
   the next-use interval of every class over the whole trace (more than an online learner can
   know) and evicts the block with the lowest hit density at its age (expected hits over
   expected cache time, as in LHD), only ever a block without a cached child so that prefix
-  chains stay whole. With perfect class statistics this is an upper bound for an online
-  policy that ranks blocks by those signals.
+  chains stay whole. It shows what ranking by those signals reaches when the statistics
+  are perfect; an online policy has to learn them as it goes (not a proof that no online
+  policy could do better, but the strongest use of these signals found).
 """
 
 from __future__ import annotations
