@@ -141,7 +141,8 @@ class TransferEngine:
         anything with ``__cuda_array_interface__``) needs the ``ucx`` transport and moves
         only to peers reached over it. ``guard(access, offsets, lengths)``, if given, is
         asked about every remote op that passed the key and bounds checks and returns a
-        mask of the ops it allows (a cache server lets writes land only in staged slots).
+        mask of the ops it allows (a cache server lets writes land only in staged slots);
+        serving threads call it concurrently, so it must be thread-safe.
         """
         self._check_open()
         if hasattr(buffer, "__cuda_array_interface__") and "ucx" not in self._transports:

@@ -15,7 +15,8 @@ from ._errors import AccessDenied, LocalProtocolError, RegionBusy
 ACCESS_MODES = ("r", "w", "rw")
 
 Guard = Callable[[str, np.ndarray, np.ndarray], np.ndarray]
-"""``guard(access, offsets, lengths) -> mask`` of the remote ops a region allows."""
+"""``guard(access, offsets, lengths) -> mask`` of the remote ops a region allows. Called
+from the engine's serving threads, several at once: it must be thread-safe."""
 
 
 def distinct(values: np.ndarray) -> list[int]:
