@@ -37,9 +37,9 @@ from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable, Container, Sequence
 from typing import Protocol
 
-from kvbridge.tools._replay import TraceRequest, load_requests, parse_tokens, replay
+from kvbridge.tools._replay import TraceRequest, hit_tokens, load_requests, parse_tokens, replay
+from kvbridge.tools._workload import TRACE_BLOCK_TOKENS
 
-BLOCK_TOKENS = 512
 AGES = [0, *(int(2 ** (k / 2)) for k in range(2, 40))]
 """Age grid (in block accesses) on which hit density is evaluated."""
 
@@ -52,17 +52,11 @@ class _Cache(Protocol):
 
 
 def _run(requests: Sequence[TraceRequest], cache: _Cache) -> float:
-    hit_tokens = prompt_tokens = 0
+    hits = 0
     for request in requests:
-        blocks = 0
-        for hash_id in request.hash_ids:
-            if hash_id not in cache.present:
-                break
-            blocks += 1
-        hit_tokens += min(blocks * BLOCK_TOKENS, request.input_length)
-        prompt_tokens += request.input_length
+        hits += hit_tokens(request, cache.present)
         cache.request(request.hash_ids)
-    return hit_tokens / prompt_tokens
+    return hits / sum(r.input_length for r in requests)
 
 
 def _used_again(requests: Sequence[TraceRequest]) -> tuple[list[bool], list[bool]]:
@@ -249,7 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     requests = load_requests(args.trace)
     capacity_tokens = parse_tokens(args.capacity)
-    blocks = int(capacity_tokens // BLOCK_TOKENS)
+    blocks = int(capacity_tokens // TRACE_BLOCK_TOKENS)
     again, first = _used_again(requests)
     runs: dict[str, Callable[[], float]] = {
         name: functools.partial(lambda n: replay(requests, capacity_tokens, n).hit_rate, name)

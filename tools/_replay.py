@@ -105,7 +105,8 @@ def _key(hash_id: int) -> BlockKey:
     return BlockKey(hash_id.to_bytes(8, "little", signed=True))
 
 
-def _hit(request: TraceRequest, present: Any) -> int:
+def hit_tokens(request: TraceRequest, present: Any) -> int:
+    """Tokens of ``request`` served by its leading blocks in ``present``."""
     blocks = 0
     for hash_id in request.hash_ids:
         if hash_id not in present:
@@ -119,7 +120,7 @@ def _online(requests: Sequence[TraceRequest], capacity: int, name: str) -> list[
     present: set[int] = set()
     hits = []
     for request in requests:
-        hits.append(_hit(request, present))
+        hits.append(hit_tokens(request, present))
         for hash_id in request.hash_ids:
             key = _key(hash_id)
             if hash_id in present:
@@ -149,7 +150,7 @@ def _belady(requests: Sequence[TraceRequest], capacity: int) -> list[int]:
     heap: list[tuple[int, int]] = []
     hits, position = [], 0
     for request in requests:
-        hits.append(_hit(request, present))
+        hits.append(hit_tokens(request, present))
         for hash_id in request.hash_ids:
             if hash_id not in present:
                 while len(present) >= capacity:
