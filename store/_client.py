@@ -25,14 +25,21 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from ..transfer import OP_DTYPE, Region, TransferEngine, TransferError
+from ..transfer import (
+    OP_DTYPE,
+    AuthenticationError,
+    PeerClosed,
+    Region,
+    TransferEngine,
+    TransferError,
+)
 from ._buffers import as_array, split_blocks
 from ._errors import InvalidBlock, LeaseExpired
 from ._keys import BlockKey
 from ._server_config import DEFAULT_PORT
 from ._stats import StoreStats, TierStats
 from ._store import _keys
-from ._wire import MAX_KEYS_PER_REQUEST, raise_error
+from ._wire import ERRORS, MAX_KEYS_PER_REQUEST, error_for, raise_error
 
 _TRUSTED_LEASE_FRACTION = 0.5
 """A read that finished within this part of the lease TTL (counted from before the pin
@@ -75,20 +82,23 @@ class StoreClient:
         self._timeout = timeout
         try:
             self.peer = self.engine.dial(address)
-            opened = self._call(
-                {"op": "open", "namespace": self.namespace, "block_bytes": block_bytes}
-            )
-            self.peer.refresh()  # the namespace's region may be newer than our handshake
+            self._open()
         except BaseException:
             self.close()
             raise
+
+    def _open(self) -> None:
+        opened = self._call(
+            {"op": "open", "namespace": self.namespace, "block_bytes": self.block_bytes}
+        )
+        self.peer.refresh()  # the namespace's region may be newer than our handshake
         self._ns: int = opened["ns"]
         self._region: int = opened["region"]
         self.capacity_blocks: int = opened["capacity"]
         self.lease_ttl: float = opened["lease_ttl"]
-        # A put or get stages or pins all of a request's blocks in host memory at once:
-        # requests of at most half of it leave room for other clients meanwhile.
-        self._request_keys = max(1, min(MAX_KEYS_PER_REQUEST, self.capacity_blocks // 2))
+        # A put or get stages or pins all of a request's blocks in host memory at once; the
+        # server bounds a request (a share of the namespace, so others have room meanwhile).
+        self._request_keys = max(1, min(MAX_KEYS_PER_REQUEST, int(opened["request_blocks"])))
 
     # -- the TieredStore surface -------------------------------------------------------
 
@@ -159,8 +169,10 @@ class StoreClient:
     def server_stats(self) -> dict[str, Any]:
         return self._call({"op": "stats"})
 
-    def register(self, buffer: Any, *, access: str = "rw") -> Region:
-        """Register a buffer for ``put_from``/``get_into`` (keep it alive meanwhile)."""
+    def register(self, buffer: Any, *, access: str = "none") -> Region:
+        """Register a buffer for ``put_from``/``get_into`` (keep it alive meanwhile). No
+        peer may touch it (``access="none"``): only this client's own transfers move its
+        bytes."""
         return self.engine.register(buffer, access=access)
 
     def close(self) -> None:
@@ -205,9 +217,23 @@ class StoreClient:
     # -- internals ---------------------------------------------------------------------
 
     def _call(self, body: dict[str, Any]) -> dict[str, Any]:
-        reply = self.peer.call(body, timeout=self._timeout)
+        """One request; if the connection broke since the last one (the server restarted,
+        a stream died, the session ended), connect and open the namespace again first."""
+        if self.peer.closed and body.get("op") != "open":
+            self._reconnect()
+        try:
+            reply = self.peer.call(body, timeout=self._timeout)
+        except AuthenticationError:
+            if body.get("op") == "open":
+                raise
+            self._reconnect()  # the session is gone: leases it held are gone with it
+            reply = self.peer.call({**body, "ns": self._ns}, timeout=self._timeout)
         raise_error(reply)
         return reply
+
+    def _reconnect(self) -> None:
+        self.peer.reconnect()
+        self._open()
 
     def _put(self, keys: Sequence[BlockKey], where: _Locations) -> list[bool]:
         sent: list[bool] = []
@@ -225,8 +251,8 @@ class StoreClient:
                 self.peer.write(ops, notify=commit).wait(self._timeout)  # landed, committed
             except BaseException as exc:
                 self._quietly({"op": "abort", "ns": self._ns, "lease": lease})
-                if isinstance(exc, TransferError) and "LeaseExpired:" in str(exc):
-                    raise LeaseExpired(f"put not committed: {exc}") from exc
+                if isinstance(exc, TransferError) and exc.code in ERRORS:
+                    raise error_for(exc.code, f"put not committed: {exc}") from exc
                 raise
             self.counters["bytes_pushed"] += len(picked) * self.block_bytes
         return sent
@@ -263,8 +289,9 @@ class StoreClient:
         return ops
 
     def _quietly(self, body: dict[str, Any]) -> None:
-        """Give a lease back after a failure; the lease expiring does the same if this fails."""
-        with contextlib.suppress(TransferError, LeaseExpired):
+        """Give a lease back after a failure; the lease (or the session) ending does the
+        same if this fails."""
+        with contextlib.suppress(TransferError, LeaseExpired, PeerClosed):
             self.peer.call(body, timeout=self._timeout)
 
     def _locations(self, region: Region, offsets: Sequence[int], count: int) -> _Locations:
@@ -289,8 +316,8 @@ class _Registration:
         else:  # one buffer for all: registered once
             arrays = [as_array(blocks, writable=writable)]
             offsets = np.arange(count, dtype=np.uint64) * np.uint64(bb)
-        access = "rw" if writable else "r"
-        self._regions = [self._engine.register(a, access=access) for a in arrays]
+        # Only this client's own transfers touch the buffers: no peer may read or write them.
+        self._regions = [self._engine.register(a, access="none") for a in arrays]
         ids = [r.id for r in self._regions]
         regions = np.array(ids if len(ids) == count else ids * count, dtype=np.uint64)
         self.where: _Locations = (regions[:count], offsets)

@@ -1,20 +1,26 @@
 """CacheServer: tiered stores, one per namespace, behind a transfer engine.
 
 Clients reach the server's engine (``StoreClient`` dials ``host:port``); their control
-requests ride the engine's authenticated ``call`` channel and run on its control thread,
-one at a time, each a few store operations under the store's lock. Bytes never pass
-through the control path: a client writes blocks straight into staged slots of the
-namespace's host slab, and reads pinned slots straight out of it, with the engine.
+requests ride the engine's authenticated, signed ``call`` channel and run on its control
+thread, one at a time, each a few store operations under the server's state lock. Bytes
+never pass through the control path: a client writes blocks straight into staged slots of
+the namespace's host slab, and reads pinned slots straight out of it, with the engine.
 
 Put: ``stage`` (slots under a lease) -> the client writes -> ``commit`` (only now visible).
 The commit normally rides the data stream as the write's notification: the server commits
 on the serve thread once the bytes landed, before the client's write completes, so a put
-costs one control round trip; refusing it (``LeaseExpired``) fails the client's write.
-Get: ``pin`` (blocks lifted into host memory, pinned under a lease) -> the client reads ->
-``release``. Leases expire after ``lease_ttl``: a client that dies loses them and their
-slots come back; a commit or release after expiry is refused (``LeaseExpired``), so bytes
-that may have been overwritten are never trusted. Remote writes are accepted only into
-slots of open staged puts (the region's guard), so no client can overwrite a stored block.
+costs one control round trip. Get: ``pin`` (blocks lifted into host memory, pinned under a
+lease) -> the client reads -> ``release``.
+
+Who may do what (the access model, in full in ``docs/ACCESS.md``): every lease belongs to the
+session that took it (``Caller.session``: one authenticated handshake); only that session
+may commit, abort or release it, write its staged slots or read its pinned ones (the
+namespace's region guard), and only a session that opened a namespace may use its handle.
+A write is admitted only while its lease is open and holds the slots until its bytes
+landed: a lease that ends meanwhile gives its slots back only after that, so late bytes
+never land in a reused slot. When a session ends (its streams closed, the client was
+killed) its leases end with it. Limits per request and per session keep one client from
+taking a namespace's memory (``_namespaces``).
 
 With a disk tier every commit is written through to it: a killed server loses no committed
 block, and a restart on the same ``disk_path`` serves them again.
@@ -23,69 +29,45 @@ block, and a restart on the same ``disk_path`` serves them again.
 from __future__ import annotations
 
 import hashlib
+import itertools
+import logging
 import threading
 import time
-from collections import Counter, OrderedDict
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import msgpack
-import numpy as np
 
-from ..transfer import NotifyRefused, Region, TransferEngine
-from ._errors import LeaseExpired, StoreError, StoreFull
+from ..transfer import Caller, NotifyRefused, TransferEngine
+from ._errors import BlockNotFound, LeaseExpired, StoreError, StoreFull
 from ._metrics import ServerMetrics
-from ._pins import Lease
+from ._namespaces import Namespace
 from ._server_config import ServerConfig
 from ._slots import SlotTier
 from ._stats import StoreStats
 from ._store import TieredStore
 from ._wire import (
     BadRequest,
+    InternalError,
     TooManyRequests,
     UnknownNamespace,
+    code_of,
     error_reply,
     keys_field,
 )
-from ._wire import (
-    field as message_field,
-)
+from ._wire import field as message_field
 
 MAX_NAMESPACE_BYTES = 256
+MIN_BLOCK_BYTES = 4096
+"""Smallest block a namespace may use: per-slot bookkeeping (about 100 bytes) stays under
+3% of the memory it tracks; 1-byte blocks made one ``open`` cost 10x the capacity."""
 MAX_BLOCK_BYTES = 1 << 30
+MAX_NAMESPACES_PER_SESSION = 8
+"""Namespaces one session may have open at once (one client squatting every namespace)."""
 
-
-class _Staged(NamedTuple):
-    deadline: float
-    keys: list[bytes]
-    """The keys that got a slot (what the commit makes visible)."""
-
-
-@dataclass
-class _Namespace:
-    handle: int
-    name: bytes
-    store: TieredStore
-    region: Region | None = None
-    stagings: dict[int, tuple[str, _Staged]] = field(default_factory=dict)
-    pins: dict[int, tuple[str, Lease]] = field(default_factory=dict)
-    unread: OrderedDict[bytes, float] = field(default_factory=OrderedDict)
-    """Committed blocks still held for their first read: key -> handoff pin deadline."""
-
-    @property
-    def label(self) -> str:
-        text = self.name.decode("utf-8", "replace")
-        return f"{text}/{self.store.block_bytes}"
-
-    def guard(self, access: str, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """Remote writes land only in slots that open staged puts own."""
-        if access != "w":
-            return np.ones(len(offsets), dtype=bool)
-        block = np.uint64(self.store.block_bytes)
-        first = (offsets // block).astype(np.int64)
-        last = ((offsets + lengths - np.uint64(1)) // block).astype(np.int64)
-        return self.store.writable_slots(first, last)
+_log = logging.getLogger("kvbridge.server")
+_QUIET = (BlockNotFound,)  # refusals that are the normal course of things (a cache miss)
 
 
 class CacheServer:
@@ -102,10 +84,11 @@ class CacheServer:
             transports=cfg.transports,
             secret=cfg.secret,
         )
-        self._namespaces: dict[int, _Namespace] = {}
+        self._namespaces: dict[int, Namespace] = {}
         self._by_name: dict[bytes, int] = {}
-        self._owned: Counter[str] = Counter()
-        self._lock = threading.Lock()  # namespaces: the control thread adds, metrics read
+        self._handles = itertools.count(1)
+        self._lock = threading.Lock()  # the namespace table: the control thread changes it
+        self._state = threading.Lock()  # leases and stores: control and serving threads
         self._started = time.time()
         self.metrics = ServerMetrics(self._store_stats)
         self.metrics_port: int | None = None
@@ -116,7 +99,7 @@ class CacheServer:
             self.engine.close()
             raise
         self.address = self.engine.address
-        self._ops = {
+        self._ops: dict[str, Callable[[Caller, dict[str, Any]], dict[str, Any]]] = {
             "open": self._open,
             "contains": self._contains,
             "match": self._match,
@@ -129,16 +112,18 @@ class CacheServer:
             "stats": self._stats,
         }
         self._closed = False
-        self._state = threading.Lock()  # leases and namespaces: control and serve threads
         self.engine.set_request_handler(self._handle)
         self.engine.set_notify_handler(self._on_notify)
+        self.engine.set_session_end_handler(self._end_session)
+        _log.info("serving on %s: %s", self.address, _settings(cfg))
 
     def close(self) -> None:
         """Stop answering, close every stream, then close the stores (disk synced)."""
         if self._closed:
             return
         self._closed = True
-        self.engine.close()  # joins the control thread: no request is mid-way after this
+        self.engine.set_session_end_handler(None)
+        self.engine.close()  # joins every engine thread: no request is mid-way after this
         self.metrics.close()
         with self._lock:
             namespaces = list(self._namespaces.values())
@@ -146,6 +131,7 @@ class CacheServer:
             if ns.region is not None:
                 self.engine.unregister(ns.region)
             ns.store.close()
+        _log.info("stopped")
 
     def __enter__(self) -> CacheServer:
         return self
@@ -154,116 +140,143 @@ class CacheServer:
         self.close()
 
     def stats(self) -> dict[str, Any]:
-        return self._stats("", {})
+        return self._server_stats()
 
     # -- dispatch ----------------------------------------------------------------------
 
-    def _handle(self, client: str, body: dict[str, Any]) -> dict[str, Any]:
+    def _handle(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
         op = body.get("op")
         handler = self._ops.get(op) if isinstance(op, str) else None
-        label = op if handler is not None else "unknown"
+        label = op if handler is not None and isinstance(op, str) else "unknown"
         start = time.perf_counter()
         try:
             if handler is None:
                 raise BadRequest(f"unknown op {op!r}; known: {sorted(self._ops)}")
             with self._state:
-                return handler(client, body)
+                return handler(caller, body)
         except StoreError as exc:
-            self.metrics.errors.labels(label, type(exc).__name__).inc()
+            self._refused(caller, label, exc)
             return error_reply(exc)
-        except (ValueError, TypeError, KeyError) as exc:
-            self.metrics.errors.labels(label, "BadRequest").inc()
-            return error_reply(BadRequest(f"{type(exc).__name__}: {exc}"))
+        except Exception as exc:  # a bug here, not the client's fault: say so, keep serving
+            _log.exception("internal error in %s from session %d", label, caller.session)
+            self.metrics.errors.labels(label, "InternalError").inc()
+            return error_reply(InternalError(f"{type(exc).__name__} in {label}"))
         finally:
             self.metrics.requests.labels(label).observe(time.perf_counter() - start)
 
-    def _on_notify(self, client: str, message: bytes) -> None:
+    def _refused(self, caller: Caller, op: str, exc: StoreError) -> None:
+        kind = type(exc).__name__
+        self.metrics.errors.labels(op, kind).inc()
+        level = logging.DEBUG if isinstance(exc, _QUIET) else logging.INFO
+        _log.log(level, "refused %s from session %d: %s: %s", op, caller.session, kind, exc)
+
+    def _on_notify(self, caller: Caller, message: bytes) -> None:
         """A write's notification: ``{"op": "commit", "ns", "lease"}`` commits the put whose
-        bytes just landed; a refusal fails the client's write with the error's kind."""
+        bytes just landed; a refusal fails the client's write with the error's code."""
         try:
             body = msgpack.unpackb(message, raw=False, strict_map_key=True)
         except Exception as exc:
-            raise NotifyRefused(f"BadRequest: not a msgpack map ({exc})") from None
+            body = None
+            error: StoreError = BadRequest(f"a notification must be a msgpack map ({exc})")
+        else:
+            error = BadRequest("a notification must be a commit")
         if not isinstance(body, dict) or body.get("op") != "commit":
-            raise NotifyRefused("BadRequest: a notification must be a commit")
-        reply = self._handle(client, body)
+            self._refused(caller, "commit", error)
+            raise NotifyRefused(str(error), code_of(error))
+        reply = self._handle(caller, body)
         if "error" in reply:
-            raise NotifyRefused(f"{reply['error']}: {reply['message']}")
+            raise NotifyRefused(f"{reply['kind']}: {reply['message']}", reply["error"])
 
-    def _namespace(self, body: dict[str, Any]) -> _Namespace:
+    def _end_session(self, caller: Caller) -> None:
+        """A client's session ended (it closed, or was killed): its leases end now."""
+        with self._state:
+            with self._lock:
+                namespaces = list(self._namespaces.values())
+            for ns in namespaces:
+                ns.openers.discard(caller.session)
+                self._finish(ns, *ns.book.end_session(caller.session))
+        _log.debug("session %d (%s) ended", caller.session, caller.peer)
+
+    def _namespace(self, caller: Caller, body: dict[str, Any]) -> Namespace:
         handle = message_field(body, "ns", int)
         ns = self._namespaces.get(handle)
-        if ns is None:
-            raise UnknownNamespace(f"no namespace {handle}: open it first")
+        if ns is None or caller.session not in ns.openers:
+            raise UnknownNamespace(f"no namespace {handle} open in this session: open it first")
+        ns.last_used = time.monotonic()
         return ns
 
-    def _lease_room(self, client: str) -> None:
-        self._sweep()
-        if self._owned[client] >= self.config.max_leases_per_client:
+    def _sweep(self, ns: Namespace) -> None:
+        """End the leases past their deadline (their slots and pins are already void)."""
+        self._finish(ns, *ns.book.expired(time.monotonic()))
+
+    @staticmethod
+    def _finish(ns: Namespace, staged: list[int], pinned: list[Any]) -> None:
+        for lease_id in staged:
+            ns.store.abort(lease_id)  # slots still being written come back after that
+        for entry in pinned:
+            entry.lease.release()
+
+    def _room(self, caller: Caller, ns: Namespace, blocks: int) -> None:
+        """Refuse a request that would take more than its share (TooManyRequests)."""
+        self._sweep(ns)
+        leases = sum(n.book.leases[caller.session] for n in self._namespaces.values())
+        if leases >= self.config.max_leases_per_client:
             raise TooManyRequests(
-                f"{client} holds {self._owned[client]} open leases "
+                f"session {caller.session} holds {leases} open leases "
                 f"(at most {self.config.max_leases_per_client}): commit or release some"
             )
-
-    def _sweep(self) -> None:
-        """Forget leases past their deadline (their slots and pins are already void)."""
-        now = time.monotonic()
-        for ns in self._namespaces.values():
-            for lease_id, (client, staged) in list(ns.stagings.items()):
-                if staged.deadline <= now:
-                    del ns.stagings[lease_id]
-                    self._owned[client] -= 1
-                    ns.store.abort(lease_id)
-            for lease_id, (client, lease) in list(ns.pins.items()):
-                if lease.expired:
-                    del ns.pins[lease_id]
-                    self._owned[client] -= 1
-                    lease.release()
+        if blocks > ns.request_blocks:
+            raise TooManyRequests(
+                f"{blocks} blocks in one request; at most {ns.request_blocks} in {ns.label}"
+            )
+        held = ns.book.held[caller.session]
+        if held + blocks > ns.session_blocks:
+            raise TooManyRequests(
+                f"session {caller.session} holds {held} slots of {ns.label}; with {blocks} "
+                f"more it would pass its share of {ns.session_blocks}: release some first"
+            )
 
     # -- ops ---------------------------------------------------------------------------
 
-    def _open(self, client: str, body: dict[str, Any]) -> dict[str, Any]:
+    def _open(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
         name = message_field(body, "namespace", bytes)
         block_bytes = message_field(body, "block_bytes", int)
         if len(name) > MAX_NAMESPACE_BYTES:
             raise BadRequest(f"a namespace is at most {MAX_NAMESPACE_BYTES} bytes")
-        if not 0 < block_bytes <= MAX_BLOCK_BYTES:
-            raise BadRequest(f"block_bytes must be 1..{MAX_BLOCK_BYTES}, got {block_bytes}")
+        if not MIN_BLOCK_BYTES <= block_bytes <= MAX_BLOCK_BYTES:
+            raise BadRequest(
+                f"block_bytes must be {MIN_BLOCK_BYTES}..{MAX_BLOCK_BYTES}, got {block_bytes}"
+            )
         handle = self._by_name.get(name)
-        if handle is None:
+        ns = self._namespaces[handle] if handle is not None else None
+        if ns is not None and ns.store.block_bytes != block_bytes:
+            raise BadRequest(
+                f"namespace {ns.label} has {ns.store.block_bytes}-byte blocks, not {block_bytes}"
+            )
+        if ns is None or caller.session not in ns.openers:
+            mine = sum(caller.session in n.openers for n in self._namespaces.values())
+            if mine >= MAX_NAMESPACES_PER_SESSION:
+                raise TooManyRequests(f"a session opens at most {MAX_NAMESPACES_PER_SESSION}")
+        if ns is None:
             ns = self._create(name, block_bytes)
-        else:
-            ns = self._namespaces[handle]
-            if ns.store.block_bytes != block_bytes:
-                raise BadRequest(
-                    f"namespace {ns.label} has {ns.store.block_bytes}-byte blocks, "
-                    f"not {block_bytes}"
-                )
-        top = ns.store.tiers[0]
+        ns.openers.add(caller.session)
         assert ns.region is not None
         return {
             "ns": ns.handle,
             "region": ns.region.id,
             "block_bytes": block_bytes,
-            "capacity": top.capacity,
+            "capacity": ns.slots,
             "lease_ttl": self.config.lease_ttl,
+            "request_blocks": ns.request_blocks,
         }
 
-    def _create(self, name: bytes, block_bytes: int) -> _Namespace:
+    def _create(self, name: bytes, block_bytes: int) -> Namespace:
         cfg = self.config
         if len(self._namespaces) >= cfg.max_namespaces:
-            raise StoreFull(f"the server serves at most {cfg.max_namespaces} namespaces")
+            self._reclaim()
         host_share = cfg.host_capacity // cfg.max_namespaces
         if host_share < block_bytes:
             raise StoreFull(f"a namespace's {host_share} bytes of host memory hold no block")
-        disk: dict[str, Any] = {}
-        if cfg.disk_path is not None:
-            digest = hashlib.sha256(name).hexdigest()[:16]
-            disk = {
-                "disk_path": Path(cfg.disk_path) / f"{digest}-{block_bytes}",
-                "disk_capacity": max(cfg.disk_capacity // cfg.max_namespaces, block_bytes),
-                "write_through": True,
-            }
         store = TieredStore(
             block_bytes,
             host_capacity=host_share,
@@ -271,10 +284,9 @@ class CacheServer:
             pin_ttl=cfg.lease_ttl,
             policy=cfg.policy,
             prefault=True,
-            **disk,
+            **self._disk_settings(name, block_bytes),
         )
-        handle = len(self._namespaces) + 1
-        ns = _Namespace(handle, name, store)
+        ns = Namespace(next(self._handles), name, store, self._state)
         top = store.tiers[0]
         assert isinstance(top, SlotTier)
         try:
@@ -283,92 +295,142 @@ class CacheServer:
             store.close()
             raise
         with self._lock:
-            self._namespaces[handle] = ns
-            self._by_name[name] = handle
+            self._namespaces[ns.handle] = ns
+            self._by_name[name] = ns.handle
+        _log.info("namespace %s opened (handle %d)", ns.label, ns.handle)
         return ns
 
-    def _contains(self, client: str, body: dict[str, Any]) -> dict[str, Any]:
-        ns = self._namespace(body)
+    def _disk_settings(self, name: bytes, block_bytes: int) -> dict[str, Any]:
+        cfg = self.config
+        if cfg.disk_path is None:
+            return {}
+        digest = hashlib.sha256(name).hexdigest()[:16]
+        return {
+            "disk_path": Path(cfg.disk_path) / f"{digest}-{block_bytes}",
+            "disk_capacity": max(cfg.disk_capacity // cfg.max_namespaces, block_bytes),
+            "write_through": True,
+        }
+
+    def _reclaim(self) -> None:
+        """Close the least recently used namespace that no live session has open and that
+        holds no lease, to make room for a new one; :class:`StoreFull` if there is none."""
+        for ns in sorted(self._namespaces.values(), key=lambda n: n.last_used):
+            self._sweep(ns)
+            if not ns.idle or ns.region is None:
+                continue
+            try:
+                self.engine.unregister(ns.region)  # refused while a transfer still uses it
+            except Exception:
+                continue
+            with self._lock:
+                del self._namespaces[ns.handle]
+                del self._by_name[ns.name]
+            ns.store.close()
+            _log.info("namespace %s reclaimed (handle %d)", ns.label, ns.handle)
+            return
+        raise StoreFull(
+            f"the server serves at most {self.config.max_namespaces} namespaces, all in use"
+        )
+
+    def _contains(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
+        ns = self._namespace(caller, body)
         return {"present": ns.store.contains(keys_field(body))}
 
-    def _match(self, client: str, body: dict[str, Any]) -> dict[str, Any]:
-        ns = self._namespace(body)
+    def _match(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
+        ns = self._namespace(caller, body)
         return {"count": ns.store.match_prefix(keys_field(body))}
 
-    def _stage(self, client: str, body: dict[str, Any]) -> dict[str, Any]:
-        ns = self._namespace(body)
+    def _stage(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
+        ns = self._namespace(caller, body)
         keys = keys_field(body)
-        self._lease_room(client)
-        lease, slots = ns.store.stage(keys, ttl=self.config.lease_ttl)
-        present = len(keys) - sum(slot is not None for slot in slots)
-        saved = present * ns.store.block_bytes
+        self._room(caller, ns, len(keys))
+        ttl = self.config.lease_ttl
+        lease, slots = ns.store.stage(keys, ttl=ttl, owner=caller.session)
+        saved = (len(keys) - sum(slot is not None for slot in slots)) * ns.store.block_bytes
         self.metrics.saved.inc(saved)
         if lease:
-            deadline = time.monotonic() + self.config.lease_ttl
             fresh = [k for k, s in zip(keys, slots, strict=True) if s is not None]
-            ns.stagings[lease] = (client, _Staged(deadline, fresh))
-            self._owned[client] += 1
+            ns.book.add_staging(caller.session, lease, fresh, time.monotonic() + ttl)
         return {"lease": lease, "slots": slots, "saved_bytes": saved}
 
-    def _commit(self, client: str, body: dict[str, Any]) -> dict[str, Any]:
-        ns = self._namespace(body)
+    def _commit(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
+        ns = self._namespace(caller, body)
         lease = message_field(body, "lease", int)
-        staged: _Staged = self._take(ns.stagings, lease, client)
+        staged = ns.book.stagings.get(lease)
+        mine = staged is not None and staged.session == caller.session
+        if mine and ns.store.staging_busy(lease):
+            raise BadRequest(f"lease {lease}: a commit while writes into it are in flight")
+        staged = ns.book.take_staging(lease, caller.session)
         stored = ns.store.commit(lease)
         self._hand_off(ns, staged.keys)
         return {"stored": stored}
 
-    def _abort(self, client: str, body: dict[str, Any]) -> dict[str, Any]:
-        ns = self._namespace(body)
+    def _abort(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
+        ns = self._namespace(caller, body)
         lease = message_field(body, "lease", int)
-        if ns.stagings.get(lease, ("",))[0] == client:  # else: gone, nothing to give back
-            self._take(ns.stagings, lease, client)
+        staged = ns.book.stagings.get(lease)
+        if staged is not None and staged.session == caller.session:  # else: nothing to give
+            ns.book.take_staging(lease, caller.session)
             ns.store.abort(lease)
         return {}
 
-    def _pin(self, client: str, body: dict[str, Any]) -> dict[str, Any]:
-        ns = self._namespace(body)
+    def _pin(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
+        ns = self._namespace(caller, body)
         keys = keys_field(body)
-        self._lease_room(client)
+        self._room(caller, ns, len(keys))
         lease, slots = ns.store.pin_resident(keys, ttl=self.config.lease_ttl)
-        ns.pins[lease.id] = (client, lease)
-        self._owned[client] += 1
+        ns.book.add_pin(caller.session, lease, slots)
         self._first_read(ns, keys)
         return {"lease": lease.id, "slots": slots}
 
-    def _release(self, client: str, body: dict[str, Any]) -> dict[str, Any]:
-        ns = self._namespace(body)
+    def _release(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
+        ns = self._namespace(caller, body)
         lease_id = message_field(body, "lease", int)
-        lease = self._take(ns.pins, lease_id, client)
+        lease = ns.book.take_pin(lease_id, caller.session).lease
         expired = lease.expired
         lease.release()
         if expired:
             raise LeaseExpired(f"read lease {lease_id} expired before its release")
         return {}
 
-    def _remove(self, client: str, body: dict[str, Any]) -> dict[str, Any]:
-        ns = self._namespace(body)
+    def _remove(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
+        ns = self._namespace(caller, body)
         keys = keys_field(body)
         self._first_read(ns, keys)  # a handoff hold must not make removal fail
         return {"removed": ns.store.remove(keys)}
 
-    def _stats(self, client: str, body: dict[str, Any]) -> dict[str, Any]:
-        with self._lock:
-            namespaces = list(self._namespaces.values())
+    def _stats(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
+        """Server figures. A namespace this session has not opened is named by a digest of
+        its name: tenant names are not every client's business."""
+        return self._server_stats(caller.session)
+
+    def _server_stats(self, session: int | None = None) -> dict[str, Any]:
+        """Every namespace's figures; with ``session``, names hidden where it is not open."""
+        namespaces = self._snapshot()
         return {
             "server": {
                 "address": self.address,
                 "uptime_s": time.time() - self._started,
                 "transports": list(self.engine.stats()["transports"]),
-                "open_leases": sum(self._owned.values()),
+                "open_leases": sum(len(ns.book) for ns in namespaces),
             },
             "namespaces": [
-                {"handle": ns.handle, "name": ns.label, **ns.store.stats().as_dict()}
+                {
+                    "handle": ns.handle,
+                    "name": ns.label if session in (None, *ns.openers) else ns.anonymous,
+                    **ns.store.stats().as_dict(),
+                }
                 for ns in namespaces
             ],
         }
 
-    def _hand_off(self, ns: _Namespace, keys: list[bytes]) -> None:
+    def _snapshot(self) -> list[Namespace]:
+        with self._lock:
+            return list(self._namespaces.values())
+
+    # -- handoff holds -----------------------------------------------------------------
+
+    def _hand_off(self, ns: Namespace, keys: list[bytes]) -> None:
         """Hold freshly committed blocks until their first read (or ``handoff_ttl``).
 
         Prefill pushes a request's blocks and decode pulls them moments later; until then
@@ -384,29 +446,28 @@ class CacheServer:
         deadline = time.monotonic() + ttl
         for key in fresh:
             ns.unread[key] = deadline
-        limit = ns.store.tiers[0].capacity // 2
+        limit = ns.slots // 2
         while len(ns.unread) > limit:
-            self._release_handoff(ns, *ns.unread.popitem(last=False))
+            key = next(iter(ns.unread))
+            self._release_handoff(ns, key, ns.unread.pop(key))
 
-    def _first_read(self, ns: _Namespace, keys: list[bytes]) -> None:
+    def _first_read(self, ns: Namespace, keys: list[bytes]) -> None:
         for key in keys:
             deadline = ns.unread.pop(key, None)
             if deadline is not None:
                 self._release_handoff(ns, key, deadline)
 
     @staticmethod
-    def _release_handoff(ns: _Namespace, key: bytes, deadline: float) -> None:
+    def _release_handoff(ns: Namespace, key: bytes, deadline: float) -> None:
         if deadline > time.monotonic():  # an expired pin is gone already: nothing to undo
             ns.store.unpin([key])  # the pin expiring first: handoff_ttl <= lease_ttl
 
-    def _take(self, book: dict[int, Any], lease: int, client: str) -> Any:
-        entry = book.get(lease)
-        if entry is None or entry[0] != client:
-            raise LeaseExpired(f"lease {lease} is unknown, finished or expired")
-        del book[lease]
-        self._owned[client] -= 1
-        return entry[1]
-
     def _store_stats(self) -> dict[str, StoreStats]:
-        with self._lock:
-            return {ns.label: ns.store.stats() for ns in self._namespaces.values()}
+        return {ns.label: ns.store.stats() for ns in self._snapshot()}
+
+
+def _settings(cfg: ServerConfig) -> str:
+    """The settings as one log line, the secret left out (only whether there is one)."""
+    shown = {k: v for k, v in vars(cfg).items() if k != "secret"}
+    shown["secret"] = "set" if cfg.secret is not None else "none"
+    return ", ".join(f"{k}={v}" for k, v in shown.items())

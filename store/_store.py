@@ -43,7 +43,7 @@ from ._policy import EvictionPolicy, make_policy
 from ._sizes import parse_size
 from ._slab import DeviceSlab, HostSlab
 from ._slots import SlotTier
-from ._staging import StagingTable
+from ._staging import NO_OWNER, StagingTable
 from ._stats import StoreStats, TierStats
 from ._tier import Tier
 
@@ -302,9 +302,12 @@ class TieredStore:
     # -- staged puts and resident pins (what a cache server hands to remote clients) -----
 
     def stage(
-        self, keys: Sequence[bytes], *, ttl: float | None = None
+        self, keys: Sequence[bytes], *, ttl: float | None = None, owner: int = NO_OWNER
     ) -> tuple[int, list[int | None]]:
         """Reserve top-tier slots for the keys not yet stored, for someone else to fill.
+
+        ``owner`` (a cache server's session number) is who may write the slots remotely:
+        see :meth:`admit_writes`.
 
         Returns a lease id and, per key, the slot to write (``None`` for a key already
         stored, which counts as a use, or repeated earlier in ``keys``). The blocks become
@@ -340,7 +343,7 @@ class TieredStore:
                 for i in fresh.values():
                     slots.append(top.take_slot())
                     positions[i] = slots[-1]
-            staging = self._staging.add(tuple(fresh), tuple(slots), lifetime)
+            staging = self._staging.add(tuple(fresh), tuple(slots), lifetime, owner)
             return staging.id, positions
 
     def commit(self, lease_id: int) -> int:
@@ -375,18 +378,32 @@ class TieredStore:
             return stored
 
     def abort(self, lease_id: int) -> None:
-        """Give back the slots of a staged put (unknown or expired leases are fine)."""
+        """Give back the slots of a staged put (unknown or expired leases are fine); slots
+        still being written come back once those writes are done."""
         with self._lock:
             staging = self._staging.pop(lease_id)
-            if staging is not None and not self._closed:
-                top = self._slot_top()
-                for slot in staging.slots:
-                    top.free_slot(slot)
+            if staging is not None:
+                self._free_slots(self._staging.freeable(staging))
 
-    def writable_slots(self, first: np.ndarray, last: np.ndarray) -> np.ndarray:
-        """Per slot range ``first..last`` of the top tier: whether open staged puts own it."""
+    def admit_writes(
+        self, owner: int, first: np.ndarray, last: np.ndarray
+    ) -> tuple[np.ndarray, list[int]]:
+        """Per slot range ``first..last`` of the top tier: whether ``owner`` may write it
+        now (it lies in slots of open staged puts of that owner). When all may, the staged
+        puts are held until :meth:`end_writes` with the returned ids: a staged put that ends
+        meanwhile (abort, expiry) keeps its slots out of use until then."""
         with self._lock:
-            return self._staging.writable(first, last)
+            return self._staging.admit(owner, first, last)
+
+    def end_writes(self, leases: Sequence[int]) -> None:
+        """Writes admitted by :meth:`admit_writes` have landed or failed."""
+        with self._lock:
+            self._free_slots(self._staging.release(leases))
+
+    def staging_busy(self, lease_id: int) -> bool:
+        """Whether admitted writes into the staged put's slots are still in flight."""
+        with self._lock:
+            return self._staging.busy(lease_id)
 
     def pin_resident(
         self, keys: Sequence[bytes], *, ttl: float | None = None
@@ -657,11 +674,15 @@ class TieredStore:
         return top
 
     def _sweep_staged(self) -> None:
-        """Reclaim the slots of staged puts whose lease expired."""
-        top = self._tiers[0]
+        """Reclaim the slots of staged puts whose lease expired (not yet those being written)."""
         for staging in self._staging.expired():
+            self._free_slots(self._staging.freeable(staging))
+
+    def _free_slots(self, slots: Sequence[int]) -> None:
+        if slots and not self._closed:
+            top = self._tiers[0]
             assert isinstance(top, SlotTier)
-            for slot in staging.slots:
+            for slot in slots:
                 top.free_slot(slot)
 
     def _lift(self, t: int, key: BlockKey, protect: set[BlockKey]) -> None:

@@ -1,14 +1,18 @@
 """The cache server's request/reply messages: msgpack maps over the engine's ``call``.
 
 Requests name an ``op``; store ops also carry ``ns`` (a namespace handle from ``open``).
-Replies are maps; a refused request answers ``{"error": kind, "message": ..., "keys": ...}``
-and changed nothing. ``kind`` is the name of a :mod:`kvbridge.store` error class, which the
-client raises again.
+Replies are maps; a refused request answers ``{"error": code, "kind": ..., "message": ...,
+"keys": ...}`` and changed nothing. ``code`` (:data:`CODES`) names the :mod:`kvbridge.store`
+error class, which the client raises again; ``kind`` and ``message`` are for people. A put's
+commit that rides a write's notification is refused with the same code, as the write's
+``TransferError.code``. ``InternalError`` means the server failed inside (its bug, logged
+there with a traceback), never that the request was malformed.
 
 =========  ===========================================  =====================================
 op         request fields                               reply fields
 =========  ===========================================  =====================================
-open       namespace (bytes), block_bytes               ns, region, block_bytes, capacity
+open       namespace (bytes), block_bytes               ns, region, block_bytes, capacity,
+                                                        lease_ttl, request_blocks
 contains   ns, keys                                     present (bools)
 match      ns, keys                                     count
 stage      ns, keys                                     lease, slots (int or nil), saved_bytes
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..transfer._protocol import APP_CODES
 from ._errors import (
     BlockNotFound,
     BlockPinned,
@@ -51,44 +56,73 @@ class TooManyRequests(StoreError):
 
 
 class UnknownNamespace(StoreError, LookupError):
-    """The request names a namespace handle the server does not have."""
+    """The request names a namespace handle the server does not have, or one this session
+    did not open."""
 
 
-ERRORS: dict[str, type[StoreError]] = {
-    cls.__name__: cls
-    for cls in (
-        BadRequest,
-        BlockNotFound,
-        BlockPinned,
-        InvalidKey,
-        LeaseExpired,
-        StoreClosed,
-        StoreFull,
-        TooManyRequests,
-        UnknownNamespace,
+class InternalError(StoreError):
+    """The server failed inside while answering (a bug, logged there with its traceback);
+    the request may or may not have taken effect."""
+
+
+CODES: dict[type[StoreError], int] = {
+    cls: APP_CODES + number
+    for number, cls in enumerate(
+        (
+            BadRequest,
+            BlockNotFound,
+            BlockPinned,
+            InvalidKey,
+            LeaseExpired,
+            StoreClosed,
+            StoreFull,
+            TooManyRequests,
+            UnknownNamespace,
+            InternalError,
+        ),
+        start=1,
     )
 }
+"""The wire code of each error kind (stable: append new kinds, never renumber)."""
+
+ERRORS: dict[int, type[StoreError]] = {code: cls for cls, code in CODES.items()}
+
+
+def code_of(exc: StoreError) -> int:
+    """The wire code of ``exc`` (its nearest listed class; ``InternalError`` if none)."""
+    for cls in type(exc).__mro__:
+        if cls in CODES:
+            return CODES[cls]
+    return CODES[InternalError]
 
 
 def error_reply(exc: StoreError) -> dict[str, Any]:
-    reply: dict[str, Any] = {"error": type(exc).__name__, "message": str(exc)}
+    reply: dict[str, Any] = {
+        "error": code_of(exc),
+        "kind": type(exc).__name__,
+        "message": str(exc),
+    }
     keys = getattr(exc, "keys", None)
     if keys is not None:
         reply["keys"] = list(keys)[:MAX_KEYS_PER_REQUEST]
     return reply
 
 
-def raise_error(reply: dict[str, Any]) -> None:
-    """Raise the error a reply carries, as the server raised it (``BadRequest`` if unknown)."""
-    kind = reply.get("error")
-    if kind is None:
-        return
-    cls = ERRORS.get(str(kind), BadRequest)
-    message = str(reply.get("message", kind))
+def error_for(code: int | None, message: str, keys: list[bytes] | None = None) -> StoreError:
+    """The store error a wire code stands for (``InternalError`` for an unknown code)."""
+    cls = ERRORS.get(code, InternalError) if isinstance(code, int) else InternalError
     if cls in (BlockNotFound, BlockPinned):
-        keys = [bytes(k) for k in reply.get("keys", [])]
-        raise cls(keys)
-    raise cls(message)
+        return cls(keys or [])
+    return cls(message)
+
+
+def raise_error(reply: dict[str, Any]) -> None:
+    """Raise the error a reply carries, as the server raised it."""
+    code = reply.get("error")
+    if code is None:
+        return
+    keys = [bytes(k) for k in reply.get("keys", []) if isinstance(k, bytes)]
+    raise error_for(code, str(reply.get("message", reply.get("kind", code))), keys)
 
 
 def field(message: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:

@@ -12,10 +12,12 @@ from kvbridge.transfer._protocol import (
     DESCRIPTOR,
     HEADER,
     MAX_OPS_PER_FRAME,
+    VERSION,
     Ack,
     Connection,
     Data,
     Error,
+    ErrorCode,
     Hello,
     Notify,
     Read,
@@ -23,7 +25,7 @@ from kvbridge.transfer._protocol import (
     Write,
 )
 
-TOKEN = bytes(range(16))
+TOKEN = bytes(range(64))  # a HELLO body: session id, nonce, MAC
 
 
 def ops(*lengths: int) -> np.ndarray:
@@ -82,9 +84,9 @@ def test_write_ack_read_data_notify_error_round_trips() -> None:
     assert deliver(initiator, responder.ack(9)) == [Ack(9)]
 
     deliver(responder, initiator.read(10, ops(4)))
-    assert deliver(initiator, responder.error(10, "no such region", 0)) == [
-        Error(10, 0, "no such region")
-    ]
+    assert deliver(
+        initiator, responder.error(10, ErrorCode.ACCESS_DENIED, "no such region", 0)
+    ) == [Error(10, 0, ErrorCode.ACCESS_DENIED, "no such region")]
 
 
 def _fails(receiver: Connection, data: bytes, match: str) -> None:
@@ -119,14 +121,14 @@ def test_answers_must_match_outstanding_requests() -> None:
 
 def test_frame_limits() -> None:
     _, responder = pair()
-    header = HEADER.pack(b"KV", 1, 2, MAX_OPS_PER_FRAME + 1, 1, 10)  # WRITE with too many ops
+    header = HEADER.pack(b"KV", VERSION, 2, MAX_OPS_PER_FRAME + 1, 1, 10)  # WRITE with too many ops
     _fails(responder, header, "ops")
     _, responder = pair()
-    header = HEADER.pack(b"KV", 1, 7, 0, 1, 1 << 20)  # NOTIFY with a 1 MiB body
+    header = HEADER.pack(b"KV", VERSION, 7, 0, 1, 1 << 20)  # NOTIFY with a 1 MiB body
     _fails(responder, header, "exceeds")
     _, responder = pair()
     body = ops(4).tobytes()
-    _fails(responder, HEADER.pack(b"KV", 1, 2, 1, 1, len(body) + 9) + body, "payload")
+    _fails(responder, HEADER.pack(b"KV", VERSION, 2, 1, 1, len(body) + 9) + body, "payload")
     _, responder = pair()
     _fails(responder, HEADER.pack(b"XX", 1, 2, 1, 1, 0), "magic")
     _, responder = pair()

@@ -97,14 +97,55 @@ def test_a_commit_racing_a_put_of_the_same_key_stores_it_once() -> None:
         assert store.stage(keys(1, 4))[0] > 0  # the duplicate's slot was freed
 
 
-def test_writable_slots_cover_only_open_staged_puts() -> None:
+def test_writes_are_admitted_only_for_the_owner_of_an_open_staging() -> None:
     with TieredStore(BB, host_capacity=4 * BB) as store:
-        lease, slots = store.stage(keys(0, 2))
+        lease, slots = store.stage(keys(0, 2), owner=5)
         assert slots == [0, 1]
         first, last = np.array([0, 1, 0, 2, 0, 5]), np.array([0, 1, 1, 2, 2, 5])
-        assert store.writable_slots(first, last).tolist() == [True, True, True, False, False, False]
+        allowed, held = store.admit_writes(5, first, last)
+        assert allowed.tolist() == [True, True, True, False, False, False]
+        assert held == []  # a batch with a refused range holds nothing
+        assert not store.admit_writes(6, first[:3], last[:3])[0].any()  # another session
+        assert not store.admit_writes(0, first[:3], last[:3])[0].any()  # nobody's
+        local, _ = store.stage(keys(2, 3))  # staged without an owner: no remote writes
+        assert not store.admit_writes(0, np.array([2]), np.array([2]))[0].any()
+        store.abort(local)
         store.commit(lease)
-        assert not store.writable_slots(first, last).any()
+        assert not store.admit_writes(5, first[:3], last[:3])[0].any()  # committed: over
+
+
+def test_an_ended_staging_keeps_its_slots_until_admitted_writes_land() -> None:
+    """A late write (its lease aborted or expired while its bytes arrive) must not land in
+    a slot that was handed to someone else: the slots come back only after it."""
+    with TieredStore(BB, host_capacity=4 * BB) as store:
+        lease, slots = store.stage(keys(0, 2), owner=5)
+        allowed, held = store.admit_writes(5, np.array([0, 1]), np.array([0, 1]))
+        assert allowed.all() and held == [lease]
+        assert store.staging_busy(lease)
+        store.abort(lease)  # the lease ends with the write still in flight
+        assert not store.admit_writes(5, np.array([0]), np.array([0]))[0].any()
+        _, other = store.stage(keys(2, 4), owner=6)
+        assert set(other).isdisjoint(slots)  # the slots being written are not handed out
+        with pytest.raises(StoreFull):
+            store.stage(keys(4, 6), owner=6)
+        store.end_writes(held)  # the late bytes are in: now the slots come back
+        assert not store.staging_busy(lease)
+        _, reused = store.stage(keys(4, 6), owner=6)
+        assert sorted(reused) == sorted(slots)  # type: ignore[type-var]
+
+
+def test_an_expired_staging_keeps_its_slots_until_admitted_writes_land() -> None:
+    clock = [0.0]
+    with TieredStore(BB, host_capacity=2 * BB) as store:
+        store._pins.clock = store._staging.clock = lambda: clock[0]  # type: ignore[method-assign]
+        lease, slots = store.stage(keys(0, 2), owner=5, ttl=1.0)
+        _, held = store.admit_writes(5, np.array([0]), np.array([1]))
+        clock[0] = 2.0  # expired mid-write
+        assert not store.admit_writes(5, np.array([0]), np.array([0]))[0].any()
+        with pytest.raises(StoreFull):
+            store.stage(keys(2, 4), owner=6)  # sweeps the expired lease, slots still held
+        store.end_writes(held)
+        assert sorted(store.stage(keys(2, 4), owner=6)[1]) == sorted(slots)  # type: ignore[type-var]
 
 
 def test_pin_resident_lifts_blocks_from_disk_into_memory(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from kvbridge.transfer import (
     OP_DTYPE,
     AuthenticationError,
+    Caller,
     EngineClosed,
     LocalProtocolError,
     PeerClosed,
@@ -23,6 +24,7 @@ from kvbridge.transfer import (
     TransferError,
     ucx_available,
 )
+from kvbridge.transfer._protocol import ErrorCode
 from kvbridge.transfer._streams import InitiatorStream
 
 # Every transport passes this suite; ucx runs wherever ucxx imports (it does on CPU).
@@ -242,14 +244,36 @@ def test_shared_secret_handshake(
                 a.connect(b.metadata())
 
 
-def test_stream_with_a_bad_token_is_refused(transport: str) -> None:
+def test_a_stream_greeting_must_prove_a_live_session(transport: str) -> None:
+    """What a stranger or an eavesdropper can send on a data port: garbage, a real session
+    id with a MAC made without the session key, or a real greeting seen once and replayed."""
     with TransferEngine(transports=(transport,)) as a, TransferEngine(transports=(transport,)) as b:
+        peer = a.connect(b.metadata())  # a live session, its id visible on the wire
+        credentials = peer._credentials
+        assert credentials is not None
         transport_a = a._transports[transport]
         address = b._transports[transport].address()
-        stream = InitiatorStream(transport_a.open(address, 5), 0, lambda reason: None)
-        with pytest.raises(AuthenticationError, match="token"):
-            stream.handshake(b"\0" * 16, 5)
-        stream.close()
+
+        def stream() -> InitiatorStream:
+            return InitiatorStream(transport_a.open(address, 5), 0, lambda reason: None)
+
+        attempts = [
+            (bytes(64), "unknown or ended session"),
+            (credentials.id + bytes(48), "signature"),
+        ]
+        for greeting, reason in attempts:
+            refused = stream()
+            with pytest.raises(AuthenticationError, match=reason) as caught:
+                refused.handshake(greeting, 5)
+            assert caught.value.code == ErrorCode.AUTHENTICATION
+            refused.close()
+        seen = credentials.hello(0)
+        first, second = stream(), stream()
+        first.handshake(seen, 5)  # the real client's greeting
+        with pytest.raises(AuthenticationError, match="replayed"):
+            second.handshake(seen, 5)  # the same bytes again
+        first.close()
+        second.close()
 
 
 def test_close_joins_every_thread(transport: str) -> None:
@@ -299,10 +323,10 @@ def test_a_notify_handler_can_refuse_a_batch() -> None:
 
     seen: list[tuple[str, bytes]] = []
 
-    def handler(peer: str, message: bytes) -> None:
+    def handler(caller: Caller, message: bytes) -> None:
         if message == b"no":
-            raise NotifyRefused("not today")
-        seen.append((peer, message))
+            raise NotifyRefused("not today", code=1234)
+        seen.append((caller.peer, message))
 
     with TransferEngine("a", timeout=5.0) as a, TransferEngine("b", timeout=5.0) as b:
         b.set_notify_handler(handler)
@@ -311,7 +335,8 @@ def test_a_notify_handler_can_refuse_a_batch() -> None:
         peer = a.connect(b.metadata())
         peer.write([(here, 0, there.id, 0, 4096)], notify=b"yes").wait(5)
         assert seen == [("a", b"yes")] and b.notifications() == []
-        with pytest.raises(TransferError, match="not today"):
+        with pytest.raises(TransferError, match="not today") as refused:
             peer.write([(here, 0, there.id, 0, 4096)], notify=b"no").wait(5)
+        assert refused.value.code == 1234  # the handler's own code reaches the writer
         peer.write([(here, 0, there.id, 0, 4096)], notify=b"again").wait(5)  # still up
         assert seen[-1] == ("a", b"again")

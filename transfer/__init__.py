@@ -11,7 +11,9 @@ Register memory, exchange metadata, connect, then submit batches of reads and wr
 
 Public surface: :class:`TransferEngine`, :class:`Peer`, :class:`Region`,
 :class:`RegionInfo`, :class:`TransferHandle`, :class:`Notification`,
-:class:`TransferSettings`, :data:`OP_DTYPE`, and the errors (all :class:`TransferError`).
+:class:`TransferSettings`, :data:`OP_DTYPE`, :class:`Caller` and :class:`Admission` (what a
+request handler and a region guard are given and return), and the errors (all
+:class:`TransferError`).
 """
 
 from ._engine import TRANSPORTS, Notification, TransferEngine
@@ -22,13 +24,15 @@ from ._errors import (
     LocalProtocolError,
     PeerClosed,
     RegionBusy,
+    RemoteInternalError,
     RemoteProtocolError,
     TransferError,
 )
 from ._handle import TransferHandle
 from ._ops import OP_DTYPE
 from ._peer import Peer
-from ._regions import Region, RegionInfo
+from ._regions import Admission, Region, RegionInfo
+from ._sessions import Caller
 from ._settings import TransferSettings
 from ._streams import NotifyRefused
 from ._ucx import ucx_available
@@ -37,7 +41,9 @@ __all__ = [
     "OP_DTYPE",
     "TRANSPORTS",
     "AccessDenied",
+    "Admission",
     "AuthenticationError",
+    "Caller",
     "EngineClosed",
     "LocalProtocolError",
     "Notification",
@@ -47,6 +53,7 @@ __all__ = [
     "Region",
     "RegionBusy",
     "RegionInfo",
+    "RemoteInternalError",
     "RemoteProtocolError",
     "TransferEngine",
     "TransferError",

@@ -1,28 +1,38 @@
-"""The control plane: handshake, authentication and metadata over pyzmq + msgpack.
+"""The control plane: handshake, sessions and requests over pyzmq + msgpack.
 
-Each engine binds a ROUTER socket; a connecting engine talks to it with a short-lived
-DEALER. Messages are msgpack maps (never pickle) and every field is checked.
+Each engine binds a ROUTER socket; a connecting engine talks to it with a DEALER. Messages
+are msgpack maps (never pickle) and every field is checked.
 
 Handshake (two round trips)::
 
     initiator -> {op: hello, v, name, nonce: Na}
-    responder <- {ok, nonce: Nb, proof: HMAC(secret, "responder" Na Nb) or b"", secured}
-    initiator -> {op: auth, nonce: Nb, proof: HMAC(secret, "initiator" Nb Na) or b""}
-    responder <- {ok, token, metadata}
+    responder <- {ok, nonce: Nb, ticket, proof: HMAC(secret, "responder" Na Nb) or b"", secured}
+    initiator -> {op: auth, name, nonce: Na, server_nonce: Nb, ticket,
+                  proof: HMAC(secret, "initiator" Nb Na) or b""}
+    responder <- {ok, session, metadata}
 
 Each side proves that it knows the shared secret without sending it; an engine with a
-secret refuses a peer without one, either way round. The token then admits the peer's data
-streams (their HELLO frame), its later metadata requests, and its ``call`` requests: an
-application's own request/reply messages (a msgpack map each way), answered by the handler
-the engine was given (a cache server's store operations ride on this).
+secret refuses a peer without one, either way round. The responder keeps no state between
+the two round trips: ``ticket`` is its own MAC over ``Na``, ``Nb`` and the name, valid for
+:data:`TICKET_TTL_S` and accepted once, so a flood of unanswered hellos costs it nothing
+and cannot push out a real handshake. Both ends then derive the session key (see
+``_sessions``); later requests are signed with it::
+
+    {op: call | metadata | bye, session, seq, body: bytes, mac}
+
+``call`` carries an application's request (``body`` is a packed msgpack map), answered by
+the handler the engine was given (a cache server's store operations ride on it). Refusals
+carry a numeric ``code`` (:class:`ControlCode`) as well as a message for people.
 """
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
+import enum
 import hmac
-import itertools
+import logging
 import secrets
+import struct
 import threading
 import time
 from collections import OrderedDict
@@ -32,24 +42,33 @@ from typing import Any
 import msgpack
 import zmq
 
-from ._errors import AuthenticationError, PeerClosed, RemoteProtocolError
-from ._protocol import TOKEN_BYTES
+from ._errors import AuthenticationError, PeerClosed, RemoteInternalError, RemoteProtocolError
+from ._sessions import Caller, Credentials, SessionsFull, SessionTable, mac, session_key
 
-CONTROL_VERSION = 1
+CONTROL_VERSION = 2
 MAX_CONTROL_MESSAGE = 1 << 20
 """Control messages are small maps; metadata of thousands of regions fits in 1 MiB."""
-MAX_SESSIONS = 4096
-"""Sessions kept per engine; the oldest is forgotten first (its streams stay up)."""
-MAX_CHALLENGES = 1024
-"""Handshakes half done at once; the oldest is dropped first."""
+TICKET_TTL_S = 30.0
+"""A handshake's second round trip must come within this of its first."""
+
+_log = logging.getLogger("kvbridge.transfer")
+_STAMP = struct.Struct("<Q")
+
+RequestHandler = Callable[[Caller, dict[str, Any]], dict[str, Any]]
+"""``handler(caller, body) -> reply body`` for ``call`` requests."""
 
 
-RequestHandler = Callable[[str, dict[str, Any]], dict[str, Any]]
-"""``handler(peer_name, body) -> reply body`` for ``call`` requests."""
+class ControlCode(enum.IntEnum):
+    """Why the control plane refused a request (the ``code`` of a refusal)."""
+
+    PROTOCOL = 1
+    AUTHENTICATION = 2
+    SESSIONS_FULL = 3
+    INTERNAL = 4
 
 
 def _proof(secret: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
-    return hmac.new(secret, b"kvbridge-" + role + first + second, hashlib.sha256).digest()
+    return mac(secret, b"kvbridge-" + role, first, second)
 
 
 def pack(message: dict[str, Any]) -> bytes:
@@ -79,32 +98,35 @@ class ControlServer:
         *,
         secret: bytes | None,
         metadata: Callable[[], bytes],
-        name: str,
+        sessions: SessionTable,
     ) -> None:
         self.handler: RequestHandler | None = None
+        self.sessions = sessions
         self._secret = secret
         self._metadata = metadata
-        self._name = name
-        self._socket = context.socket(zmq.ROUTER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)
-        self._socket.bind(endpoint)
-        self.endpoint: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._waker_address = f"inproc://kvbridge-control-{secrets.token_hex(8)}"
-        self._wake_rx = context.socket(zmq.PAIR)
-        self._wake_rx.bind(self._waker_address)
-        self._wake_tx = context.socket(zmq.PAIR)
-        self._wake_tx.connect(self._waker_address)
-        self._sessions: OrderedDict[bytes, str] = OrderedDict()
-        self._challenges: OrderedDict[bytes, tuple[bytes, str]] = OrderedDict()
-        self._lock = threading.Lock()
+        self._ticket_key = secrets.token_bytes(32)
+        self._used: OrderedDict[bytes, float] = OrderedDict()  # tickets taken, by expiry
+        sockets: list[zmq.Socket[Any]] = []
+        try:
+            self._socket = context.socket(zmq.ROUTER)
+            sockets.append(self._socket)
+            self._socket.setsockopt(zmq.LINGER, 0)
+            self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)
+            self._socket.bind(endpoint)
+            self.endpoint: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+            waker = f"inproc://kvbridge-control-{secrets.token_hex(8)}"
+            self._wake_rx = context.socket(zmq.PAIR)
+            sockets.append(self._wake_rx)
+            self._wake_rx.bind(waker)
+            self._wake_tx = context.socket(zmq.PAIR)
+            sockets.append(self._wake_tx)
+            self._wake_tx.connect(waker)
+        except BaseException:  # an open socket would make Context.term() wait for ever
+            for sock in sockets:
+                sock.close(linger=0)
+            raise
         self._thread = threading.Thread(target=self._run, name="kvbridge-control", daemon=True)
         self._thread.start()
-
-    def session(self, token: bytes) -> str | None:
-        """The peer name a session token belongs to, or ``None``."""
-        with self._lock:
-            return self._sessions.get(token)
 
     def close(self) -> None:
         self._wake_tx.send(b"stop")
@@ -117,78 +139,122 @@ class ControlServer:
         poller.register(self._wake_rx, zmq.POLLIN)
         try:
             while True:
-                ready = dict(poller.poll())
+                ready = dict(poller.poll(int(TICKET_TTL_S * 1000)))
                 if self._wake_rx in ready:
                     return
-                frames = self._socket.recv_multipart()
-                if len(frames) != 3 or frames[1] != b"":
-                    continue  # not a DEALER request envelope: drop it
-                identity, _, body = frames
-                rid = None
-                try:
-                    message = unpack(body)
-                    rid = message.get("rid")
-                    answer = self._answer(message)
-                except Exception as exc:  # any bad request gets an answer; the loop goes on
-                    answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-                if isinstance(rid, int):
-                    answer["rid"] = rid  # lets a client tell this answer from a late one
-                try:
-                    reply = pack(answer)
-                except Exception as exc:
-                    reply = pack({"ok": False, "error": f"unpackable answer: {exc}", "rid": rid})
-                self._socket.send_multipart([identity, b"", reply])
+                self.sessions.sweep()
+                if self._socket in ready:
+                    self._serve_one()
         finally:
             self._socket.close()
             self._wake_rx.close()
 
+    def _serve_one(self) -> None:
+        frames = self._socket.recv_multipart()
+        if len(frames) != 3 or frames[1] != b"":
+            return  # not a DEALER request envelope: drop it
+        identity, _, body = frames
+        rid = None
+        try:
+            message = unpack(body)
+            rid = message.get("rid")
+            answer = self._answer(message)
+        except Exception as exc:  # every bad request gets an answer; the loop goes on
+            answer = _refusal(exc)
+        if isinstance(rid, int) and not isinstance(rid, bool):
+            answer["rid"] = rid  # lets a client tell this answer from a late one
+        try:
+            reply = pack(answer)
+        except Exception:
+            _log.exception("control: an answer could not be packed")
+            reply = pack({"ok": False, "code": ControlCode.INTERNAL, "error": "unpackable"})
+        self._socket.send_multipart([identity, b"", reply])
+
     def _answer(self, message: dict[str, Any]) -> dict[str, Any]:
         op = message.get("op")
         if op == "hello":
-            if message["v"] != CONTROL_VERSION:
-                raise RemoteProtocolError(f"control version {message['v']} is not supported")
-            their_nonce = _bytes(message["nonce"], 16)
-            peer = str(message["name"])[:256]
-            nonce = secrets.token_bytes(16)
-            proof = b""
-            if self._secret is not None:
-                proof = _proof(self._secret, b"responder", their_nonce, nonce)
-                expected = _proof(self._secret, b"initiator", nonce, their_nonce)
-            else:
-                expected = b""
-            with self._lock:
-                self._challenges[nonce] = (expected, peer)
-                while len(self._challenges) > MAX_CHALLENGES:
-                    self._challenges.popitem(last=False)
-            return {"ok": True, "nonce": nonce, "proof": proof, "secured": self._secret is not None}
+            return self._hello(message)
         if op == "auth":
-            nonce = _bytes(message["nonce"], 16)
-            with self._lock:
-                challenge = self._challenges.pop(nonce, None)
-            if challenge is None:
-                raise AuthenticationError("unknown or expired handshake")
-            expected, peer = challenge
-            if not hmac.compare_digest(expected, _bytes(message["proof"], len(expected))):
-                raise AuthenticationError("wrong shared secret")
-            token = secrets.token_bytes(TOKEN_BYTES)
-            with self._lock:
-                self._sessions[token] = peer
-                while len(self._sessions) > MAX_SESSIONS:
-                    self._sessions.popitem(last=False)
-            return {"ok": True, "token": token, "metadata": self._metadata()}
-        if op == "metadata":
-            if self.session(_bytes(message["token"], TOKEN_BYTES)) is None:
-                raise AuthenticationError("unknown session token")
-            return {"ok": True, "metadata": self._metadata()}
-        if op == "call":
-            caller = self.session(_bytes(message["token"], TOKEN_BYTES))
-            if caller is None:
-                raise AuthenticationError("unknown session token")
-            body = message["body"]
-            if self.handler is None or not isinstance(body, dict):
-                raise RemoteProtocolError("this engine answers no calls")
-            return {"ok": True, "body": self.handler(caller, body)}
+            return self._auth(message)
+        if op in ("call", "metadata", "bye"):
+            caller = self.sessions.verify_call(
+                _bytes(message.get("session"), 16),
+                op,
+                _int(message.get("seq")),
+                _blob(message.get("body")),
+                _bytes(message.get("mac"), 32),
+            )
+            if op == "metadata":
+                return {"ok": True, "metadata": self._metadata()}
+            if op == "bye":
+                self.sessions.end(message["session"])
+                return {"ok": True}
+            return {"ok": True, "body": self._call(caller, message["body"])}
         raise RemoteProtocolError(f"unknown control op {op!r}")
+
+    def _hello(self, message: dict[str, Any]) -> dict[str, Any]:
+        if message.get("v") != CONTROL_VERSION:
+            raise RemoteProtocolError(f"control version {message.get('v')!r} is not supported")
+        their_nonce = _bytes(message.get("nonce"), 16)
+        name = _name(message.get("name"))
+        nonce = _STAMP.pack(int(time.monotonic() * 1000)) + secrets.token_bytes(8)
+        ticket = mac(self._ticket_key, b"ticket", their_nonce, nonce, name.encode())
+        proof = b""
+        if self._secret is not None:
+            proof = _proof(self._secret, b"responder", their_nonce, nonce)
+        secured = self._secret is not None
+        return {"ok": True, "nonce": nonce, "ticket": ticket, "proof": proof, "secured": secured}
+
+    def _auth(self, message: dict[str, Any]) -> dict[str, Any]:
+        their_nonce = _bytes(message.get("nonce"), 16)
+        nonce = _bytes(message.get("server_nonce"), 16)
+        name = _name(message.get("name"))
+        ticket = _bytes(message.get("ticket"), 32)
+        expected_ticket = mac(self._ticket_key, b"ticket", their_nonce, nonce, name.encode())
+        issued = _STAMP.unpack(nonce[:8])[0] / 1000
+        now = time.monotonic()
+        if (
+            not hmac.compare_digest(ticket, expected_ticket)
+            or not 0 <= now - issued <= TICKET_TTL_S
+        ):
+            raise AuthenticationError("unknown or expired handshake")
+        self._take_ticket(ticket, issued + TICKET_TTL_S, now)
+        expected = b""
+        if self._secret is not None:
+            expected = _proof(self._secret, b"initiator", nonce, their_nonce)
+        if not hmac.compare_digest(expected, _bytes(message.get("proof"), len(expected))):
+            raise AuthenticationError("wrong shared secret")
+        session = self.sessions.open(session_key(self._secret, their_nonce, nonce), name)
+        _log.info("control: session %d opened for %r", session.caller.session, name)
+        return {"ok": True, "session": session.id, "metadata": self._metadata()}
+
+    def _take_ticket(self, ticket: bytes, expiry: float, now: float) -> None:
+        while self._used and next(iter(self._used.values())) < now:
+            self._used.popitem(last=False)
+        if ticket in self._used:
+            raise AuthenticationError("handshake replayed")
+        self._used[ticket] = expiry
+
+    def _call(self, caller: Caller, packed: bytes) -> dict[str, Any]:
+        body = unpack(packed)
+        if self.handler is None:
+            raise RemoteProtocolError("this engine answers no calls")
+        return self.handler(caller, body)
+
+
+def _refusal(exc: Exception) -> dict[str, Any]:
+    if isinstance(exc, SessionsFull):
+        code = ControlCode.SESSIONS_FULL
+    elif isinstance(exc, AuthenticationError):
+        code = ControlCode.AUTHENTICATION
+        _log.warning("control: authentication refused: %s", exc)
+    elif isinstance(exc, RemoteProtocolError):
+        code = ControlCode.PROTOCOL
+        _log.info("control: malformed request: %s", exc)
+    else:
+        code = ControlCode.INTERNAL
+        _log.error("control: internal error", exc_info=exc)
+    return {"ok": False, "code": int(code), "error": str(exc)}
 
 
 def _bytes(value: Any, size: int) -> bytes:
@@ -197,30 +263,60 @@ def _bytes(value: Any, size: int) -> bytes:
     return value
 
 
+def _blob(value: Any) -> bytes:
+    if not isinstance(value, bytes):
+        raise RemoteProtocolError("expected bytes")
+    return value
+
+
+def _int(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 < value < 2**63:
+        raise RemoteProtocolError("expected a positive integer")
+    return value
+
+
+def _name(value: Any) -> str:
+    if not isinstance(value, str) or len(value) > 256:
+        raise RemoteProtocolError("a peer name is a string of at most 256 characters")
+    return value
+
+
+_RAISES: dict[int, type[Exception]] = {
+    ControlCode.AUTHENTICATION: AuthenticationError,
+    ControlCode.SESSIONS_FULL: SessionsFull,
+    ControlCode.INTERNAL: RemoteInternalError,
+}
+
+
 class ControlClient:
-    """A short-lived DEALER to one engine's control socket."""
+    """A DEALER to one engine's control socket."""
 
     def __init__(self, context: zmq.Context[Any], endpoint: str, timeout: float) -> None:
         self._socket = context.socket(zmq.DEALER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)
-        self._socket.connect(endpoint)
+        try:
+            self._socket.setsockopt(zmq.LINGER, 0)
+            self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)
+            self._socket.connect(endpoint)
+        except BaseException:
+            self._socket.close(linger=0)
+            raise
         self._endpoint = endpoint
-        self._timeout = timeout
-        self._rids = itertools.count(1)
+        self.timeout = timeout
+        self._rid = 0
 
     def send(self, message: dict[str, Any]) -> None:
         """Send without waiting: the answer is skipped by the next :meth:`request`."""
-        self._socket.send_multipart([b"", pack({**message, "rid": next(self._rids)})])
+        self._rid += 1
+        self._socket.send_multipart([b"", pack({**message, "rid": self._rid})])
 
     def request(self, message: dict[str, Any]) -> dict[str, Any]:
-        rid = next(self._rids)
-        self._socket.send_multipart([b"", pack({**message, "rid": rid})])
-        deadline = time.monotonic() + self._timeout
+        self.send(message)
+        rid = self._rid
+        deadline = time.monotonic() + self.timeout
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not self._socket.poll(int(left * 1000) + 1):
-                raise PeerClosed(f"no answer from {self._endpoint} within {self._timeout} s")
+                raise PeerClosed(f"no answer from {self._endpoint} within {self.timeout} s")
             frames = self._socket.recv_multipart()
             if len(frames) != 2 or frames[0] != b"":
                 continue
@@ -228,14 +324,13 @@ class ControlClient:
             if reply.get("rid") == rid:
                 break  # earlier answers (to sends, or to timed-out requests) are skipped
         if not reply.get("ok"):
-            error = str(reply.get("error", "refused"))
-            if error.startswith("AuthenticationError"):
-                raise AuthenticationError(f"{self._endpoint}: {error}")
-            raise RemoteProtocolError(f"{self._endpoint}: {error}")
+            code = reply.get("code")
+            error = _RAISES.get(code, RemoteProtocolError) if isinstance(code, int) else None
+            raise (error or RemoteProtocolError)(f"{self._endpoint}: {reply.get('error')}")
         return reply
 
-    def handshake(self, name: str, secret: bytes | None) -> tuple[bytes, bytes]:
-        """Authenticate; return the session token and the peer's current metadata."""
+    def handshake(self, name: str, secret: bytes | None) -> tuple[Credentials, bytes]:
+        """Authenticate; return the session's credentials and the peer's metadata."""
         nonce = secrets.token_bytes(16)
         reply = self.request({"op": "hello", "v": CONTROL_VERSION, "name": name, "nonce": nonce})
         their_nonce = _bytes(reply.get("nonce"), 16)
@@ -249,18 +344,34 @@ class ControlClient:
             proof = _proof(secret, b"initiator", their_nonce, nonce)
         elif reply.get("secured"):
             raise AuthenticationError(f"{self._endpoint} requires a shared secret")
-        reply = self.request({"op": "auth", "nonce": their_nonce, "proof": proof})
-        return _bytes(reply.get("token"), TOKEN_BYTES), bytes(reply["metadata"])
+        auth = {
+            "op": "auth",
+            "name": name,
+            "nonce": nonce,
+            "server_nonce": their_nonce,
+            "ticket": reply.get("ticket"),
+            "proof": proof,
+        }
+        reply = self.request(auth)
+        credentials = Credentials(
+            _bytes(reply.get("session"), 16), session_key(secret, nonce, their_nonce)
+        )
+        return credentials, _blob(reply.get("metadata"))
 
-    def metadata(self, token: bytes) -> bytes:
-        return bytes(self.request({"op": "metadata", "token": token})["metadata"])
+    def metadata(self, credentials: Credentials) -> bytes:
+        return _blob(self.request(credentials.sign("metadata", b"")).get("metadata"))
 
-    def cast(self, token: bytes, body: dict[str, Any]) -> None:
+    def bye(self, credentials: Credentials) -> None:
+        """End the session (its streams, if any, stay up until they close)."""
+        with contextlib.suppress(PeerClosed, AuthenticationError):
+            self.request(credentials.sign("bye", b""))
+
+    def cast(self, credentials: Credentials, body: dict[str, Any]) -> None:
         """A call whose answer nobody waits for."""
-        self.send({"op": "call", "token": token, "body": body})
+        self.send(credentials.sign("call", pack(body)))
 
-    def call(self, token: bytes, body: dict[str, Any]) -> dict[str, Any]:
-        reply = self.request({"op": "call", "token": token, "body": body}).get("body")
+    def call(self, credentials: Credentials, body: dict[str, Any]) -> dict[str, Any]:
+        reply = self.request(credentials.sign("call", pack(body))).get("body")
         if not isinstance(reply, dict):
             raise RemoteProtocolError(f"{self._endpoint}: a call reply must be a map")
         return reply

@@ -16,6 +16,7 @@ connected to, and the watchdog that fails overdue batches.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 from collections import deque
@@ -33,13 +34,20 @@ from ._metadata import EngineInfo
 from ._peer import Peer
 from ._pipes import Pipe
 from ._regions import Guard, Region, RegionTable
+from ._sessions import Caller, SessionTable
 from ._settings import TransferSettings
-from ._streams import serve
+from ._streams import ServeHooks, serve
 from ._transports import MemoryTransport, TcpTransport, Transport
 from ._ucx import UcxTransport, ucx_available
 from ._watchdog import Watchdog
 
 TRANSPORTS = ("tcp", "ucx", "memory")
+
+MAX_SERVED_STREAMS = 1024
+"""Data streams served at once (a thread each); more are closed as they arrive, so a flood
+of connections cannot exhaust threads. Sessions cap their own streams too (``_sessions``)."""
+
+_log = logging.getLogger("kvbridge.transfer")
 
 
 @dataclass(frozen=True)
@@ -85,12 +93,13 @@ class TransferEngine:
         self.name = name or f"kvbridge-{secrets.token_hex(4)}"
         self._secret = secret.encode() if isinstance(secret, str) else secret
         self._regions = RegionTable()
+        self._sessions = SessionTable()
         self._lock = threading.Lock()
         self._closed = False
         self._served: dict[Pipe, threading.Thread] = {}
         self._peers: list[Peer] = []
         self._inbox: deque[Notification] = deque()
-        self._notify_handler: Callable[[str, bytes], None] | None = None
+        self._notify_handler: Callable[[Caller, bytes], None] | None = None
         self._inbox_cond = threading.Condition()
         self._counters = {
             "bytes_written": 0,
@@ -111,7 +120,7 @@ class TransferEngine:
                 f"tcp://{host}:{port or '*'}",
                 secret=self._secret,
                 metadata=self.metadata,
-                name=self.name,
+                sessions=self._sessions,
             )
         except BaseException:
             self._shutdown()
@@ -136,12 +145,15 @@ class TransferEngine:
     def register(self, buffer: Any, *, access: str = "rw", guard: Guard | None = None) -> Region:
         """Register a buffer (numpy, memoryview, bytearray, mmap...) for remote access.
 
-        ``access`` is what peers may do: ``"r"``, ``"w"`` or ``"rw"``. Keep the buffer
-        alive and unchanged in size until :meth:`unregister`. GPU memory (a cupy array, or
-        anything with ``__cuda_array_interface__``) needs the ``ucx`` transport and moves
-        only to peers reached over it. ``guard(access, offsets, lengths)``, if given, is
-        asked about every remote op that passed the key and bounds checks and returns a
-        mask of the ops it allows (a cache server lets writes land only in staged slots);
+        ``access`` is what peers may do: ``"r"``, ``"w"``, ``"rw"``, or ``"none"`` for a
+        buffer that only this engine's own batches read or fill (the safe choice for a
+        client's buffers). Keep the buffer alive and unchanged in size until
+        :meth:`unregister`. GPU memory (a cupy array, or anything with
+        ``__cuda_array_interface__``) needs the ``ucx`` transport and moves only to peers
+        reached over it. ``guard(caller, access, offsets, lengths)``, if given, is asked about
+        every remote op that passed the key and bounds checks, with the authenticated
+        session that sent it, and returns an :class:`Admission` (a cache server lets a
+        session write only into slots it staged, and holds them until the bytes landed);
         serving threads call it concurrently, so it must be thread-safe.
         """
         self._check_open()
@@ -149,18 +161,26 @@ class TransferEngine:
             raise LocalProtocolError("GPU memory moves over the ucx transport only")
         return self._regions.register(buffer, access, guard)
 
-    def set_notify_handler(self, handler: Callable[[str, bytes], None] | None) -> None:
-        """Take notifications with ``handler(peer_name, message)`` instead of queueing them
+    def set_notify_handler(self, handler: Callable[[Caller, bytes], None] | None) -> None:
+        """Take notifications with ``handler(caller, message)`` instead of queueing them
         for :meth:`notifications`. It runs on the stream's serve thread after the batch's
         bytes landed, before the writer's batch is done; raising :class:`NotifyRefused`
         fails the writer's batch with its message (a cache server commits puts this way)."""
         self._notify_handler = handler
 
     def set_request_handler(self, handler: RequestHandler | None) -> None:
-        """Answer peers' :meth:`Peer.call` requests with ``handler(peer_name, body)``,
-        which returns the reply body (a map of msgpack types). It runs on the control
-        thread, one request at a time; an exception it raises becomes an error reply."""
+        """Answer peers' :meth:`Peer.call` requests with ``handler(caller, body)``, which
+        returns the reply body (a map of msgpack types). ``caller.session`` identifies the
+        authenticated session (unique, never reused). It runs on the control thread, one
+        request at a time; an exception it raises is logged and answered as an internal
+        error."""
         self._control.handler = handler
+
+    def set_session_end_handler(self, handler: Callable[[Caller], None] | None) -> None:
+        """Call ``handler(caller)`` when a peer's session ends: its last data stream closed,
+        it said goodbye, or it sat idle without streams (see ``_sessions``). An application
+        releases there what the session held. Runs on whichever engine thread saw the end."""
+        self._sessions.on_end = handler
 
     def unregister(self, region: Region) -> None:
         """Forget a region; raises :class:`RegionBusy` while a transfer uses it."""
@@ -191,7 +211,8 @@ class TransferEngine:
         endpoint = address if "://" in address else f"tcp://{address}"
         client = ControlClient(self._context, endpoint, self.settings.connect_timeout)
         try:
-            _, metadata = client.handshake(self.name, self._secret)
+            credentials, metadata = client.handshake(self.name, self._secret)
+            client.bye(credentials)  # connect() opens a session of its own
         finally:
             client.close()
         return self.connect(metadata)
@@ -260,7 +281,9 @@ class TransferEngine:
             served = list(self._served.items())
         for pipe, thread in served:
             pipe.close()
-            thread.join()
+            if thread.ident is not None:  # a thread that failed to start has nothing to join
+                thread.join()
+        self._sessions.on_end = None
         self._watchdog.close()
         self._context.term()
 
@@ -282,36 +305,50 @@ class TransferEngine:
             raise EngineClosed(f"engine {self.name} is closed")
 
     def _accept(self, pipe: Pipe) -> None:
-        """A peer opened a data stream: serve it on a thread this engine owns."""
+        """A peer opened a data stream: serve it on a thread this engine owns. Past
+        :data:`MAX_SERVED_STREAMS`, or when no thread can be started, the stream is closed
+        (and logged); the listener goes on accepting."""
         thread = threading.Thread(target=self._serve, args=(pipe,), daemon=True)
         with self._lock:
-            if self._closed:
-                pipe.close()
-                return
-            self._served[pipe] = thread
-        thread.name = f"kvbridge-serve-{len(self._served)}"
-        thread.start()
+            refused = self._closed or len(self._served) >= MAX_SERVED_STREAMS
+            if not refused:
+                self._served[pipe] = thread
+                thread.name = f"kvbridge-serve-{len(self._served)}"
+        if refused:
+            if not self._closed:
+                _log.warning(
+                    "%s: %d streams served already: one refused", self.name, MAX_SERVED_STREAMS
+                )
+            pipe.close()
+            return
+        try:
+            thread.start()
+        except RuntimeError as exc:  # can't start new thread: process or memory limits
+            _log.error("%s: cannot serve a stream: %s", self.name, exc)
+            with self._lock:
+                self._served.pop(pipe, None)
+            pipe.close()
 
     def _serve(self, pipe: Pipe) -> None:
+        hooks = ServeHooks(
+            sessions=self._sessions,
+            on_notify=self._notify,
+            on_bytes=self._count_served,
+            handshake_timeout=self.settings.connect_timeout,
+            frame_timeout=self.settings.timeout,
+        )
         try:
-            serve(
-                pipe,
-                self._regions,
-                check_token=self._control.session,
-                on_notify=self._notify,
-                on_bytes=self._count_served,
-                handshake_timeout=self.settings.connect_timeout,
-            )
+            serve(pipe, self._regions, hooks)
         finally:
             with self._lock:
                 self._served.pop(pipe, None)
 
-    def _notify(self, peer: str, message: bytes) -> None:
+    def _notify(self, caller: Caller, message: bytes) -> None:
         handler = self._notify_handler
         if handler is None:
-            self._deliver(peer, message)
+            self._deliver(caller.peer, message)
         else:
-            handler(peer, message)
+            handler(caller, message)
 
     def _deliver(self, peer: str, message: bytes) -> None:
         with self._inbox_cond:
@@ -324,6 +361,7 @@ class TransferEngine:
             self._counters["served_bytes_out"] += sent
 
     def _settled(self, handle: TransferHandle, access: str, regions: list[Region]) -> None:
+        """Runs before the handle reports done: the regions are free once ``wait()`` returns."""
         self._regions.release(regions)
         with self._lock:
             self._counters["batches"] += 1

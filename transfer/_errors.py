@@ -10,11 +10,18 @@ from __future__ import annotations
 
 
 class TransferError(Exception):
-    """A batch failed: the message says which op and why (``op_index`` when known)."""
+    """A batch failed: the message says which op and why (``op_index`` when known).
 
-    def __init__(self, message: str, *, op_index: int | None = None) -> None:
+    ``code`` is the refusal's code when the peer refused (an ``ErrorCode``, or from 1000 up
+    an application's own, such as a cache server's store error kinds): match on it, never
+    on the message."""
+
+    def __init__(
+        self, message: str, *, op_index: int | None = None, code: int | None = None
+    ) -> None:
         super().__init__(message)
         self.op_index = op_index
+        self.code = code
 
 
 class LocalProtocolError(TransferError, ValueError):
@@ -32,6 +39,11 @@ class AccessDenied(TransferError):
 
 class AuthenticationError(TransferError):
     """The peer failed (or did not attempt) the shared-secret handshake."""
+
+
+class RemoteInternalError(TransferError):
+    """The peer failed inside while answering (its bug, logged on its side); the request may
+    or may not have taken effect there."""
 
 
 class RegionBusy(TransferError):

@@ -29,6 +29,7 @@ class TransferHandle:
         self._parts = parts
         self._error: TransferError | None = None
         self._event = threading.Event()
+        self._settling = False
         self._lock = threading.Lock()
         self._on_settle = on_settle
         self._callbacks: list[Callable[[TransferHandle], None]] = []
@@ -73,7 +74,7 @@ class TransferHandle:
     def _part_done(self) -> None:
         """One part (a frame, or the notification) is done."""
         with self._lock:
-            if self._event.is_set():
+            if self._settling:
                 return
             self._parts -= 1
             last = self._parts == 0
@@ -82,19 +83,23 @@ class TransferHandle:
 
     def _fail(self, error: TransferError) -> None:
         with self._lock:
-            if self._event.is_set():
+            if self._settling:
                 return
             self._error = error
         self._settle()
 
     def _settle(self) -> None:
+        """Release what the batch held (``on_settle``), then report done: a caller that
+        returns from ``wait()`` may unregister the batch's regions at once."""
         with self._lock:
-            if self._event.is_set():
+            if self._settling:
                 return
-            self._event.set()
-            callbacks, self._callbacks = self._callbacks, []
+            self._settling = True
         if self._on_settle is not None:
             self._on_settle(self)
+        with self._lock:
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:
             callback(self)
 

@@ -15,6 +15,7 @@ from ._metadata import EngineInfo
 from ._ops import FramePlan, check, normalize, plan
 from ._protocol import MAX_CONTROL_BYTES
 from ._regions import RegionInfo
+from ._sessions import Credentials
 from ._streams import InitiatorStream, Pending
 
 if TYPE_CHECKING:
@@ -53,6 +54,7 @@ class _Batch:
                 f"remote region {op['remote_region']} +{op['remote_offset']}, "
                 f"{op['length']} bytes): {error}",
                 op_index=index,
+                code=error.code,
             )
         self.handle._fail(error)
 
@@ -75,7 +77,7 @@ class Peer:
         self._streams: list[InitiatorStream] = []
         self._calls: ControlClient | None = None
         self._calls_lock = threading.Lock()
-        self._token = b""
+        self._credentials: Credentials | None = None
         self._error: str | None = None
         self._next_stream = 0
         self._lock = threading.Lock()
@@ -87,7 +89,7 @@ class Peer:
         settings = self._engine.settings
         client = ControlClient(self._engine._context, self._info.control, settings.connect_timeout)
         try:
-            self._token, fresh = client.handshake(self._engine.name, self._engine._secret)
+            credentials, fresh = client.handshake(self._engine.name, self._engine._secret)
         finally:
             client.close()
         self.regions = dict(EngineInfo.decode(fresh).regions)
@@ -98,11 +100,12 @@ class Peer:
                 pipe = self._transport.open(address, settings.connect_timeout)
                 stream = InitiatorStream(pipe, index, self._broken)
                 streams.append(stream)
-                stream.handshake(self._token, settings.connect_timeout)
+                stream.handshake(credentials.hello(index), settings.connect_timeout)
         except BaseException:
             for stream in streams:
                 stream.close("connect failed")
             raise
+        self._credentials = credentials
         for stream in streams:
             stream.start()
         with self._lock:
@@ -115,7 +118,7 @@ class Peer:
             self._engine._context, self._info.control, self._engine.settings.connect_timeout
         )
         try:
-            self.regions = dict(EngineInfo.decode(client.metadata(self._token)).regions)
+            self.regions = dict(EngineInfo.decode(client.metadata(self._session())).regions)
         finally:
             client.close()
         return self.regions
@@ -131,9 +134,9 @@ class Peer:
                 raise PeerClosed(f"peer {self.name} is closed: {self._error}")
             if self._calls is None:
                 self._calls = ControlClient(self._engine._context, self._info.control, wait)
-            self._calls._timeout = wait
+            self._calls.timeout = wait
             try:
-                return self._calls.call(self._token, body)
+                return self._calls.call(self._session(), body)
             except PeerClosed:
                 self._calls.close()  # a late answer must not be taken for the next one
                 self._calls = None
@@ -148,7 +151,12 @@ class Peer:
             if self._calls is None:
                 wait = self._engine.settings.timeout
                 self._calls = ControlClient(self._engine._context, self._info.control, wait)
-            self._calls.cast(self._token, body)
+            self._calls.cast(self._session(), body)
+
+    def _session(self) -> Credentials:
+        if self._credentials is None:
+            raise PeerClosed(f"peer {self.name} has no session")
+        return self._credentials
 
     def reconnect(self) -> None:
         """Close the streams (failing what is in flight) and connect afresh."""

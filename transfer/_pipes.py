@@ -12,6 +12,7 @@ import contextlib
 import os
 import socket
 import threading
+import time
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -46,6 +47,10 @@ class Pipe(Protocol):
     def set_timeout(self, seconds: float | None) -> None:
         """Bound each blocking call (``TimeoutError``), or ``None`` for no bound."""
 
+    def set_deadline(self, deadline: float | None) -> None:
+        """Bound everything until further notice by ``deadline`` (``time.monotonic()``):
+        calls raise ``TimeoutError`` past it however the bytes trickle in; ``None`` lifts it."""
+
     def close(self) -> None:
         """Close both directions; blocked calls on either end wake up with an error."""
 
@@ -60,6 +65,11 @@ class SocketPipe:
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._scratch: bytearray | None = None  # for discards only, made on first use
+        self._deadline: float | None = None
+
+    def _check_deadline(self) -> None:
+        if self._deadline is not None and time.monotonic() > self._deadline:
+            raise TimeoutError("the stream missed its deadline")
 
     def recv_exact(self, n: int) -> bytes:
         buf = bytearray(n)
@@ -70,6 +80,8 @@ class SocketPipe:
             if k == 0:
                 raise EOFError("the peer closed the stream")
             got += k
+            if got < n:
+                self._check_deadline()
         return bytes(buf)
 
     def recv_into_views(self, views: Sequence[memoryview]) -> None:
@@ -85,6 +97,8 @@ class SocketPipe:
                     if k == 0:
                         raise EOFError("the peer closed the stream")
                     view = view[k:]
+                    if self._deadline is not None:
+                        self._check_deadline()
                 i += 1
                 continue
             end = _small_run(views, i)
@@ -99,6 +113,7 @@ class SocketPipe:
             if k == 0:
                 raise EOFError("the peer closed the stream")
             first = _advance(pending, first, k)
+            self._check_deadline()
 
     def discard(self, lengths: Sequence[int]) -> None:
         n = sum(lengths)
@@ -110,6 +125,7 @@ class SocketPipe:
             if k == 0:
                 raise EOFError("the peer closed the stream")
             n -= k
+            self._check_deadline()
 
     def send(self, buffers: Sequence[bytes | memoryview]) -> None:
         """Small buffers go out together with ``sendmsg`` (gather), each big one with its own
@@ -124,9 +140,19 @@ class SocketPipe:
                 continue
             end = _small_run(pending, first)
             first = _advance(pending, first, sock.sendmsg(pending[first:end]))
+            self._check_deadline()
 
     def set_timeout(self, seconds: float | None) -> None:
         self.sock.settimeout(seconds)
+
+    def set_deadline(self, deadline: float | None) -> None:
+        """Each call then waits at most until ``deadline`` (the socket timeout), and the
+        loops check it between calls: a peer trickling a byte at a time cannot stretch it."""
+        self._deadline = deadline
+        if deadline is None:
+            self.sock.settimeout(None)
+        else:
+            self.sock.settimeout(max(deadline - time.monotonic(), 1e-3))
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -188,6 +214,7 @@ class MemoryPipe:
         self._inbox = inbox
         self._outbox = outbox
         self._timeout: float | None = None
+        self._deadline: float | None = None
 
     @classmethod
     def pair(cls) -> tuple[MemoryPipe, MemoryPipe]:
@@ -197,8 +224,12 @@ class MemoryPipe:
     def _take(self, n: int) -> memoryview:
         """Wait for at least one byte (up to ``n``) and return it."""
         box = self._inbox
+        timeout = self._timeout
+        if self._deadline is not None:
+            left = max(self._deadline - time.monotonic(), 0.0)
+            timeout = left if timeout is None else min(timeout, left)
         with box.cond:
-            if not box.cond.wait_for(lambda: box.data or box.closed, self._timeout):
+            if not box.cond.wait_for(lambda: box.data or box.closed, timeout):
                 raise TimeoutError("memory pipe read timed out")
             if not box.data:
                 raise EOFError("the peer closed the stream")
@@ -238,6 +269,9 @@ class MemoryPipe:
 
     def set_timeout(self, seconds: float | None) -> None:
         self._timeout = seconds
+
+    def set_deadline(self, deadline: float | None) -> None:
+        self._deadline = deadline
 
     def close(self) -> None:
         for box in (self._inbox, self._outbox):

@@ -11,13 +11,14 @@ Frame = 24-byte header + body::
     header  magic "KV" | version u8 | type u8 | count u32 | request_id u64 | body_len u64
 
     HELLO   initiator -> responder, first frame of a stream; count = stream index,
-            body = 16-byte session token
+            body = session id, nonce and their MAC under the session key (64 bytes)
     WRITE   initiator -> responder; count = n ops, body = n descriptors + their payloads
     READ    initiator -> responder; count = n ops, body = n descriptors
     NOTIFY  initiator -> responder; body = message (after every byte of a batch landed)
     ACK     responder -> initiator; empty (HELLO, WRITE and NOTIFY are acknowledged)
     DATA    responder -> initiator; count = n, body = the payloads of READ request_id
-    ERROR   responder -> initiator; count = failing op index (NO_OP if none), body = message
+    ERROR   responder -> initiator; count = failing op index (NO_OP if none),
+            body = code u32 (:class:`ErrorCode`, or an application's own from 1000) + message
 
     descriptor (32 bytes): region u32 | flags u32 (0) | key u64 | offset u64 | length u64
 
@@ -37,9 +38,11 @@ import numpy as np
 from ._errors import LocalProtocolError, RemoteProtocolError
 
 MAGIC = b"KV"
-VERSION = 1
+VERSION = 2
 HEADER = struct.Struct("<2sBBIQQ")
-TOKEN_BYTES = 16
+HELLO_BYTES = 64
+"""A HELLO body: session id (16), nonce (16), HMAC-SHA256 (32); see ``_sessions``."""
+_CODE = struct.Struct("<I")
 NO_OP = 0xFFFFFFFF
 """ERROR's op index when the error concerns no single op."""
 
@@ -55,6 +58,24 @@ MAX_PAYLOAD_BYTES = 1 << 30
 
 MAX_CONTROL_BYTES = 64 << 10
 """HELLO, ERROR and NOTIFY bodies are small messages."""
+
+
+class ErrorCode(enum.IntEnum):
+    """Why a responder answered ERROR (what the initiator raises is chosen by the code)."""
+
+    ACCESS_DENIED = 1
+    """An op named an unknown region, a wrong key or mode, bytes outside, or the region's
+    guard refused it; nothing was written."""
+    AUTHENTICATION = 2
+    """The HELLO did not prove a live session."""
+    REFUSED = 3
+    """The receiver's notification handler refused the batch (without a code of its own)."""
+    INTERNAL = 4
+    """The responder failed inside while serving the request."""
+
+
+APP_CODES = 1000
+"""Codes from here up are an application's own (a notification handler's refusals)."""
 
 
 class Frame(enum.IntEnum):
@@ -135,6 +156,7 @@ class Data:
 class Error:
     request_id: int
     op_index: int | None
+    code: int
     message: str
 
 
@@ -247,8 +269,10 @@ class Connection:
             return Ack(request_id)
         if body > MAX_CONTROL_BYTES:
             raise RemoteProtocolError(f"{frame.name} body of {body} bytes exceeds the limit")
-        if frame is Frame.HELLO and body != TOKEN_BYTES:
-            raise RemoteProtocolError("HELLO without a token")
+        if frame is Frame.HELLO and body != HELLO_BYTES:
+            raise RemoteProtocolError("HELLO without a session greeting")
+        if frame is Frame.ERROR and body < _CODE.size:
+            raise RemoteProtocolError("ERROR without a code")
         self._state = _State.CONTROL
         if body == 0:
             return self._on_control(b"")
@@ -298,11 +322,12 @@ class Connection:
         if frame is Frame.NOTIFY:
             return Notify(request_id, data)
         self._settle(request_id, Frame.ERROR)
+        (code,) = _CODE.unpack_from(data)
         try:
-            message = data.decode()
+            message = data[_CODE.size :].decode()
         except UnicodeDecodeError:
             raise RemoteProtocolError("ERROR message is not UTF-8") from None
-        return Error(request_id, None if count == NO_OP else count, message)
+        return Error(request_id, None if count == NO_OP else count, code, message)
 
     def _settle(self, request_id: int, answer: Frame) -> None:
         with self._lock:
@@ -316,8 +341,8 @@ class Connection:
 
     def hello(self, token: bytes, stream: int) -> bytes:
         """The first frame of an initiator's stream (answered by ACK of request 0)."""
-        if len(token) != TOKEN_BYTES:
-            raise LocalProtocolError("a session token is 16 bytes")
+        if len(token) != HELLO_BYTES:
+            raise LocalProtocolError(f"a stream greeting is {HELLO_BYTES} bytes")
         self._expect(0, Frame.HELLO, 0, 0)
         return self._frame(Frame.HELLO, stream, 0, len(token)) + token
 
@@ -346,8 +371,8 @@ class Connection:
         """Header of a DATA frame; the payloads follow untouched."""
         return self._frame(Frame.DATA, count, request_id, payload_bytes)
 
-    def error(self, request_id: int, message: str, op_index: int | None = None) -> bytes:
-        body = message.encode()[:MAX_CONTROL_BYTES]
+    def error(self, request_id: int, code: int, message: str, op_index: int | None = None) -> bytes:
+        body = _CODE.pack(code) + message.encode()[: MAX_CONTROL_BYTES - _CODE.size]
         index = NO_OP if op_index is None else op_index
         return self._frame(Frame.ERROR, index, request_id, len(body)) + body
 

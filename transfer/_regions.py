@@ -5,18 +5,47 @@ from __future__ import annotations
 import secrets
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from ._errors import AccessDenied, LocalProtocolError, RegionBusy
+from ._sessions import Caller
 
-ACCESS_MODES = ("r", "w", "rw")
+ACCESS_MODES = ("r", "w", "rw", "none")
+"""What peers may do to a region; ``"none"``: nothing (a buffer only this engine's own
+batches read or fill; it is not even listed in the engine's metadata)."""
 
-Guard = Callable[[str, np.ndarray, np.ndarray], np.ndarray]
-"""``guard(access, offsets, lengths) -> mask`` of the remote ops a region allows. Called
-from the engine's serving threads, several at once: it must be thread-safe."""
+_PERMITS = {"r": ("r",), "w": ("w",), "rw": ("r", "w"), "none": ()}
+
+
+def _nothing() -> None:
+    pass
+
+
+@dataclass
+class Admission:
+    """A guard's answer: which ops it allows and, when it allows all, what to call once their
+    bytes have moved (the guard may hold what the ops touch until then)."""
+
+    allowed: np.ndarray
+    release: Callable[[], None] = _nothing
+
+
+Guard = Callable[[Caller, str, np.ndarray, np.ndarray], Admission]
+"""``guard(caller, access, offsets, lengths) -> Admission`` for the remote ops on a region
+that passed the key and bounds checks. ``caller`` is the authenticated session. A guard that
+refuses any op must hold nothing. Called from the engine's serving threads, several at once:
+it must be thread-safe."""
+
+
+@dataclass
+class Use:
+    """What a resolved remote batch holds until :meth:`RegionTable.finish`."""
+
+    regions: list[Region]
+    holds: list[Callable[[], None]] = field(default_factory=list)
 
 
 def distinct(values: np.ndarray) -> list[int]:
@@ -142,8 +171,9 @@ class RegionTable:
         return region
 
     def infos(self) -> list[RegionInfo]:
+        """What peers may address (regions with access ``"none"`` are left out)."""
         with self._lock:
-            return [r.info for r in self._regions.values()]
+            return [r.info for r in self._regions.values() if r.access != "none"]
 
     def acquire(self, regions: list[Region]) -> None:
         """Mark regions as used by a transfer (``unregister`` refuses until ``release``)."""
@@ -156,13 +186,21 @@ class RegionTable:
             for region in regions:
                 region._busy -= 1
 
+    def finish(self, use: Use) -> None:
+        """A resolved batch's bytes have moved (or failed to): release what it held."""
+        try:
+            for release in use.holds:
+                release()
+        finally:
+            self.release(use.regions)
+
     def resolve(
-        self, ops: np.ndarray, access: str, *, device_ok: bool = False
-    ) -> tuple[list[memoryview], list[Region]]:
-        """Check remote ops (DESCRIPTOR array) against the regions and return the views
-        they address, with the regions acquired. ``device_ok``: the stream can carry GPU
-        memory. Raises :class:`AccessDenied` naming the first bad op; nothing is acquired
-        then.
+        self, ops: np.ndarray, access: str, caller: Caller, *, device_ok: bool = False
+    ) -> tuple[list[memoryview], Use]:
+        """Check remote ops (DESCRIPTOR array) of ``caller`` against the regions and return
+        the views they address, with the regions acquired and the guards' holds taken
+        (give both back with :meth:`finish`). ``device_ok``: the stream can carry GPU
+        memory. Raises :class:`AccessDenied` naming the first bad op; nothing is held then.
 
         The lock covers only the lookup and the busy count: an acquired region cannot be
         unregistered and its fields do not change, so the checks (and the region's guard,
@@ -178,10 +216,13 @@ class RegionTable:
                 regions[region_id] = region
             for region in regions.values():
                 region._busy += 1
-        acquired = list(regions.values())
+        use = Use(list(regions.values()))
         try:
             for region_id, region in regions.items():
                 _check(ops, region_id, region, access, device_ok)
+            for region_id, region in regions.items():
+                if region.guard is not None:
+                    use.holds.append(_admit(ops, region_id, region, access, caller))
             views = [
                 regions[r].view[o : o + n]
                 for r, o, n in zip(
@@ -192,9 +233,9 @@ class RegionTable:
                 )
             ]
         except BaseException:
-            self.release(acquired)
+            self.finish(use)
             raise
-        return views, acquired
+        return views, use
 
 
 def _check(ops: np.ndarray, region_id: int, region: Region, access: str, device_ok: bool) -> None:
@@ -202,7 +243,7 @@ def _check(ops: np.ndarray, region_id: int, region: Region, access: str, device_
     mine = ops["region"] == region_id
     bad = mine & (ops["key"] != region.key)
     reason = "wrong access key"
-    if not bad.any() and access not in region.access:
+    if not bad.any() and access not in _PERMITS[region.access]:
         bad, reason = mine, f"region {region_id} does not allow '{access}'"
     if not bad.any() and access == "w" and region.readonly:
         bad, reason = mine, f"region {region_id} is read-only memory"
@@ -213,10 +254,24 @@ def _check(ops: np.ndarray, region_id: int, region: Region, access: str, device_
         too_far = (ops["offset"] > region.length) | (ops["length"] > region.length)
         bad = mine & (too_far | (ends > region.length))
         reason = f"bytes outside region {region_id} ({region.length} bytes)"
-    if not bad.any() and region.guard is not None:
-        allowed = np.ones(len(ops), dtype=bool)
-        allowed[mine] = region.guard(access, ops["offset"][mine], ops["length"][mine])
-        bad, reason = ~allowed, f"region {region_id} refuses this {access} op"
     if bad.any():
         index = int(np.argmax(bad))
         raise AccessDenied(f"op {index}: {reason}", op_index=index)
+
+
+def _admit(
+    ops: np.ndarray, region_id: int, region: Region, access: str, caller: Caller
+) -> Callable[[], None]:
+    """Ask the region's guard about its ops; return its hold, or raise naming the first
+    op it refused (it then holds nothing)."""
+    assert region.guard is not None
+    mine = ops["region"] == region_id
+    admission = region.guard(caller, access, ops["offset"][mine], ops["length"][mine])
+    allowed = np.ones(len(ops), dtype=bool)
+    allowed[mine] = admission.allowed
+    if not allowed.all():
+        admission.release()  # a guard that refused should hold nothing: make sure
+        index = int(np.argmax(~allowed))
+        message = f"op {index}: region {region_id} refuses this {access} op"
+        raise AccessDenied(message, op_index=index)
+    return admission.release

@@ -14,7 +14,9 @@ and answers ACK, DATA or ERROR.
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,8 +29,23 @@ from ._errors import (
     TransferError,
 )
 from ._pipes import Pipe
-from ._protocol import Ack, Connection, Data, Error, Event, Hello, Notify, Read, Role, Write
+from ._protocol import (
+    Ack,
+    Connection,
+    Data,
+    Error,
+    ErrorCode,
+    Event,
+    Hello,
+    Notify,
+    Read,
+    Role,
+    Write,
+)
 from ._regions import RegionTable
+from ._sessions import Caller, SessionTable
+
+_log = logging.getLogger("kvbridge.transfer")
 
 INLINE_SEND_BYTES = 256 << 10
 """Frames up to this size are sent from the submitting thread when the stream is idle: one
@@ -81,7 +98,9 @@ class InitiatorStream:
         except (OSError, EOFError) as exc:
             raise PeerClosed(f"stream {self.index}: handshake failed: {exc}") from exc
         if isinstance(event, Error):
-            raise AuthenticationError(f"stream {self.index} refused: {event.message}")
+            raise AuthenticationError(
+                f"stream {self.index} refused: {event.message}", code=event.code
+            )
         if not isinstance(event, Ack):
             raise RemoteProtocolError(f"stream {self.index}: unexpected {event!r}")
         self.pipe.set_timeout(None)
@@ -170,6 +189,7 @@ class InitiatorStream:
                         TransferError(
                             f"refused by the peer: {event.message}",
                             op_index=pending.describe(event.op_index),
+                            code=event.code,
                         )
                     )
         except RemoteProtocolError as exc:
@@ -199,87 +219,133 @@ class InitiatorStream:
 
 
 class NotifyRefused(Exception):
-    """Raised by a notification handler to fail the writer's batch with this message."""
+    """Raised by a notification handler to fail the writer's batch: ``code`` (from
+    ``APP_CODES`` up, the application's own) reaches the writer as ``TransferError.code``."""
+
+    def __init__(self, message: str, code: int = ErrorCode.REFUSED) -> None:
+        super().__init__(message)
+        self.code = code
 
 
-def serve(
-    pipe: Pipe,
-    regions: RegionTable,
-    *,
-    check_token: Callable[[bytes], str | None],
-    on_notify: Callable[[str, bytes], None],
-    on_bytes: Callable[[int, int], None],
-    handshake_timeout: float,
-) -> None:
+@dataclass(frozen=True)
+class ServeHooks:
+    """What a served stream needs from its engine."""
+
+    sessions: SessionTable
+    on_notify: Callable[[Caller, bytes], None]
+    on_bytes: Callable[[int, int], None]
+    handshake_timeout: float
+    frame_timeout: float
+    """A frame's descriptors and payload (and a read's answer) must move within this once
+    its header is in: a peer that trickles bytes cannot hold what the frame touches."""
+
+
+@dataclass(frozen=True)
+class _Served:
+    """One served stream, once its peer is known."""
+
+    conn: Connection
+    pipe: Pipe
+    regions: RegionTable
+    caller: Caller
+    hooks: ServeHooks
+
+
+def serve(pipe: Pipe, regions: RegionTable, hooks: ServeHooks) -> None:
     """Serve one stream as the responder until it closes or breaks the protocol."""
     conn = Connection(Role.RESPONDER)
+    caller: Caller | None = None
     try:
-        pipe.set_timeout(handshake_timeout)
-        hello = next_event(conn, pipe)
-        assert isinstance(hello, Hello)  # the protocol allows nothing else first
-        peer = check_token(hello.token)
-        if peer is None:
-            pipe.send([conn.error(0, "unknown or expired session token")])
+        caller = _greet(conn, pipe, hooks)
+        if caller is None:
             return
-        pipe.send([conn.ack(0)])
-        pipe.set_timeout(None)
+        served = _Served(conn, pipe, regions, caller, hooks)
         while True:
-            event = next_event(conn, pipe)
+            pipe.set_deadline(None)  # idle between frames for as long as the peer likes
+            event = _next_frame(conn, pipe, hooks.frame_timeout)
             if isinstance(event, Write):
-                _receive_write(conn, pipe, regions, event, on_bytes)
+                _receive_write(served, event)
             elif isinstance(event, Read):
-                _send_read(conn, pipe, regions, event, on_bytes)
+                _send_read(served, event)
             elif isinstance(event, Notify):
-                try:
-                    on_notify(peer, event.message)
-                except NotifyRefused as exc:  # the receiver's handler said no: tell the writer
-                    pipe.send([conn.error(event.request_id, str(exc))])
-                else:
-                    pipe.send([conn.ack(event.request_id)])
+                _notify(served, event)
     except (OSError, EOFError, RemoteProtocolError):
-        return  # the initiator went away or misbehaved: only this stream ends
+        return  # the initiator went away, stalled or misbehaved: only this stream ends
     finally:
         pipe.close()
+        if caller is not None:
+            hooks.sessions.stream_closed(caller)
 
 
-def _receive_write(
-    conn: Connection,
-    pipe: Pipe,
-    regions: RegionTable,
-    event: Write,
-    on_bytes: Callable[[int, int], None],
-) -> None:
+def _greet(conn: Connection, pipe: Pipe, hooks: ServeHooks) -> Caller | None:
+    """Take the HELLO, all of it within the handshake timeout; ``None`` if refused."""
+    pipe.set_deadline(time.monotonic() + hooks.handshake_timeout)
+    hello = next_event(conn, pipe)
+    assert isinstance(hello, Hello)  # the protocol allows nothing else first
     try:
-        views, used = regions.resolve(event.ops, "w", device_ok=pipe.device_memory)
+        caller = hooks.sessions.admit_stream(hello.token, hello.stream)
+    except AuthenticationError as exc:
+        _log.warning("stream refused: %s", exc)
+        pipe.send([conn.error(0, ErrorCode.AUTHENTICATION, str(exc))])
+        return None
+    try:
+        pipe.send([conn.ack(0)])
+    except BaseException:
+        hooks.sessions.stream_closed(caller)
+        raise
+    return caller
+
+
+def _next_frame(conn: Connection, pipe: Pipe, frame_timeout: float) -> Event:
+    """Wait for a header as long as it takes; the rest of the frame has ``frame_timeout``."""
+    event = conn.feed(pipe.recv_exact(conn.wanted()))
+    if event is not None:
+        return event
+    pipe.set_deadline(time.monotonic() + frame_timeout)
+    return next_event(conn, pipe)
+
+
+def _notify(served: _Served, event: Notify) -> None:
+    conn, pipe = served.conn, served.pipe
+    try:
+        served.hooks.on_notify(served.caller, event.message)
+    except NotifyRefused as exc:  # the receiver's handler said no: tell the writer
+        pipe.send([conn.error(event.request_id, exc.code, str(exc))])
+    except Exception as exc:
+        _log.exception("notification handler failed")
+        pipe.send([conn.error(event.request_id, ErrorCode.INTERNAL, f"internal error: {exc}")])
+    else:
+        pipe.send([conn.ack(event.request_id)])
+
+
+def _receive_write(served: _Served, event: Write) -> None:
+    conn, pipe, regions = served.conn, served.pipe, served.regions
+    try:
+        views, use = regions.resolve(event.ops, "w", served.caller, device_ok=pipe.device_memory)
     except AccessDenied as exc:
         pipe.discard(event.ops["length"].tolist())
         conn.payload_received()
-        pipe.send([conn.error(event.request_id, str(exc), exc.op_index)])
+        pipe.send([conn.error(event.request_id, ErrorCode.ACCESS_DENIED, str(exc), exc.op_index)])
         return
     try:
         pipe.recv_into_views(views)
     finally:
-        regions.release(used)
+        regions.finish(use)  # the guard's holds end only once no byte can still land
     conn.payload_received()
-    on_bytes(event.payload_bytes, 0)
+    served.hooks.on_bytes(event.payload_bytes, 0)
     pipe.send([conn.ack(event.request_id)])
 
 
-def _send_read(
-    conn: Connection,
-    pipe: Pipe,
-    regions: RegionTable,
-    event: Read,
-    on_bytes: Callable[[int, int], None],
-) -> None:
+def _send_read(served: _Served, event: Read) -> None:
+    conn, pipe, regions = served.conn, served.pipe, served.regions
     try:
-        views, used = regions.resolve(event.ops, "r", device_ok=pipe.device_memory)
+        views, use = regions.resolve(event.ops, "r", served.caller, device_ok=pipe.device_memory)
     except AccessDenied as exc:
-        pipe.send([conn.error(event.request_id, str(exc), exc.op_index)])
+        pipe.send([conn.error(event.request_id, ErrorCode.ACCESS_DENIED, str(exc), exc.op_index)])
         return
     total = sum(v.nbytes for v in views)
     try:
         pipe.send([conn.data(event.request_id, len(views), total), *views])
     finally:
-        regions.release(used)
-    on_bytes(0, total)
+        regions.finish(use)
+    served.hooks.on_bytes(0, total)

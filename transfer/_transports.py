@@ -7,14 +7,20 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from ._errors import PeerClosed
 from ._pipes import MemoryPipe, Pipe, SocketPipe
+
+_log = logging.getLogger("kvbridge.transfer")
+_ACCEPT_BACKOFF_S = 0.05
+"""Pause after a failed accept (no file descriptor left): a retry at once would spin."""
 
 Accept = Callable[[Pipe], None]
 """Called with each pipe a peer opens; the engine serves it on a thread it owns."""
@@ -72,16 +78,27 @@ class TcpTransport:
                 sock.setsockopt(socket.SOL_SOCKET, option, self._socket_buffer)
 
     def _run(self) -> None:
+        """Accept until closed. A failure to accept (out of file descriptors) or to serve
+        one connection is logged and the loop goes on: one bad moment must not stop every
+        later put and get."""
         while True:
             try:
                 sock, _ = self._listener.accept()
-            except OSError:
-                return  # closed
+            except OSError as exc:
+                if self._closed:
+                    return
+                _log.error("tcp: accept failed: %s", exc)
+                time.sleep(_ACCEPT_BACKOFF_S)
+                continue
             if self._closed:
                 sock.close()
                 return
-            self._tune(sock)
-            self._accept(SocketPipe(sock))
+            try:
+                self._tune(sock)
+                self._accept(SocketPipe(sock))
+            except Exception:
+                _log.exception("tcp: a connection could not be served")
+                sock.close()
 
     def close(self) -> None:
         self._closed = True

@@ -39,6 +39,7 @@ import select
 import socket
 import struct
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -48,6 +49,7 @@ import numpy
 
 from ._errors import PeerClosed
 from ._pipes import Pipe, byte_views
+from ._protocol import HEADER
 
 UCX_DEFAULTS = {"TLS": "^cma", "TCP_RX_SEG_SIZE": "512K", "TCP_TX_SEG_SIZE": "512K"}
 """UCX settings applied unless the user set ``UCX_<name>`` (see the module docstring)."""
@@ -64,7 +66,7 @@ CONNECT_BYTES = 4096
 _CLOSE_PROGRESS_ROUNDS = 100
 _CONNECT_TAG = 0xFFFFFFFF << 32
 _CONNECT = struct.Struct("<I16sI")  # channel, host id, address length
-_HEADER_BYTES = 24
+_HEADER_BYTES = HEADER.size
 
 
 def ucx_available() -> bool:
@@ -345,6 +347,10 @@ class UcxPipe:
 
     def set_timeout(self, seconds: float | None) -> None:
         self._timeout = seconds
+
+    def set_deadline(self, deadline: float | None) -> None:
+        """UCX messages arrive whole (no trickling): each wait is bounded by what is left."""
+        self._timeout = None if deadline is None else max(deadline - time.monotonic(), 1e-3)
 
     def _wait(self, future: concurrent.futures.Future[Any]) -> Any:
         with self._lock:

@@ -1,0 +1,153 @@
+"""The cache server's leases in one namespace: who holds which slots, until when.
+
+A staged put (``stage`` .. ``commit``/``abort``) lets one session write the slots it was
+given; a read lease (``pin`` .. ``release``) lets one session read the slots of the blocks it
+pinned. The store keeps the slots themselves (``TieredStore.stage``, ``pin_resident``); this
+book records which session each lease belongs to, so that:
+
+- only the session that took a lease may commit, abort or release it;
+- the namespace's region guard admits a remote read only into slots pinned for the reading
+  session, under a lease that has not expired (:meth:`LeaseBook.readable`), and a remote
+  write only into slots staged for the writing session (the store checks that);
+- what one session may hold is bounded (:meth:`LeaseBook.held`);
+- a session that ends gives everything back at once (:meth:`LeaseBook.end_session`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._errors import LeaseExpired
+from ._pins import Lease
+
+
+@dataclass
+class Staged:
+    session: int
+    deadline: float
+    keys: list[bytes]
+    """The keys that got a slot (what the commit makes visible)."""
+
+
+@dataclass
+class Pinned:
+    session: int
+    lease: Lease
+    slots: list[int]
+
+
+class LeaseBook:
+    """One namespace's open leases, by id, and what each session holds. Not thread-safe:
+    the server calls it under its state lock."""
+
+    def __init__(self) -> None:
+        self.stagings: dict[int, Staged] = {}
+        self.pins: dict[int, Pinned] = {}
+        self.leases: Counter[int] = Counter()
+        """Open leases per session."""
+        self.held: Counter[int] = Counter()
+        """Slots held per session (staged and pinned)."""
+        self._readable: dict[int, dict[int, dict[int, bytes]]] = {}
+        """session -> slot -> {read lease id: the key pinned there}."""
+
+    # -- staged puts -------------------------------------------------------------------
+
+    def add_staging(self, session: int, lease_id: int, keys: list[bytes], deadline: float) -> None:
+        self.stagings[lease_id] = Staged(session, deadline, keys)
+        self.leases[session] += 1
+        self.held[session] += len(keys)
+
+    def take_staging(self, lease_id: int, session: int) -> Staged:
+        """End the session's staging ``lease_id``; :class:`LeaseExpired` if it has none."""
+        staged = self.stagings.get(lease_id)
+        if staged is None or staged.session != session:
+            raise LeaseExpired(f"lease {lease_id} is unknown, finished or expired")
+        del self.stagings[lease_id]
+        self._drop(session, len(staged.keys))
+        return staged
+
+    # -- read leases -------------------------------------------------------------------
+
+    def add_pin(self, session: int, lease: Lease, slots: list[int]) -> None:
+        self.pins[lease.id] = Pinned(session, lease, slots)
+        self.leases[session] += 1
+        self.held[session] += len(slots)
+        readable = self._readable.setdefault(session, {})
+        for key, slot in zip(lease.keys, slots, strict=True):
+            readable.setdefault(slot, {})[lease.id] = key
+
+    def take_pin(self, lease_id: int, session: int) -> Pinned:
+        """End the session's read lease ``lease_id`` (the caller releases its pin)."""
+        pinned = self.pins.get(lease_id)
+        if pinned is None or pinned.session != session:
+            raise LeaseExpired(f"lease {lease_id} is unknown, finished or expired")
+        del self.pins[lease_id]
+        self._drop(session, len(pinned.slots))
+        readable = self._readable.get(session, {})
+        for slot in pinned.slots:
+            by_lease = readable.get(slot)
+            if by_lease is not None:
+                by_lease.pop(lease_id, None)
+                if not by_lease:
+                    del readable[slot]
+        if not readable:
+            self._readable.pop(session, None)
+        return pinned
+
+    def readable(
+        self, session: int, first: np.ndarray, last: np.ndarray
+    ) -> tuple[np.ndarray, list[bytes]]:
+        """Per slot range ``first..last``: whether every slot in it is pinned for
+        ``session`` under a lease that has not expired; and the keys of those slots."""
+        allowed = np.zeros(len(first), dtype=bool)
+        mine = self._readable.get(session)
+        if mine is None:
+            return allowed, []
+        keys: list[bytes] = []
+        for i, (lo, hi) in enumerate(zip(first.tolist(), last.tolist(), strict=True)):
+            if not 0 <= lo <= hi:
+                continue
+            found = [self._live_key(mine.get(slot)) for slot in range(lo, hi + 1)]
+            if all(key is not None for key in found):
+                allowed[i] = True
+                keys += [key for key in found if key is not None]
+        return allowed, keys
+
+    def _live_key(self, by_lease: dict[int, bytes] | None) -> bytes | None:
+        for lease_id, key in (by_lease or {}).items():
+            if not self.pins[lease_id].lease.expired:
+                return key
+        return None
+
+    # -- lifetimes ---------------------------------------------------------------------
+
+    def expired(self, now: float) -> tuple[list[int], list[Pinned]]:
+        """End the leases past their deadline: the staged puts' ids (to abort in the store)
+        and the read leases (to release)."""
+        staged = [i for i, s in self.stagings.items() if s.deadline <= now]
+        pinned = [i for i, p in self.pins.items() if p.lease.expired]
+        for lease_id in staged:
+            self.take_staging(lease_id, self.stagings[lease_id].session)
+        return staged, [self.take_pin(i, self.pins[i].session) for i in pinned]
+
+    def end_session(self, session: int) -> tuple[list[int], list[Pinned]]:
+        """End every lease of ``session``: staged put ids and read leases, as ``expired``."""
+        staged = [i for i, s in self.stagings.items() if s.session == session]
+        pinned = [i for i, p in self.pins.items() if p.session == session]
+        for lease_id in staged:
+            self.take_staging(lease_id, session)
+        return staged, [self.take_pin(i, session) for i in pinned]
+
+    def __len__(self) -> int:
+        return len(self.stagings) + len(self.pins)
+
+    def _drop(self, session: int, slots: int) -> None:
+        self.leases[session] -= 1
+        if self.leases[session] <= 0:
+            del self.leases[session]
+        self.held[session] -= slots
+        if self.held[session] <= 0:
+            del self.held[session]

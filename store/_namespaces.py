@@ -1,0 +1,107 @@
+"""The cache server's namespaces: one tiered store each, the sessions that opened it, and the
+guard that decides which remote op may touch its memory.
+
+A namespace (model, layout, tenant) is opened by name; the server answers with a handle.
+Handles are never reused, and a handle works only for a session that opened it: knowing
+(or guessing) a number gives no access to another tenant's blocks. A namespace that no live
+session has open and that holds no lease can be reclaimed (closed; a disk tier keeps its
+blocks for the next open) when a new namespace needs its place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..transfer import Admission, Caller, Region
+from ._leases import LeaseBook
+from ._store import TieredStore
+
+REQUEST_SHARE = 4
+"""One request stages or pins at most 1/4 of a namespace's memory slots, so that a single
+request never takes the room every other client needs."""
+
+SESSION_SHARE = 2
+"""One session holds at most 1/2 of a namespace's memory slots (staged and pinned at once)."""
+
+
+@dataclass
+class Namespace:
+    handle: int
+    name: bytes
+    store: TieredStore
+    state: threading.Lock
+    """The server's state lock (leases are read by the guard on serving threads)."""
+    region: Region | None = None
+    book: LeaseBook = field(default_factory=LeaseBook)
+    openers: set[int] = field(default_factory=set)
+    """Sessions that opened the namespace and have not ended."""
+    unread: dict[bytes, float] = field(default_factory=dict)
+    """Committed blocks still held for their first read: key -> handoff pin deadline."""
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def label(self) -> str:
+        text = self.name.decode("utf-8", "replace")
+        return f"{text}/{self.store.block_bytes}"
+
+    @property
+    def anonymous(self) -> str:
+        """The label shown to sessions that did not open it: a digest, not the name."""
+        digest = hashlib.sha256(self.name).hexdigest()[:12]
+        return f"sha256:{digest}/{self.store.block_bytes}"
+
+    @property
+    def slots(self) -> int:
+        return self.store.tiers[0].capacity
+
+    @property
+    def request_blocks(self) -> int:
+        """Most blocks one stage or pin request (and one remote frame) may cover."""
+        return max(1, self.slots // REQUEST_SHARE)
+
+    @property
+    def session_blocks(self) -> int:
+        """Most slots one session may hold at once."""
+        return max(self.request_blocks, self.slots // SESSION_SHARE)
+
+    @property
+    def idle(self) -> bool:
+        """No live session has it open and nothing is leased: it may be reclaimed."""
+        return not self.openers and not len(self.book)
+
+    def guard(
+        self, caller: Caller, access: str, offsets: np.ndarray, lengths: np.ndarray
+    ) -> Admission:
+        """A remote write lands only in slots staged for the writing session, a remote read
+        only from slots pinned for the reading session, each under a live lease; what an
+        admitted op touches is held until its bytes have moved."""
+        block = np.uint64(self.store.block_bytes)
+        first = (offsets // block).astype(np.int64)
+        last = ((offsets + lengths - np.uint64(1)) // block).astype(np.int64)
+        refused = Admission(np.zeros(len(offsets), dtype=bool))
+        if int((last - first + 1).sum()) > self.request_blocks:
+            return refused  # more than any request may cover: not a client's batch
+        with self.state:
+            if caller.session not in self.openers:
+                return refused
+            if access == "w":
+                allowed, leases = self.store.admit_writes(caller.session, first, last)
+                if not allowed.all():
+                    return Admission(allowed)
+                return Admission(allowed, _call(self.store.end_writes, leases))
+            allowed, keys = self.book.readable(caller.session, first, last)
+            if not allowed.all():
+                return Admission(allowed)
+            hold = self.store.pin(keys, ttl=float("inf"))  # no slot is reused mid-send
+            return Admission(allowed, hold.release)
+
+
+def _call(fn: Callable[[Any], None], arg: Any) -> Callable[[], None]:
+    return lambda: fn(arg)
