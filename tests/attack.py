@@ -1,0 +1,94 @@
+"""What a hostile or broken client can do on the wire, below StoreClient's good manners.
+
+``RawStream`` opens a data stream with a session's real credentials (as the client itself,
+or as someone who stole them) and sends frames by hand: a write whose payload arrives in
+pieces, as late as it likes; a read of any region and offset.
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+from typing import Any
+
+import msgpack
+import numpy as np
+import zmq
+
+from kvbridge.store import StoreClient
+from kvbridge.transfer._pipes import SocketPipe
+from kvbridge.transfer._protocol import DESCRIPTOR, Connection, Event, Role
+from kvbridge.transfer._streams import next_event
+
+_IDS = itertools.count(1 << 40)
+
+
+def descriptors(region: int, key: int, spans: list[tuple[int, int]]) -> np.ndarray:
+    ops = np.zeros(len(spans), dtype=DESCRIPTOR)
+    ops["region"], ops["key"] = region, key
+    ops["offset"] = [offset for offset, _ in spans]
+    ops["length"] = [length for _, length in spans]
+    return ops
+
+
+def region_key(client: StoreClient, region: int) -> int:
+    """A region's access key as the server's metadata lists it (every session sees it)."""
+    return client.peer.refresh()[region].key
+
+
+class RawStream:
+    """A data stream to ``client``'s server in ``client``'s session, driven by hand."""
+
+    def __init__(self, client: StoreClient, index: int = 7) -> None:
+        credentials = client.peer._credentials
+        assert credentials is not None
+        address = client.peer._info.transports["tcp"]
+        self.sock = socket.create_connection((address["host"], address["port"]), timeout=10)
+        self.pipe = SocketPipe(self.sock)
+        self.conn = Connection(Role.INITIATOR)
+        self.sock.sendall(self.conn.hello(credentials.hello(index), index))
+        self.event()  # ACK
+
+    def event(self) -> Event:
+        return next_event(self.conn, self.pipe)
+
+    def start_write(self, ops: np.ndarray) -> int:
+        """Send a WRITE's header and descriptors only; the payload follows with ``send``."""
+        request = next(_IDS)
+        self.sock.sendall(self.conn.write(request, ops))
+        return request
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def read(self, ops: np.ndarray) -> tuple[Event, bytes]:
+        """A READ; returns the answer and, for DATA, the payload."""
+        self.sock.sendall(self.conn.read(next(_IDS), ops))
+        answer = self.event()
+        payload = b""
+        if type(answer).__name__ == "Data":
+            payload = self.pipe.recv_exact(int(ops["length"].sum()))
+            self.conn.payload_received()
+        return answer, payload
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def control_request(
+    address: str, message: dict[str, Any], timeout_s: float = 5.0
+) -> dict[str, Any]:
+    """Send one raw control message (from a socket no session owns) and return the answer."""
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(f"tcp://{address}")
+        sock.send_multipart([b"", msgpack.packb({**message, "rid": 1}, use_bin_type=True)])
+        if not sock.poll(int(timeout_s * 1000)):
+            raise TimeoutError("no answer")
+        _, body = sock.recv_multipart()
+        return msgpack.unpackb(body, raw=False)
+    finally:
+        sock.close()
+        context.term()

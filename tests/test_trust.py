@@ -1,0 +1,371 @@
+"""The cache server's trust boundary, attacked as a hostile client or a fault would.
+
+Each test runs a real ``kvbridge serve`` process (unless it needs to reach inside a server)
+and drives it the way an attacker would: with stolen or replayed session material, frames
+sent by hand, late bytes, guessed handles and slots. What must hold: no reader ever gets
+bytes that are not the ones committed under the key, no session touches another's slots or
+another namespace's blocks, and a fault stays with the request that met it.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import msgpack
+import numpy as np
+import pytest
+from attack import RawStream, control_request, descriptors, region_key
+from helpers import keys, payloads
+
+from kvbridge.store import BadRequest, StoreClient, TooManyRequests
+from kvbridge.store._wire import InternalError
+from kvbridge.tools._serve_cmds import read_listening
+from kvbridge.transfer import AuthenticationError, RegionInfo, TransferEngine, TransferError
+from kvbridge.transfer._protocol import Ack, Data, Error, ErrorCode
+
+BB = 64 << 10
+SLOTS = 8  # per namespace: --host-capacity 16 blocks, 2 namespaces
+
+
+class _Server:
+    def __init__(self, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvbridge", "serve", "--port", "0", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        try:
+            self.address, _ = read_listening(self.proc.stdout)
+        except RuntimeError:
+            raise AssertionError(self.proc.stderr.read()) from None  # type: ignore[union-attr]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.communicate(timeout=30)
+
+
+@pytest.fixture
+def server() -> Iterator[_Server]:
+    s = _Server(
+        "--host-capacity",
+        str(2 * SLOTS * BB),
+        "--max-namespaces",
+        "2",
+        "--lease-ttl",
+        "30",
+        "--handoff-ttl",
+        "0",
+    )
+    yield s
+    s.kill()
+
+
+def _client(server: _Server, namespace: str = "m") -> StoreClient:
+    return StoreClient(server.address, block_bytes=BB, namespace=namespace)
+
+
+def _stage(client: StoreClient, ks: list[bytes]) -> tuple[int, list[int]]:
+    reply = client._call({"op": "stage", "ns": client._ns, "keys": ks})
+    return int(reply["lease"]), [int(s) for s in reply["slots"]]
+
+
+def _slot_ops(client: StoreClient, slots: list[int], region: int | None = None) -> np.ndarray:
+    region = client._region if region is None else region
+    return descriptors(region, region_key(client, region), [(s * BB, BB) for s in slots])
+
+
+# -- wrong bytes ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ending", ["abort", "session"])
+def test_a_late_write_never_lands_in_a_slot_handed_to_someone_else(
+    server: _Server, ending: str
+) -> None:
+    """A write admitted while its lease was open whose bytes arrive after the lease ended
+    (aborted; or the writer's session ended while a stream of it still sends): the slots
+    stay out of use until the bytes are in, so the victim's blocks never get them."""
+    with _client(server) as attacker, _client(server) as victim:
+        lease, slots = _stage(attacker, keys(0, 2))
+        stream = RawStream(attacker)
+        stream.start_write(_slot_ops(attacker, slots))
+        stream.send(b"\xaa" * BB)  # half of the payload
+        time.sleep(0.3)  # admitted: the server now waits for the other half
+        if ending == "abort":
+            attacker._call({"op": "abort", "ns": attacker._ns, "lease": lease})
+        else:  # the session says goodbye mid-write: its leases end with it
+            credentials = attacker.peer._credentials
+            assert credentials is not None
+            assert control_request(server.address, credentials.sign("bye", b""))["ok"]
+        theirs = keys(100, 100 + SLOTS)  # as many blocks as the namespace has slots
+        victim.put(theirs, payloads(theirs, BB))
+        stream.send(b"\xaa" * BB)  # the late bytes
+        assert isinstance(stream.event(), Ack)  # they landed, in the ended lease's slots
+        present = [k for k in theirs if victim.contains([k])[0]]
+        assert len(present) >= SLOTS - 2  # only the two slots being written were unavailable
+        out = np.zeros((len(present), BB), np.uint8)
+        victim.get(present, out)
+        np.testing.assert_array_equal(out, payloads(present, BB))
+        more = keys(200, 202)  # and now the two slots are free again
+        victim.put(more, payloads(more, BB))
+        assert victim.match_prefix(more) == 2
+        stream.close()
+
+
+def test_a_session_cannot_write_another_sessions_staged_slots(server: _Server) -> None:
+    with _client(server) as attacker, _client(server) as victim:
+        ks = keys(0, 2)
+        lease, slots = _stage(victim, ks)
+        own, _ = _stage(attacker, keys(10, 11))  # the attacker holds a lease of its own too
+        assert own
+        stream = RawStream(attacker)
+        stream.start_write(_slot_ops(attacker, slots))
+        stream.send(b"\xbb" * 2 * BB)
+        answer = stream.event()
+        assert isinstance(answer, Error) and answer.code == ErrorCode.ACCESS_DENIED
+        with pytest.raises(TransferError) as refused:  # and through the engine's own path
+            attacker.peer.write(_engine_ops(attacker, slots)).wait(10)
+        assert refused.value.code == ErrorCode.ACCESS_DENIED
+        victim.put(ks, payloads(ks, BB))  # the victim's own put of the same keys
+        out = np.zeros((2, BB), np.uint8)
+        victim.get(ks, out)
+        np.testing.assert_array_equal(out, payloads(ks, BB))
+        stream.close()
+        del lease
+
+
+def _engine_ops(client: StoreClient, slots: list[int]) -> np.ndarray:
+    from kvbridge.transfer import OP_DTYPE  # noqa: PLC0415
+
+    source = client.engine.register(np.full(len(slots) * BB, 0xCC, np.uint8), access="none")
+    ops = np.zeros(len(slots), dtype=OP_DTYPE)
+    ops["local_region"], ops["local_offset"] = source.id, np.arange(len(slots)) * BB
+    ops["remote_region"], ops["remote_offset"] = client._region, np.asarray(slots) * BB
+    ops["length"] = BB
+    return ops
+
+
+# -- reads ------------------------------------------------------------------------------
+
+
+def test_reads_only_from_slots_pinned_for_the_reading_session(server: _Server) -> None:
+    """Another namespace's region (keys from the metadata every session gets), one's own
+    namespace unpinned, another session's pins: all refused. One's own pin: read."""
+    with _client(server, "tenant-a") as a, _client(server, "tenant-b") as b:
+        ks = keys(0, 2)
+        a.put(ks, payloads(ks, BB))
+        pinned = a._call({"op": "pin", "ns": a._ns, "keys": ks})
+        slots = [int(s) for s in pinned["slots"]]
+        thief = RawStream(b)
+        answer, _ = thief.read(_slot_ops(b, slots, region=a._region))  # tenant-a's memory
+        assert isinstance(answer, Error) and answer.code == ErrorCode.ACCESS_DENIED
+        with _client(server, "tenant-a") as neighbour:  # same namespace, its own session
+            stream = RawStream(neighbour)
+            answer, _ = stream.read(_slot_ops(neighbour, slots))  # pinned by a, not by it
+            assert isinstance(answer, Error) and answer.code == ErrorCode.ACCESS_DENIED
+            stream.close()
+        own = RawStream(a)
+        answer, payload = own.read(_slot_ops(a, slots))
+        assert isinstance(answer, Data)
+        assert payload == payloads(ks, BB).tobytes()
+        a._call({"op": "release", "ns": a._ns, "lease": pinned["lease"]})
+        answer, _ = own.read(_slot_ops(a, slots))  # released: no more reads
+        assert isinstance(answer, Error)
+        thief.close()
+        own.close()
+
+
+def test_a_namespace_handle_works_only_for_a_session_that_opened_it(server: _Server) -> None:
+    with _client(server, "tenant-a") as a, _client(server, "tenant-b") as b:
+        a.put(keys(0, 1), payloads(keys(0, 1), BB))
+        for op in ("match", "contains", "remove"):
+            with pytest.raises(LookupError, match="open it first"):
+                b._call({"op": op, "ns": a._ns, "keys": keys(0, 1)})
+        assert a.contains(keys(0, 1)) == [True]
+        stats = b.server_stats()["namespaces"]
+        assert "tenant-a" not in str(stats) and any("tenant-b" in n["name"] for n in stats)
+
+
+# -- sessions ---------------------------------------------------------------------------
+
+
+def test_a_session_id_seen_on_the_wire_is_worth_nothing(server: _Server) -> None:
+    """The session id travels in clear; requests are signed with a key that never does.
+    Forged, replayed and after-disconnect requests are all refused with a code."""
+    victim = _client(server)
+    credentials = victim.peer._credentials
+    assert credentials is not None
+    body = b"\x81\xa2op\xa5stats"  # {"op": "stats"}
+    forged = {"op": "call", "session": credentials.id, "seq": 10**6, "body": body, "mac": bytes(32)}
+    answer = control_request(server.address, forged)
+    assert answer["ok"] is False and answer["code"] == 2  # ControlCode.AUTHENTICATION
+    captured = credentials.sign("call", body)  # a real request, as sniffed
+    assert control_request(server.address, captured)["ok"] is True
+    replayed = control_request(server.address, captured)
+    assert replayed["ok"] is False and "replayed" in replayed["error"]
+    later = credentials.sign("call", body)
+    victim.close()  # the client goes: its session ends with its streams
+    time.sleep(0.3)
+    gone = control_request(server.address, later)
+    assert gone["ok"] is False and "unknown or ended session" in gone["error"]
+
+
+def test_the_clients_own_engine_exposes_nothing(server: _Server) -> None:
+    """A StoreClient's engine listens too; a local process that connects to it finds no
+    region listed and cannot write a buffer the client registered, even with its key."""
+    with _client(server) as client, TransferEngine("intruder") as intruder:
+        buffer = np.zeros(BB, np.uint8)
+        region = client.register(buffer)
+        peer = intruder.connect(client.engine.metadata())
+        assert peer.regions == {}
+        source = intruder.register(np.full(BB, 0xEE, np.uint8))
+        ops = descriptors(region.id, region.key, [(0, BB)])
+        from kvbridge.transfer import OP_DTYPE  # noqa: PLC0415
+
+        batch = np.zeros(1, dtype=OP_DTYPE)
+        batch["local_region"], batch["remote_region"], batch["length"] = source.id, region.id, BB
+        # As if it knew the region, its key, and took it for writable:
+        peer.regions = {region.id: RegionInfo(region.id, region.length, "rw", region.key)}
+        with pytest.raises(TransferError) as refused:
+            peer.write(batch).wait(10)
+        assert refused.value.code == ErrorCode.ACCESS_DENIED
+        assert not buffer.any()
+        del ops
+
+
+def test_thousands_of_handshakes_and_a_hello_flood_log_nobody_out(server: _Server) -> None:
+    """A monitor polling (each poll a new session it abandons), plus unanswered hellos by
+    the thousand: a long-lived client keeps its session, and new clients still get in."""
+    import zmq  # noqa: PLC0415
+
+    from kvbridge.transfer._control import CONTROL_VERSION, ControlClient  # noqa: PLC0415
+
+    with _client(server) as client:
+        ks = keys(0, 2)
+        client.put(ks, payloads(ks, BB))
+        context = zmq.Context()
+        flood = context.socket(zmq.DEALER)
+        flood.setsockopt(zmq.LINGER, 0)
+        flood.connect(f"tcp://{server.address}")
+        for i in range(5000):
+            hello = {
+                "op": "hello",
+                "v": CONTROL_VERSION,
+                "name": "x",
+                "nonce": i.to_bytes(16, "big"),
+            }
+            flood.send_multipart([b"", msgpack.packb(hello)])
+        poller = ControlClient(context, f"tcp://{server.address}", 10.0)
+        for _ in range(4200):  # more than the session table holds
+            poller.handshake("monitor", None)
+        poller.close()
+        flood.close()
+        context.term()
+        out = np.zeros((2, BB), np.uint8)
+        client.get(ks, out)  # still the same session: no "unknown session"
+        np.testing.assert_array_equal(out, payloads(ks, BB))
+        with _client(server) as newcomer:
+            assert newcomer.match_prefix(ks) == 2
+
+
+# -- fair sharing -----------------------------------------------------------------------
+
+
+def test_limits_per_request_per_session_and_on_block_size(server: _Server) -> None:
+    with _client(server) as client:
+        assert client._request_keys == SLOTS // 4
+        with pytest.raises(TooManyRequests, match="in one request"):
+            _stage(client, keys(0, SLOTS // 4 + 1))
+        leases = [_stage(client, keys(0, 2))[0], _stage(client, keys(2, 4))[0]]
+        with pytest.raises(TooManyRequests, match="share"):
+            _stage(client, keys(4, 5))
+        for lease in leases:
+            client._call({"op": "abort", "ns": client._ns, "lease": lease})
+        client.put(keys(20, 30), payloads(keys(20, 30), BB))  # put chunks within the limits
+    for tiny in (1, 4095):
+        with pytest.raises(BadRequest, match="block_bytes"):
+            StoreClient(server.address, block_bytes=tiny, namespace="tiny")
+
+
+def test_namespaces_per_session_are_capped_and_idle_ones_reclaimed() -> None:
+    server = _Server("--host-capacity", str(64 * BB), "--max-namespaces", "2")
+    try:
+        first = _client(server, "a")
+        second = _client(server, "b")
+        with pytest.raises(Exception, match="namespaces"):
+            _client(server, "c")  # both in use by live sessions
+        first.close()
+        time.sleep(0.3)  # first's session ends with its streams: "a" is idle now
+        with _client(server, "c") as third:
+            third.put(keys(0, 1), payloads(keys(0, 1), BB))
+        opened = [
+            second.peer.call({"op": "open", "namespace": f"n{i}".encode(), "block_bytes": BB})
+            for i in range(3)
+        ]
+        assert "error" not in opened[0]  # "c" (idle) made way
+        assert all("error" in reply for reply in opened[1:])  # the table is full again
+        second.close()
+    finally:
+        server.kill()
+
+
+def test_one_session_opens_at_most_eight_namespaces() -> None:
+    server = _Server("--host-capacity", str(64 * BB), "--max-namespaces", "12")
+    try:
+        with _client(server, "n0") as client:
+            for i in range(1, 8):
+                reply = client.peer.call(
+                    {"op": "open", "namespace": f"n{i}".encode(), "block_bytes": BB}
+                )
+                assert "error" not in reply
+            reply = client.peer.call({"op": "open", "namespace": b"n8", "block_bytes": BB})
+            assert reply["kind"] == "TooManyRequests"
+    finally:
+        server.kill()
+
+
+# -- in-process: what needs a hand inside the server ----------------------------------
+
+
+def test_an_internal_error_is_its_own_kind_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    from kvbridge.store import CacheServer, ServerConfig  # noqa: PLC0415
+
+    secret = "s3cr3t-never-logged"
+    config = ServerConfig(port=0, host_capacity=16 * BB, secret=secret.encode())
+    with caplog.at_level("DEBUG", logger="kvbridge"), CacheServer(config) as srv:
+        with pytest.raises(AuthenticationError):
+            StoreClient(srv.address, block_bytes=BB, namespace="m", secret="wrong")
+        hello = control_request(
+            srv.address, {"op": "hello", "v": 2, "name": "mallory", "nonce": bytes(16)}
+        )
+        guess = {
+            "op": "auth",
+            "name": "mallory",
+            "nonce": bytes(16),
+            "server_nonce": hello["nonce"],
+            "ticket": hello["ticket"],
+            "proof": bytes(32),  # without the secret, a guess
+        }
+        refused = control_request(srv.address, guess)
+        assert refused["ok"] is False and refused["code"] == 2
+        with StoreClient(srv.address, block_bytes=BB, namespace="m", secret=secret) as client:
+            ns = next(iter(srv._namespaces.values()))
+
+            def broken(keys: object) -> int:
+                raise RuntimeError("a bug")
+
+            ns.store.match_prefix = broken  # type: ignore[method-assign]
+            with pytest.raises(InternalError):
+                client.match_prefix(keys(0, 1))
+            assert client.contains(keys(0, 1)) == [False]  # the server goes on
+    text = caplog.text
+    assert "authentication refused" in text
+    assert any(r.exc_info and "a bug" in str(r.exc_info[1]) for r in caplog.records)
+    assert "serving on" in text and "secret=set" in text
+    assert secret not in text
