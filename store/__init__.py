@@ -28,6 +28,7 @@ from ._errors import (
     TierUnavailable,
 )
 from ._keys import KEY_BYTES, BlockKey, HashAlgo, prefix_hashes
+from ._metrics import metrics_token
 from ._pins import DEFAULT_PIN_TTL_S, Lease
 from ._policy import FIFO, LRU, POLICIES, EvictionPolicy, ReuseLRU
 from ._server import CacheServer
@@ -38,7 +39,7 @@ from ._slots import SlotTier
 from ._stats import StoreStats, TierStats
 from ._store import TieredStore
 from ._tier import Tier
-from ._wire import BadRequest, TooManyRequests, UnknownNamespace
+from ._wire import BadRequest, InternalError, TooManyRequests, UnknownNamespace
 
 __all__ = [
     "DEFAULT_PIN_TTL_S",
@@ -60,6 +61,7 @@ __all__ = [
     "HashAlgo",
     "HostSlab",
     "IncompatibleStore",
+    "InternalError",
     "InvalidBlock",
     "InvalidKey",
     "InvalidTokens",
@@ -81,6 +83,7 @@ __all__ = [
     "TooManyRequests",
     "UnknownNamespace",
     "load_config",
+    "metrics_token",
     "parse_size",
     "prefix_hashes",
 ]

@@ -41,7 +41,7 @@ import msgpack
 
 from ..transfer import Caller, NotifyRefused, TransferEngine
 from ._errors import BlockNotFound, LeaseExpired, StoreError, StoreFull
-from ._metrics import ServerMetrics
+from ._metrics import ServerMetrics, metrics_token
 from ._namespaces import Namespace
 from ._server_config import ServerConfig
 from ._slots import SlotTier
@@ -94,7 +94,8 @@ class CacheServer:
         self.metrics_port: int | None = None
         try:
             if cfg.metrics_port is not None:
-                self.metrics_port = self.metrics.serve(cfg.host, cfg.metrics_port)
+                token = None if cfg.secret is None else metrics_token(cfg.secret)
+                self.metrics_port = self.metrics.serve(cfg.host, cfg.metrics_port, token=token)
         except BaseException:
             self.engine.close()
             raise

@@ -369,3 +369,29 @@ def test_an_internal_error_is_its_own_kind_and_logged(caplog: pytest.LogCaptureF
     assert any(r.exc_info and "a bug" in str(r.exc_info[1]) for r in caplog.records)
     assert "serving on" in text and "secret=set" in text
     assert secret not in text
+
+
+def test_metrics_need_the_token_when_the_server_has_a_secret() -> None:
+    import urllib.error  # noqa: PLC0415
+    import urllib.request  # noqa: PLC0415
+
+    from kvbridge.store import CacheServer, ServerConfig, metrics_token  # noqa: PLC0415
+
+    secret = b"metrics-secret"
+    config = ServerConfig(port=0, host_capacity=16 * BB, metrics_port=0, secret=secret)
+    with CacheServer(config) as srv:
+        with StoreClient(srv.address, block_bytes=BB, namespace="tenant-x", secret=secret):
+            pass
+        url = f"http://127.0.0.1:{srv.metrics_port}/metrics"
+        for header in (None, "Bearer wrong", f"Bearer {secret.decode()}"):
+            request = urllib.request.Request(url)
+            if header:
+                request.add_header("Authorization", header)
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(request, timeout=5)
+            assert refused.value.code == 401
+        request = urllib.request.Request(url)
+        request.add_header("Authorization", f"Bearer {metrics_token(secret)}")
+        with urllib.request.urlopen(request, timeout=5) as answer:
+            text = answer.read().decode()
+        assert "kvbridge_hits" in text and "tenant-x" in text  # the operator sees names
