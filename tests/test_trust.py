@@ -10,10 +10,12 @@ another namespace's blocks, and a fault stays with the request that met it.
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -34,7 +36,13 @@ SLOTS = 8  # per namespace: --host-capacity 16 blocks, 2 namespaces
 class _Server:
     def __init__(self, *args: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvbridge", "serve", "--port", "0", *args],
+            [
+                sys.executable,
+                "-m",
+                "kvbridge",
+                "serve",
+                *(args if "--port" in args else ("--port", "0", *args)),
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -395,3 +403,27 @@ def test_metrics_need_the_token_when_the_server_has_a_secret() -> None:
         with urllib.request.urlopen(request, timeout=5) as answer:
             text = answer.read().decode()
         assert "kvbridge_hits" in text and "tenant-x" in text  # the operator sees names
+
+
+def test_a_client_reconnects_after_the_server_restarts(tmp_path: Path) -> None:
+    """The old session died with the old server: the client authenticates again on its next
+    request, and reads what the restarted server kept on disk."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    args = ("--host-capacity", "4MiB", "--disk-path", str(tmp_path), "--disk-capacity", "16MiB")
+    first = _Server("--port", str(port), *args)
+    try:
+        client = StoreClient(f"127.0.0.1:{port}", block_bytes=BB, namespace="m")
+        ks = keys(0, 4)
+        client.put(ks, payloads(ks, BB))
+    finally:
+        first.kill()
+    second = _Server("--port", str(port), *args)
+    try:
+        out = np.zeros((4, BB), np.uint8)
+        client.get(ks, out)
+        np.testing.assert_array_equal(out, payloads(ks, BB))
+        client.close()
+    finally:
+        second.kill()

@@ -92,8 +92,12 @@ class Peer:
             credentials, fresh = client.handshake(self._engine.name, self._engine._secret)
         finally:
             client.close()
-        self.regions = dict(EngineInfo.decode(fresh).regions)
-        address = self._info.transports[self.transport]
+        info = EngineInfo.decode(fresh)  # a restarted peer listens on new data ports
+        self.regions = dict(info.regions)
+        if self.transport not in info.transports:
+            raise PeerClosed(f"{info.name} no longer offers {self.transport}")
+        self._info = info
+        address = info.transports[self.transport]
         streams: list[InitiatorStream] = []
         try:
             for index in range(settings.streams):
