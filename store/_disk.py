@@ -14,13 +14,17 @@ A block and its checksum are written in one LMDB transaction, so a reader sees b
 neither; on read, a payload whose length or checksum does not match is a miss and is
 dropped, never returned. ``check()`` verifies every block.
 
+Faults (see ``_disk_faults``): a block found bad leaves the index for good; a write LMDB
+refuses is StoreFull (no room) or StoreCorrupt (damaged pages) and aborts the transaction.
+
 Durability (``sync``): LMDB commits are atomic whatever the setting, and a committed
 transaction lives in the OS page cache, so a *process* crash (SIGKILL, OOM kill) loses
-nothing committed either way. ``sync=False`` (the default) skips ``fsync`` at commit: about
-4-5x faster writes (2.3-2.8 GB/s against 0.4-0.6 GB/s for 1 MiB values on the development
-machine), at the price that an OS crash or power loss may lose the last commits or leave
-torn pages, which the checksums turn into misses. A KV cache can always be recomputed, so
-speed wins by default; ``sync=True`` makes every commit survive power loss.
+nothing committed either way. ``sync=False`` (the default) skips ``fsync`` at commit: 4-5x
+faster writes when measured with writemap (2.3-2.8 GB/s against 0.4-0.6 GB/s for 1 MiB
+values on the development machine; not measured again without it), at the price that
+an OS crash or power loss may lose the last commits or leave torn pages, which the
+checksums turn into misses. A KV cache can always be recomputed, so speed wins by
+default; ``sync=True`` makes every commit survive power loss.
 
 Fork: an LMDB environment must not be used across ``fork()``; the tier closes the inherited
 handle and reopens the environment the first time it is used in a new process.
@@ -31,9 +35,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import struct
 from collections.abc import Container, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import lmdb
@@ -41,11 +43,15 @@ import numpy as np
 import xxhash
 
 from ._buffers import BlockArray, to_host
-from ._errors import IncompatibleStore, StoreClosed
+from ._disk_faults import CheckReport, lmdb_error, purge
+from ._disk_meta import SUM, check_meta, list_orphans, read_sums
+from ._errors import StoreClosed, StoreError
 from ._keys import BlockKey
 from ._policy import EvictionPolicy
 from ._slab import PAGE_BYTES
 from ._tier import BlockReader
+
+__all__ = ["FORMAT_VERSION", "CheckReport", "DiskTier"]
 
 FORMAT_VERSION = b"1"
 """On-disk layout version, stored in ``meta``; bump it when the layout changes."""
@@ -56,34 +62,23 @@ memory and caps their number (MDB_IDL_UM_MAX, 128k pages), so unbounded batches 
 
 MAP_HEADROOM = 2
 """The memory map is twice the data it must hold: copy-on-write needs free pages while
-readers hold old ones. The map is virtual and the file sparse, so headroom costs no disk."""
+readers hold old ones. Without ``writemap`` the file grows only as pages are written, so
+headroom costs no disk."""
 
 MAP_SLACK_BYTES = 64 << 20
 """Fixed extra map space for metadata and branch pages of small stores."""
 
-_SUM = struct.Struct("<QQ")  # checksum, sequence number
-
-# Writemap: LMDB writes pages straight into the shared file mapping instead of copying them
-# into malloc'd pages and pwrite()-ing those at commit: 6.7 against 1.3 GB/s for 1 MiB values
-# on the development machine. It gives up LMDB's guard against wild pointer writes into the
-# map, which pure Python code cannot make. Every process opening a tier uses it (LMDB forbids
-# mixing modes on one environment).
-
-
-@dataclass
-class CheckReport:
-    """What :meth:`DiskTier.check` found."""
-
-    blocks: int = 0
-    corrupt: list[BlockKey] = field(default_factory=list)
-    """Keys whose payload is missing, of the wrong length or fails its checksum."""
-    orphans: list[BlockKey] = field(default_factory=list)
-    """Payloads without a checksum record."""
-    repaired: bool = False
-
-    @property
-    def ok(self) -> bool:
-        return not self.corrupt and not self.orphans
+# No writemap. With MDB_WRITEMAP, LMDB sizes the file to the whole map (sparse) and writes
+# pages straight into the shared mapping: on a full file system the page fault that needs a
+# new disk block raises SIGBUS and kills the process. Without it LMDB builds dirty pages in
+# malloc'd memory (meminit zeroes their unused ends, else stale heap bytes reach the file)
+# and pwrite()s them at commit, so a full disk is an error from the commit (EIO/ENOSPC),
+# which the tier turns into StoreFull. The cost is on writes: benches/bench_disk_tier.py
+# (put of 64 blocks, medians, raw os.pwrite of the same bytes in the same run), one run each
+# on the development machine: with writemap 4.07 GB/s (os.pwrite 10.46, ratio 0.39) for
+# 64 KiB blocks and 4.83 GB/s (5.65, 0.86) for 1 MiB; without it 1.50 GB/s (7.95, 0.19) and
+# 1.35 GB/s (5.72, 0.24). Reads are unchanged. All processes open a tier the same way
+# (LMDB forbids mixing modes on one environment).
 
 
 def _map_size(capacity: int, block_bytes: int) -> int:
@@ -118,30 +113,35 @@ class DiskTier:
         self.index: Container[BlockKey] = self._present
         self._next_seq = 0
         self._txn: Any = None  # the open write transaction of a batch
+        self._failed: StoreError | None = None  # why LMDB refused part of the open one
         self._pending_bytes = 0
-        self._batch_added: list[BlockKey] = []
-        self._batch_deleted: list[BlockKey] = []
+        self._added: list[BlockKey] = []  # stored by the open transaction
+        self._deleted: list[BlockKey] = []  # deleted by the open transaction
+        self._purge: set[BlockKey] = set()  # forgotten; records to delete on their own
+        self._env: Any = None
         os.makedirs(self.path, exist_ok=True)
-        self._open()
         try:
-            self._check_meta()
-            self._load_index()
+            self._open()
+            self._load()
+        except lmdb.Error as e:
+            self._close_env()
+            raise lmdb_error(e, self.path) from e
         except BaseException:
-            self._env.close()
+            self._close_env()
             raise
 
     # -- environment -------------------------------------------------------------------
 
     def _open(self) -> None:
-        self._env: Any = lmdb.open(
+        self._env = lmdb.open(
             self.path,
             map_size=_map_size(self.capacity, self.block_bytes),
             max_dbs=3,
             sync=self.sync,
             metasync=self.sync,
             readahead=False,
-            meminit=False,
-            writemap=True,  # see the note on writemap above
+            meminit=True,  # zero the unused end of pages written from malloc'd memory
+            writemap=False,  # see the note on writemap above
         )
         self._meta = self._env.open_db(b"meta")
         self._blocks = self._env.open_db(b"blocks")
@@ -160,41 +160,27 @@ class DiskTier:
             self._open()
         return self._env
 
-    def _check_meta(self) -> None:
-        want = {
-            b"format": FORMAT_VERSION,
-            b"block_bytes": str(self.block_bytes).encode(),
-            b"namespace": self._namespace,
-        }
-        with self._env.begin(write=True, db=self._meta) as txn:
-            have = {k: txn.get(k) for k in want}
-            if all(v is None for v in have.values()):
-                for k, v in want.items():
-                    txn.put(k, v)
-                return
-        for k, v in want.items():
-            if have[k] != v:
-                raise IncompatibleStore(
-                    f"disk tier at {self.path} was written with {k.decode()}={have[k]!r}, "
-                    f"this store uses {v!r}"
-                )
+    def _close_env(self) -> None:
+        env, self._env = self._env, None
+        if env is not None:
+            env.close()
 
-    def _load_index(self) -> None:
-        with self._env.begin(db=self._sums) as txn:
-            entries = [(_SUM.unpack(v)[1], BlockKey(bytes(k))) for k, v in txn.cursor()]
-        entries.sort()
+    def _load(self) -> None:
+        """Check the meta record; rebuild the index and eviction order from the sums."""
+        want = {b"format": FORMAT_VERSION, b"block_bytes": str(self.block_bytes).encode()}
+        check_meta(self._env, self._meta, {**want, b"namespace": self._namespace}, self.path)
+        entries, bad = read_sums(self._env, self._sums)
+        self._purge.update(bad)
         if entries:
             self._next_seq = entries[-1][0] + 1
         excess = len(entries) - self.capacity
         if excess > 0:  # reopened with a smaller capacity: drop the oldest blocks
-            with self._env.begin(write=True) as txn:
-                for _, key in entries[:excess]:
-                    txn.delete(key, db=self._blocks)
-                    txn.delete(key, db=self._sums)
+            purge(self._env, (self._blocks, self._sums), [key for _, key in entries[:excess]])
             entries = entries[excess:]
         for _, key in entries:
             self._present.add(key)
             self.policy.insert(key)
+        self._purge_now()
 
     # -- index -------------------------------------------------------------------------
 
@@ -210,66 +196,98 @@ class DiskTier:
     def touch(self, key: BlockKey) -> None:
         self.policy.touch(key)
 
+    def _forget(self, key: BlockKey) -> None:
+        if key in self._present:
+            self._present.remove(key)
+            self.policy.remove(key)
+
     # -- writes ------------------------------------------------------------------------
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
         """Run the stores and deletes inside as few commits as possible (one per 64 MiB).
 
-        If the body raises, the uncommitted part is rolled back, index included.
+        If the body raises, what it did is committed all the same: the store's memory tiers
+        already changed to match (blocks demoted here left them). If LMDB refuses the
+        transaction (disk full, damaged pages) it is aborted: its stores are forgotten, its
+        deletes stand, and the batch raises StoreFull or StoreCorrupt (unless the body did).
         """
         if self._txn is not None:  # nested: the outer batch commits
             yield
             return
-        self._txn = self._environment().begin(write=True)
+        self._begin()
         try:
             yield
         except BaseException:
-            self._rollback()
+            self._end()
             raise
-        self._commit()
+        error = self._end()
+        if error is not None:
+            raise error
 
-    def _commit(self) -> None:
-        txn, self._txn = self._txn, None
-        txn.commit()
-        self._pending_bytes = 0
-        self._batch_added.clear()
-        self._batch_deleted.clear()
+    def _begin(self) -> None:
+        try:
+            self._txn = self._environment().begin(write=True)
+        except lmdb.Error as e:
+            raise lmdb_error(e, self.path) from e
 
-    def _rollback(self) -> None:
+    def _end(self) -> StoreError | None:
+        """Commit the open transaction (abort it if LMDB refused part of it); return the
+        error that lost it, if any."""
         txn, self._txn = self._txn, None
-        txn.abort()
-        for key in self._batch_added:
-            self._present.discard(key)
-            self.policy.remove(key)
-        for key in self._batch_deleted:
-            self._present.add(key)
-            self.policy.insert(key)
+        error, self._failed = self._failed, None
+        if txn is None:  # a flush could not begin the next one
+            return error
+        if error is None:
+            try:
+                txn.commit()
+            except lmdb.Error as e:  # LMDB aborted it
+                error = lmdb_error(e, self.path)
+                error.__cause__ = e
+        else:
+            txn.abort()
+        if error is not None:
+            for key in self._added:
+                self._forget(key)
+            self._purge.update(self._deleted)
+        self._added.clear()
+        self._deleted.clear()
         self._pending_bytes = 0
-        self._batch_added.clear()
-        self._batch_deleted.clear()
+        self._purge_now()
+        return error
+
+    def _refuse(self, e: lmdb.Error) -> StoreError:  # the open transaction is lost
+        self._failed = lmdb_error(e, self.path)
+        return lmdb_error(e, self.path)
 
     @contextlib.contextmanager
     def _writing(self) -> Iterator[Any]:
-        if self._txn is not None:
-            yield self._txn
-            if self._pending_bytes >= TXN_FLUSH_BYTES:
-                self._commit()
-                self._txn = self._environment().begin(write=True)
+        if self._txn is None:
+            with self.batch():
+                yield self._txn
             return
-        with self.batch():
-            yield self._txn
+        yield self._txn
+        if self._pending_bytes >= TXN_FLUSH_BYTES and self._failed is None:
+            error = self._end()
+            self._begin()
+            if error is not None:
+                raise error
 
     def store(self, key: BlockKey, src: BlockArray) -> None:
         host = to_host(src)
         with self._writing() as txn:
-            txn.put(key, host, db=self._blocks)
-            checksum = xxhash.xxh3_64_intdigest(host.data)
-            txn.put(key, _SUM.pack(checksum, self._next_seq), db=self._sums)
+            if self._failed is not None:
+                raise type(self._failed)(str(self._failed))
+            try:
+                txn.put(key, host, db=self._blocks)
+                checksum = xxhash.xxh3_64_intdigest(host.data)
+                txn.put(key, SUM.pack(checksum, self._next_seq), db=self._sums)
+            except lmdb.Error as e:
+                raise self._refuse(e) from e
             self._next_seq += 1
             self._pending_bytes += self.block_bytes
             self._present.add(key)
-            self._batch_added.append(key)
+            self._added.append(key)
             self.policy.insert(key)
 
     def position(self, key: BlockKey) -> None:
@@ -281,58 +299,92 @@ class DiskTier:
         return None
 
     def delete(self, key: BlockKey) -> None:
+        """Forget ``key``. Does not raise on LMDB errors: a delete LMDB refuses (damaged
+        pages) fails the open batch, which raises when it ends; the key stays forgotten."""
+        self._forget(key)
         with self._writing() as txn:
-            txn.delete(key, db=self._blocks)
-            txn.delete(key, db=self._sums)
-            self._present.discard(key)
-            self._batch_deleted.append(key)
-            self.policy.remove(key)
+            if self._failed is not None:
+                self._purge.add(key)
+                return
+            try:
+                txn.delete(key, db=self._blocks)
+                txn.delete(key, db=self._sums)
+            except lmdb.Error as e:
+                self._refuse(e)
+                self._purge.add(key)
+                return
+            self._deleted.append(key)
+
+    def discard(self, key: BlockKey) -> None:
+        """Forget a block found bad, for good: its records are deleted in a transaction of
+        their own (after the open batch, if any), whatever becomes of the batch."""
+        self._forget(key)
+        self._purge.add(key)
+        if self._txn is None:
+            self._purge_now()
+
+    def _purge_now(self) -> list[BlockKey]:
+        doomed = [key for key in self._purge if key not in self._present]
+        self._purge.clear()
+        if not doomed or self._env is None:
+            return []
+        return purge(self._environment(), (self._blocks, self._sums), doomed)
 
     # -- reads -------------------------------------------------------------------------
 
+    def _verified(self, txn: Any, key: BlockKey) -> BlockArray | None:
+        """The block's payload if it matches its checksum (raises ``lmdb.Error`` when
+        LMDB cannot read the pages on the way)."""
+        payload = txn.get(key, db=self._blocks)
+        meta = txn.get(key, db=self._sums)
+        if payload is None or meta is None or len(payload) != self.block_bytes:
+            return None
+        if len(meta) != SUM.size or xxhash.xxh3_64_intdigest(payload) != SUM.unpack(meta)[0]:
+            return None
+        return np.frombuffer(payload, dtype=np.uint8)
+
     @contextlib.contextmanager
     def reading(self) -> Iterator[BlockReader]:
-        """Yield a reader of verified, zero-copy views into the map.
+        """Yield a reader of verified, zero-copy views into the map, valid only inside this
+        context; a block LMDB cannot read (a damaged page) is a miss, like a bad checksum."""
+        env = self._environment()
+        txns: list[Any] = []
+        stale = True
 
-        The views are valid only inside this context (they point into LMDB's pages).
-        """
-        with self._environment().begin(buffers=True) as txn:
+        def read(key: BlockKey) -> BlockArray | None:
+            nonlocal stale
+            try:
+                if stale:
+                    txns.append(env.begin(buffers=True))
+                    stale = False
+                return self._verified(txns[-1], key)
+            except lmdb.Error:
+                # LMDB may have failed the transaction: the next read gets a fresh one.
+                # Earlier views stay valid: old ones stay open until the context ends.
+                stale = True
+                return None
 
-            def read(key: BlockKey) -> BlockArray | None:
-                payload = txn.get(key, db=self._blocks)
-                meta = txn.get(key, db=self._sums)
-                if payload is None or meta is None or len(payload) != self.block_bytes:
-                    return None
-                if xxhash.xxh3_64_intdigest(payload) != _SUM.unpack(meta)[0]:
-                    return None
-                return np.frombuffer(payload, dtype=np.uint8)
-
+        try:
             yield read
+        finally:
+            for txn in txns:
+                txn.abort()
 
     def check(self, *, repair: bool = False) -> CheckReport:
-        """Verify every block against its checksum; with ``repair``, drop the bad ones."""
-        report = CheckReport()
-        with self._environment().begin(buffers=True) as txn:
-            sums = txn.cursor(db=self._sums)
-            for raw_key, meta in sums:
-                key = BlockKey(bytes(raw_key))
-                report.blocks += 1
-                payload = txn.get(key, db=self._blocks)
-                if (
-                    payload is None
-                    or len(payload) != self.block_bytes
-                    or xxhash.xxh3_64_intdigest(payload) != _SUM.unpack(meta)[0]
-                ):
-                    report.corrupt.append(key)
-            for raw_key in txn.cursor(db=self._blocks).iternext(keys=True, values=False):
-                if txn.get(raw_key, db=self._sums) is None:
-                    report.orphans.append(BlockKey(bytes(raw_key)))
+        """Verify every block against its checksum; with ``repair``, drop the bad ones and
+        the payloads without a checksum. Damaged LMDB pages are reported (in ``corrupt``
+        for the blocks behind them, in ``damaged`` otherwise), never raised."""
+        with self.reading() as read:
+            corrupt = [key for key in sorted(self._present) if read(key) is None]
+        report = CheckReport(blocks=len(self._present), corrupt=corrupt)
+        report.orphans, damage = list_orphans(self._environment(), self._blocks, self._sums)
+        report.damaged += [damage] if damage else []
         if repair and not report.ok:
-            with self.batch(), self._writing() as txn:
-                for key in report.corrupt:
-                    self.delete(key)
-                for key in report.orphans:
-                    txn.delete(key, db=self._blocks)
+            for key in corrupt:
+                self._forget(key)
+            self._purge.update(corrupt + report.orphans)
+            stuck = self._purge_now() if self._txn is None else []
+            report.damaged += [f"cannot delete the records of {key.hex()}" for key in stuck]
             report.repaired = True
         return report
 
@@ -340,8 +392,8 @@ class DiskTier:
         if self._env is None:
             return
         if self._txn is not None:
-            self._rollback()
+            self._end()
         if self._pid == os.getpid():
-            self._env.sync(True)
-        self._env.close()
-        self._env = None
+            with contextlib.suppress(lmdb.Error):
+                self._env.sync(True)
+        self._close_env()

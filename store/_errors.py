@@ -64,3 +64,9 @@ class IncompatibleStore(StoreError):
 
 class TierUnavailable(StoreError):
     """A configured tier needs something this machine lacks (cupy, a GPU)."""
+
+
+class StoreCorrupt(StoreError):
+    """The disk tier's files are damaged where LMDB keeps its own structures (not just a
+    payload, which a checksum turns into a miss), so the tier cannot be read or written.
+    A cache can be recomputed: delete the tier's directory and start afresh."""

@@ -76,8 +76,16 @@ class SlotTier:
         self.policy.insert(key)
 
     def delete(self, key: BlockKey) -> None:
-        self._free.append(self._slot_of.pop(key))
+        self._free.append(self.disown(key))
+
+    def discard(self, key: BlockKey) -> None:
+        self.delete(key)
+
+    def disown(self, key: BlockKey) -> int:
+        """Forget ``key`` and return its slot without freeing it (the caller owns it now,
+        as if taken with :meth:`take_slot`)."""
         self.policy.remove(key)
+        return self._slot_of.pop(key)
 
     def touch(self, key: BlockKey) -> None:
         self.policy.touch(key)

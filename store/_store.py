@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Callable, Container, Iterator, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import Literal
 
@@ -34,6 +34,7 @@ from ._errors import (
     BlockPinned,
     LeaseExpired,
     StoreClosed,
+    StoreError,
     StoreFull,
     TierUnavailable,
 )
@@ -43,7 +44,8 @@ from ._policy import EvictionPolicy, make_policy
 from ._sizes import parse_size
 from ._slab import DeviceSlab, HostSlab
 from ._slots import SlotTier
-from ._staging import NO_OWNER, StagingTable
+from ._spill import spill
+from ._staging import NO_OWNER, Staging, StagingTable
 from ._stats import StoreStats, TierStats
 from ._tier import Tier
 
@@ -219,7 +221,8 @@ class TieredStore:
         sequence of ``len(keys)`` buffers of ``block_bytes`` bytes (numpy, memoryview,
         bytes, cupy...). A key already present anywhere (or earlier in the same call) is not
         stored again and counts as a use. Raises :class:`StoreFull`, storing nothing, when
-        the new blocks do not fit in the unpinned room of the tiers.
+        the new blocks do not fit in the unpinned room of the tiers or the disk refuses them
+        (full): all or nothing, no block of a failed put stays visible.
         """
         checked = _keys(keys)
         sources, source_at = split_blocks(blocks, len(checked), self.block_bytes, writable=False)
@@ -240,23 +243,27 @@ class TieredStore:
             slot_at: list[int | None] = []
             filling: list[BlockArray] = []
             filling_at: list[int | None] = []
-            with self._batch():
-                # One walk frees the top tier for the whole batch when it can (else each
-                # block finds its tier below); per-block walks past pinned blocks were
-                # O(pinned x batch).
-                self._make_room_for(0, len(fresh), protect)
-                for key, i in fresh.items():
-                    placed, slot = self._place(key, sources[i], protect)
-                    if slot is not None:
-                        slots.append(slot)
-                        slot_at.append(self._tiers[placed].position(key))
-                        filling.append(sources[i])
-                        filling_at.append(None if source_at is None else source_at[i])
-                    if self.write_through and placed != self._persistent:
-                        self._write_through(key, sources[i], protect)
-                    stored[i] = True
-                # New blocks are protected from eviction, so nothing read their slots yet.
-                copy_blocks(slots, filling, slot_at, filling_at)
+            try:
+                with self._batch():
+                    # One walk frees the top tier for the whole batch when it can (else each
+                    # block finds its tier below); per-block walks past pinned blocks were
+                    # O(pinned x batch).
+                    self._make_room_for(0, len(fresh), protect)
+                    for key, i in fresh.items():
+                        placed, slot = self._place(key, sources[i], protect)
+                        if slot is not None:
+                            slots.append(slot)
+                            slot_at.append(self._tiers[placed].position(key))
+                            filling.append(sources[i])
+                            filling_at.append(None if source_at is None else source_at[i])
+                        if self.write_through and placed != self._persistent:
+                            self._write_through(key, sources[i], protect)
+                        stored[i] = True
+                    # New blocks are protected from eviction, so nothing read their slots yet.
+                    copy_blocks(slots, filling, slot_at, filling_at)
+            except BaseException:
+                self._withdraw(fresh)  # blocks moved to make room stay where they went
+                raise
             self._stats.puts += len(fresh)
             self._stats.bytes_in += len(fresh) * self.block_bytes
             return stored
@@ -295,7 +302,9 @@ class TieredStore:
             self._stats.hits += len(checked)
             self._stats.bytes_out += len(checked) * self.block_bytes
             protect = set(checked)
-            with self._batch():
+            # Promotion is best effort: a disk that refuses a demoted block ends it (what
+            # moved stays consistent, see DiskTier.batch); the hit stands.
+            with contextlib.suppress(StoreError), self._batch():
                 for key, dst in zip(checked, targets, strict=True):
                     self._use(key, dst, protect)
 
@@ -349,7 +358,12 @@ class TieredStore:
     def commit(self, lease_id: int) -> int:
         """Make a staged put visible; return how many blocks it added (a key stored by
         someone else meanwhile is not stored twice). Raises :class:`LeaseExpired` when the
-        lease is unknown or expired: the slots are then reclaimed and nothing is stored."""
+        lease is unknown or expired: the slots are then reclaimed and nothing is stored.
+
+        All or nothing: when the write-through copy cannot be made (the disk tier holds
+        fewer blocks, the disk is full) it raises :class:`StoreFull`, no block of the put
+        stays visible, and the staged put ends (its slots go back).
+        """
         with self._lock:
             self._check_open()
             staging = self._staging.pop(lease_id)
@@ -357,25 +371,38 @@ class TieredStore:
             if staging is None:
                 raise LeaseExpired(f"staged put {lease_id} is unknown, committed or expired")
             if staging.deadline <= self._pins.clock():
-                for slot in staging.slots:
-                    top.free_slot(slot)
+                self._give_back(staging, [])
                 raise LeaseExpired(f"staged put {lease_id} expired before its commit")
-            stored = 0
+            if self.write_through and self._persistent != 0:
+                fresh = [key for key in dict.fromkeys(staging.keys) if self._locate(key) is None]
+                room = self._room(len(fresh))
+                if len(fresh) > room:
+                    self._give_back(staging, [])
+                    raise StoreFull(
+                        f"{len(fresh)} new block(s) but the disk tier holds at most {room} "
+                        "more for their write-through copies"
+                    )
             protect = set(staging.keys)
-            with self._batch():
-                for key, slot in zip(staging.keys, staging.slots, strict=True):
-                    where = self._locate(key)
-                    if where is not None:
-                        top.free_slot(slot)
-                        self._tiers[where].touch(key)
-                        continue
-                    top.adopt(key, slot)
-                    stored += 1
-                    if self.write_through and self._persistent != 0:
-                        self._write_through(key, top.memory.slot(slot), protect)
-            self._stats.puts += stored
-            self._stats.bytes_in += stored * self.block_bytes
-            return stored
+            adopted: dict[BlockKey, int] = {}
+            try:
+                with self._batch():
+                    for key, slot in zip(staging.keys, staging.slots, strict=True):
+                        where = self._locate(key)
+                        if where is not None:
+                            self._tiers[where].touch(key)
+                            continue
+                        top.adopt(key, slot)
+                        adopted[key] = slot
+                        if self.write_through and self._persistent != 0:
+                            self._write_through(key, top.memory.slot(slot), protect)
+            except BaseException:
+                self._give_back(staging, list(adopted))
+                raise
+            taken = set(adopted.values())
+            self._free_slots([slot for slot in staging.slots if slot not in taken])
+            self._stats.puts += len(adopted)
+            self._stats.bytes_in += len(adopted) * self.block_bytes
+            return len(adopted)
 
     def abort(self, lease_id: int) -> None:
         """Give back the slots of a staged put (unknown or expired leases are fine); slots
@@ -411,9 +438,11 @@ class TieredStore:
         """Pin blocks in the top memory tier, copying up those held lower; return the lease
         and each key's slot there, for someone else to read. Counts as a hit on every key.
 
-        Raises :class:`BlockNotFound` naming every absent key (pinning nothing), and
-        :class:`StoreFull` when the top tier cannot free enough unpinned slots (blocks
-        already copied up stay there; nothing is lost).
+        Pins nothing when it raises: :class:`BlockNotFound` naming every absent key, or
+        every block found bad on the way (dropped for good; the others copied up stay
+        there, and blocks moved to make room stay where they went), and
+        :class:`StoreFull`, before anything moves, when the top tier cannot free enough
+        unpinned slots.
         """
         checked = _keys(keys)
         lifetime = self._lifetime(ttl)
@@ -426,6 +455,8 @@ class TieredStore:
                 raise BlockNotFound(missing)
             protect = set(checked)
             lifts = [key for key in dict.fromkeys(checked) if key not in top]
+            self._check_lift_room(top, protect, len(lifts))
+            corrupt: list[BlockKey] = []
             with self._batch():
                 # Room for every lift in one walk (best effort: a copy out of a memory
                 # tier frees a slot there too); _lift then finds a free slot.
@@ -436,7 +467,10 @@ class TieredStore:
                         top.touch(key)
                         continue
                     assert t is not None
-                    self._lift(t, key, protect)
+                    if not self._lift(t, key, protect):
+                        corrupt.append(key)
+            if corrupt:
+                raise BlockNotFound(corrupt)
             lease_id, deadline = self._pins.add(checked, lifetime)
             self._stats.hits += len(checked)
             self._stats.bytes_out += len(checked) * self.block_bytes
@@ -501,13 +535,20 @@ class TieredStore:
             return disk.check(repair=repair)
 
     def close(self) -> None:
-        """Close every tier (the disk tier is synced). Idempotent."""
+        """Close every tier (the disk tier is synced). Idempotent. With a disk tier, the
+        blocks held only in memory are first written to it (newest first, as many as its
+        free room takes: it evicts nothing for them), so that a reopened store serves them:
+        ``close()`` costs one disk write per memory-only block (see ``_spill``)."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            for tier in self._tiers:
-                tier.close()
+            try:
+                if self._persistent is not None:
+                    spill(self._tiers, self._tiers[self._persistent])
+            finally:
+                for tier in self._tiers:
+                    tier.close()
 
     def __enter__(self) -> TieredStore:
         return self
@@ -685,29 +726,63 @@ class TieredStore:
             for slot in slots:
                 top.free_slot(slot)
 
-    def _lift(self, t: int, key: BlockKey, protect: set[BlockKey]) -> None:
-        """Copy ``key`` from tier ``t`` into the top tier (moving it out of a memory tier)."""
-        if not self._make_room(0, protect):
-            raise StoreFull(f"the {self._tiers[0].name} tier has no unpinned slot to read from")
+    def _check_lift_room(self, top: SlotTier, protect: set[BlockKey], lifts: int) -> None:
+        """Raise StoreFull unless the top tier can take ``lifts`` more blocks next to the
+        ones of ``protect`` it holds: slots of staged puts and pinned blocks stay."""
+        room = top.capacity - self._staging.slots - (len(protect) - lifts)
+        if lifts <= room - len(self._pins):  # a cheap bound first, as in _room
+            return
+        room -= sum(key in top and key not in protect for key in self._pins.pinned())
+        if lifts > room:
+            raise StoreFull(
+                f"{lifts} block(s) to copy up but the {top.name} tier can free at most "
+                f"{max(room, 0)} slot(s) (the others are pinned or staged)"
+            )
+
+    def _lift(self, t: int, key: BlockKey, protect: set[BlockKey]) -> bool:
+        """Copy ``key`` from tier ``t`` into the top tier (moving it out of a memory tier);
+        False when it is found bad (it is dropped, and nothing was moved for it)."""
         source = self._tiers[t]
         with source.reading() as read:
             data = read(key)
             if data is None:
                 self._drop_corrupt([key])
-                raise BlockNotFound([key])
+                return False
+            if not self._make_room(0, protect):  # unreachable: pin_resident checked
+                raise StoreFull(f"the {self._tiers[0].name} tier has no unpinned slot")
             self._tiers[0].store(key, data)
         if not source.persistent:
             source.delete(key)
         self._stats.promotions += 1
+        return True
 
     def _drop_corrupt(self, keys: list[BlockKey]) -> None:
+        """Drop blocks found bad, for good (see Tier.discard); one purge for them all."""
         self._stats.corrupt += len(keys)
         self._stats.misses += len(keys)
         with self._batch():
             for key in keys:
                 for tier in self._tiers:
                     if key in tier and tier.persistent:
+                        tier.discard(key)
+
+    def _withdraw(self, keys: Iterable[BlockKey]) -> None:
+        """Take the blocks of a failed put or commit out of every tier. A disk delete
+        stands even when its batch fails, so that failure hides nothing: it is dropped."""
+        with contextlib.suppress(StoreError), self._batch():
+            for key in keys:
+                for tier in self._tiers:
+                    if key in tier:
                         tier.delete(key)
+
+    def _give_back(self, staging: Staging, adopted: Sequence[BlockKey]) -> None:
+        """End a staged put that is not committed: the blocks it adopted leave every tier
+        and all its slots go back (once no admitted write into them is in flight)."""
+        top = self._slot_top()
+        for key in adopted:
+            top.disown(key)
+        self._withdraw(adopted)
+        self._free_slots(self._staging.freeable(staging))
 
     def _release(self, lease: Lease) -> None:
         with self._lock:

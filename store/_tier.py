@@ -51,6 +51,10 @@ class Tier(Protocol):
     def delete(self, key: BlockKey) -> None:
         """Forget ``key`` (present) and free its space."""
 
+    def discard(self, key: BlockKey) -> None:
+        """Forget ``key`` (present), found bad on read: unlike ``delete``, this stands even
+        when the surrounding batch fails."""
+
     def touch(self, key: BlockKey) -> None:
         """Record a hit on ``key`` (present) with the policy."""
 
