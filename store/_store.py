@@ -19,6 +19,7 @@ copies run under it, and numpy releases the GIL while copying).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 from collections.abc import Callable, Container, Iterable, Iterator, Sequence
@@ -51,6 +52,9 @@ from ._tier import Tier
 
 PolicySpec = str | Callable[[], EvictionPolicy]
 _KEY_LENGTHS = frozenset(KEY_BYTES.values())
+
+
+_log = logging.getLogger("kvbridge.store")
 
 
 class TieredStore:
@@ -758,6 +762,10 @@ class TieredStore:
 
     def _drop_corrupt(self, keys: list[BlockKey]) -> None:
         """Drop blocks found bad, for good (see Tier.discard); one purge for them all."""
+        shown = ", ".join(key.hex()[:16] for key in keys[:4])
+        _log.warning(
+            "%d corrupt block(s) dropped (%s): a miss, never wrong bytes", len(keys), shown
+        )
         self._stats.corrupt += len(keys)
         self._stats.misses += len(keys)
         with self._batch():
