@@ -23,7 +23,7 @@ import pytest
 from attack import RawStream, control_request, descriptors, region_key
 from helpers import keys, payloads
 
-from kvbridge.store import BadRequest, StoreClient, TooManyRequests
+from kvbridge.store import BadRequest, StoreClient, StoreFull, TooManyRequests
 from kvbridge.store._wire import InternalError
 from kvbridge.tools._serve_cmds import read_listening
 from kvbridge.transfer import AuthenticationError, RegionInfo, TransferEngine, TransferError
@@ -427,3 +427,43 @@ def test_a_client_reconnects_after_the_server_restarts(tmp_path: Path) -> None:
         client.close()
     finally:
         second.kill()
+
+
+def test_a_full_disk_is_store_full_for_that_put_and_the_server_lives(tmp_path: Path) -> None:
+    """A server whose disk tier sits on a 2 MiB file system (and is told it has 64 MiB):
+    puts past the room fail with StoreFull, nothing half-visible, the server stays up, and
+    what was committed before reads back."""
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a 2 MiB tmpfs (needs root): {done.stderr.strip()}")
+    try:
+        server = _Server(
+            "--host-capacity", "8MiB", "--disk-path", str(mount), "--disk-capacity", "64MiB"
+        )
+        try:
+            with _client(server) as client:
+                first = keys(0, 8)  # 512 KiB: fits
+                client.put(first, payloads(first, BB))
+                big = keys(100, 140)  # 2.5 MiB more: cannot fit
+                with pytest.raises(StoreFull):
+                    client.put(big, payloads(big, BB))
+                assert server.proc.poll() is None
+                out = np.zeros((8, BB), np.uint8)
+                client.get(first, out)
+                np.testing.assert_array_equal(out, payloads(first, BB))
+                for key in big:  # a block the client was told failed is either absent or whole
+                    if client.contains([key])[0]:
+                        one = np.zeros((1, BB), np.uint8)
+                        client.get([key], one)
+                        np.testing.assert_array_equal(one, payloads([key], BB))
+        finally:
+            server.kill()
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
