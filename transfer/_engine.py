@@ -205,10 +205,13 @@ class TransferEngine:
 
     def dial(self, address: str) -> Peer:
         """Connect to the engine whose control socket listens at ``address``
-        (``host:port``, or a ``tcp://`` endpoint): :meth:`connect` without carrying its
-        metadata out of band."""
+        (``host:port``, IPv6 as ``[::1]:port``, or either behind ``tcp://``): :meth:`connect`
+        without carrying its metadata out of band. Raises :class:`BadAddress` (a
+        :class:`LocalProtocolError`) for anything else, before a socket exists."""
+        from ._address import tcp_endpoint  # noqa: PLC0415 (dial is the one reader)
+
         self._check_open()
-        endpoint = address if "://" in address else f"tcp://{address}"
+        endpoint = tcp_endpoint(address)
         client = ControlClient(self._context, endpoint, self.settings.connect_timeout)
         try:
             credentials, metadata = client.handshake(self.name, self._secret)
