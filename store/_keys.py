@@ -24,15 +24,16 @@ Algorithms:
 
 from __future__ import annotations
 
+import array
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from typing import Literal, NewType
 
 import blake3
 import numpy as np
 import xxhash
 
-from ._errors import InvalidKey, InvalidTokens
+from ._errors import InvalidKey, InvalidTokens, StoreError
 
 BlockKey = NewType("BlockKey", bytes)
 """A block's key: 32 bytes (BLAKE3) or 16 bytes (XXH3-128)."""
@@ -50,6 +51,15 @@ _BLAKE3_CONTEXT = "kvbridge 2026-11-30 prefix-hash v1"
 _U32 = struct.Struct("<I")
 
 TokenIds = Sequence[int] | np.ndarray | Iterable[int]
+
+_NOT_TOKEN_SEQUENCES = (str, bytes, bytearray, memoryview, Set, Mapping)
+"""Iterables that are not an ordered run of token ids: characters, bytes, unordered sets,
+a mapping's keys. Hashing them would give keys, just another prompt's."""
+
+
+class InvalidNamespace(StoreError, TypeError):
+    """``namespace`` (or ``extra``) is not bytes (or, for the namespace, str): ``bytes(5)``
+    would silently be five zero bytes, another tenant's chain."""
 
 
 def prefix_hashes(
@@ -69,16 +79,24 @@ def prefix_hashes(
     keys of ``tokens[n:]`` with ``parent=keys[n // block_tokens - 1]`` equal the tail of the
     keys of ``tokens`` when ``n`` is a multiple of ``block_tokens``.
 
+    A token id is an ``int`` (or numpy integer, or any object with ``__index__``); floats
+    (even ``1.0``), bools, strings and float or bool arrays are refused, as are ``str``,
+    ``bytes``, sets and mappings given as the token sequence. ``namespace`` is ``bytes``
+    or ``str`` (UTF-8), ``extra`` is ``bytes`` or ``None`` (bytearray and memoryview work
+    for both).
+
     Raises :class:`InvalidTokens` for negative, too large or non-integer token ids,
+    :class:`InvalidNamespace` for a ``namespace`` or ``extra`` of another type,
     ``ValueError`` for a non-positive ``block_tokens`` or unknown ``algo``, and
     :class:`InvalidKey` for a ``parent`` of the wrong length.
     """
     if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens <= 0:
         raise ValueError(f"block_tokens must be a positive int, got {block_tokens!r}")
-    if algo not in KEY_BYTES:
+    if not isinstance(algo, str) or algo not in KEY_BYTES:
         raise ValueError(f"unknown hash algorithm {algo!r}; choose one of {sorted(KEY_BYTES)}")
-    ns = namespace.encode() if isinstance(namespace, str) else bytes(namespace)
-    header = _U32.pack(len(extra or b"")) + (extra or b"")
+    ns = _namespace_bytes(namespace)
+    salt = b"" if extra is None else _bytes_of("extra", extra)
+    header = _U32.pack(len(salt)) + salt
     data = _token_bytes(token_ids)
     stride = 4 * block_tokens
     count = len(data) // stride
@@ -104,17 +122,25 @@ def prefix_hashes(
     return keys
 
 
+def _namespace_bytes(namespace: object) -> bytes:
+    if isinstance(namespace, str):
+        try:
+            return namespace.encode()
+        except UnicodeEncodeError as exc:
+            raise InvalidNamespace(f"namespace is not encodable as UTF-8: {exc}") from None
+    return _bytes_of("namespace", namespace)
+
+
+def _bytes_of(name: str, value: object) -> bytes:
+    if not isinstance(value, bytes | bytearray | memoryview):
+        allowed = "bytes or str" if name == "namespace" else "bytes or None"
+        raise InvalidNamespace(f"{name} must be {allowed}, got {type(value).__name__}")
+    return bytes(value)
+
+
 def _token_bytes(token_ids: TokenIds) -> bytes:
     """Validate token ids and return them as little-endian int32 bytes."""
-    try:
-        if isinstance(token_ids, np.ndarray):
-            arr = token_ids
-        elif isinstance(token_ids, (list, tuple, range)):
-            arr = np.asarray(token_ids)
-        else:
-            arr = np.fromiter(token_ids, dtype=np.int64)
-    except (OverflowError, TypeError, ValueError) as exc:
-        raise InvalidTokens(f"token ids must be integers in [0, 2**31): {exc}") from None
+    arr = token_ids if isinstance(token_ids, np.ndarray) else _token_array(token_ids)
     if arr.ndim != 1:
         raise InvalidTokens(f"token ids must be one-dimensional, got shape {arr.shape}")
     if arr.size == 0:
@@ -126,6 +152,30 @@ def _token_bytes(token_ids: TokenIds) -> bytes:
         bad = low if low < 0 else high
         raise InvalidTokens(f"token id {bad} is outside [0, 2**31)")
     return arr.astype("<i4", copy=False).tobytes()
+
+
+def _token_array(token_ids: object) -> np.ndarray:
+    """Token ids that are not an array, as one; every element must be an int (anything
+    with ``__index__``, which floats, strings and Decimals lack) and not a bool."""
+    if isinstance(token_ids, range):
+        return np.asarray(token_ids)
+    if isinstance(token_ids, _NOT_TOKEN_SEQUENCES):
+        raise InvalidTokens(
+            f"token ids must be a sequence or array of ints, not {type(token_ids).__name__}"
+        )
+    try:
+        items = token_ids if isinstance(token_ids, list | tuple) else list(token_ids)  # type: ignore[call-overload]
+        # array('q') takes only what has __index__, and is faster than np.asarray on a list
+        arr = np.frombuffer(array.array("q", items), dtype=np.int64)
+    except OverflowError:
+        raise InvalidTokens("a token id is outside [0, 2**31)") from None
+    except TypeError as exc:
+        raise InvalidTokens(f"token ids must be ints: {exc}") from None
+    # A bool passed __index__ as 0 or 1: look only at those positions (a BOS id or two)
+    for at in np.flatnonzero(arr <= 1).tolist():
+        if isinstance(items[at], bool | np.bool_):
+            raise InvalidTokens(f"token ids must be ints, not bools: #{at} is {items[at]!r}")
+    return arr
 
 
 def validate_key(key: object) -> BlockKey:
