@@ -26,6 +26,7 @@ holding the secret itself.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Mapping
@@ -45,18 +46,38 @@ DEFAULT_PORT = 7600
 ENV_PREFIX = "KVBRIDGE_"
 _LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
+SERVER_TRANSPORTS = ("tcp", "ucx", "auto")
+"""What a server may offer: ``memory`` reaches only engines in its own process, which no
+client of a ``kvbridge serve`` is. ``auto`` stands alone (it picks ``ucx`` then ``tcp``)."""
+MIN_BLOCK_BYTES = 1
+"""The smallest block a client may open (the server's ``open`` takes 1..1 GiB): each
+namespace's share of every capacity must hold at least one, or every client is refused."""
+MAX_TTL_S = 24 * 3600.0
+"""Longest lease or handoff: a lease outlives a client that died, holding its slots that
+long; beyond a day (let alone ``inf``) it is a leak, not a setting."""
+
 
 class ConfigError(ValueError):
-    """A setting is unknown, malformed or unsafe; the message names where it came from."""
+    """A setting is unknown, malformed or unsafe; the message names where it came from.
+    ``setting`` is the field's name where one field is to blame."""
+
+    def __init__(self, message: str, *, setting: str | None = None) -> None:
+        super().__init__(message)
+        self.setting = setting
 
 
 @dataclass(frozen=True)
 class ServerConfig:
+    """Every setting is checked when the object is built (:class:`ConfigError` names the
+    first bad one): the server either starts with settings every client can use, or not."""
+
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     host_capacity: int = 2 << 30
-    """Bytes of host memory for all namespaces together (each gets an equal share)."""
+    """Bytes of host memory for all namespaces together (each gets an equal share); at most
+    the machine's physical memory."""
     disk_path: str | None = None
+    """A directory, or a path where one can be created (the server creates it)."""
     disk_capacity: int = 0
     metrics_port: int | None = None
     """Prometheus metrics over HTTP on ``host``; ``None`` for none."""
@@ -72,31 +93,140 @@ class ServerConfig:
     """Eviction policy of every tier (``reuse``, ``lru``, ``fifo``: see ``POLICIES``).
     ``reuse`` beat LRU at every capacity replayed on both Mooncake traces."""
     transports: tuple[str, ...] = ("tcp",)
+    """Among :data:`SERVER_TRANSPORTS`, in order of preference."""
     secret: bytes | None = None
     insecure: bool = False
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port < 65536:
-            raise ConfigError(f"port must be 0..65535, got {self.port}")
-        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
-            raise ConfigError(f"metrics_port must be 0..65535, got {self.metrics_port}")
-        if self.max_namespaces < 1 or self.max_leases_per_client < 1:
-            raise ConfigError("max_namespaces and max_leases_per_client must be at least 1")
-        if not self.lease_ttl > 0:
-            raise ConfigError(f"lease_ttl must be positive, got {self.lease_ttl}")
-        if not self.handoff_ttl >= 0:
-            raise ConfigError(f"handoff_ttl must not be negative, got {self.handoff_ttl}")
-        if self.host_capacity <= 0:
-            raise ConfigError("host_capacity must be positive: the server needs host memory")
-        if self.policy not in POLICIES:
-            raise ConfigError(f"unknown policy {self.policy!r}; choose from {sorted(POLICIES)}")
-        if (self.disk_path is None) != (self.disk_capacity == 0):
-            raise ConfigError("disk_path and disk_capacity go together")
-        if self.secret is None and not self.insecure and self.host not in _LOOPBACK:
+        _check_network(self)
+        _check_capacities(self)
+        _check_disk_path(self.disk_path)
+        _seconds("lease_ttl", self.lease_ttl, zero_ok=False)
+        _seconds("handoff_ttl", self.handoff_ttl, zero_ok=True)
+        _whole("max_leases_per_client", self.max_leases_per_client, 1)
+        if not isinstance(self.policy, str) or self.policy not in POLICIES:
             raise ConfigError(
-                f"refusing to serve on {self.host} without a secret: give --secret-file "
-                "(or KVBRIDGE_SECRET), or --insecure to allow anyone who can reach it"
+                f"unknown policy {self.policy!r}; choose from {sorted(POLICIES)}", setting="policy"
             )
+        _check_transports(self.transports)
+        _check_security(self)
+
+
+def _whole(name: str, value: object, low: int, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be a whole number, got {value!r}", setting=name)
+    if value < low or (high is not None and value > high):
+        bounds = f"{low}..{high}" if high is not None else f"at least {low}"
+        raise ConfigError(f"{name} must be {bounds}, got {value}", setting=name)
+    return value
+
+
+def _seconds(name: str, value: object, *, zero_ok: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{name} must be a number of seconds, got {value!r}", setting=name)
+    low_ok = value >= 0 if zero_ok else value > 0
+    if not (math.isfinite(value) and low_ok and value <= MAX_TTL_S):
+        low = "at least 0" if zero_ok else "more than 0"
+        raise ConfigError(
+            f"{name} must be {low} and at most {MAX_TTL_S:.0f} s, got {value}", setting=name
+        )
+
+
+def _check_network(cfg: ServerConfig) -> None:
+    host = cfg.host
+    if not isinstance(host, str) or not host or any(c.isspace() or c in "/[]" for c in host):
+        raise ConfigError(
+            f"host must be an address or host name to bind, got {host!r}", setting="host"
+        )
+    _whole("port", cfg.port, 0, 65535)
+    if cfg.metrics_port is not None:
+        _whole("metrics_port", cfg.metrics_port, 0, 65535)
+        if cfg.metrics_port == cfg.port != 0:
+            raise ConfigError(f"metrics_port and port are both {cfg.port}", setting="metrics_port")
+
+
+def _check_capacities(cfg: ServerConfig) -> None:
+    namespaces = _whole("max_namespaces", cfg.max_namespaces, 1)
+    host = _whole("host_capacity", cfg.host_capacity, 1)
+    if host < namespaces * MIN_BLOCK_BYTES:
+        raise ConfigError(
+            f"host_capacity {host} gives {namespaces} namespaces no block each",
+            setting="host_capacity",
+        )
+    physical = _physical_memory()
+    if physical is not None and host > physical:
+        raise ConfigError(
+            f"host_capacity {host} is more than this machine's memory ({physical} bytes)",
+            setting="host_capacity",
+        )
+    disk = _whole("disk_capacity", cfg.disk_capacity, 0)
+    if (cfg.disk_path is None) != (disk == 0):
+        raise ConfigError("disk_path and disk_capacity go together", setting="disk_path")
+    if disk and disk < namespaces * MIN_BLOCK_BYTES:
+        raise ConfigError(
+            f"disk_capacity {disk} gives {namespaces} namespaces no block each",
+            setting="disk_capacity",
+        )
+
+
+def _physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):  # not a POSIX system that says
+        return None
+
+
+def _check_disk_path(disk_path: object) -> None:
+    if disk_path is None:
+        return
+    if not isinstance(disk_path, str) or not disk_path:
+        raise ConfigError(
+            f"disk_path must be a directory path, got {disk_path!r}", setting="disk_path"
+        )
+    path = Path(disk_path)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(
+            f"disk_path {disk_path} exists and is not a directory", setting="disk_path"
+        )
+    existing = next((p for p in (path, *path.absolute().parents) if p.exists()), None)
+    if existing is None or not existing.is_dir():
+        raise ConfigError(
+            f"disk_path {disk_path}: {existing} is not a directory", setting="disk_path"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"disk_path {disk_path}: {existing} is not writable", setting="disk_path")
+
+
+def _check_transports(transports: object) -> None:
+    if not isinstance(transports, tuple | list) or not transports:
+        raise ConfigError(
+            f"transports must be a non-empty list, got {transports!r}", setting="transports"
+        )
+    unknown = [t for t in transports if t not in SERVER_TRANSPORTS]
+    if unknown:
+        raise ConfigError(
+            f"unknown transports {unknown}; a server offers {SERVER_TRANSPORTS}",
+            setting="transports",
+        )
+    if len(set(transports)) != len(transports) or ("auto" in transports and len(transports) > 1):
+        raise ConfigError(
+            f"transports {list(transports)}: each once, and 'auto' alone", setting="transports"
+        )
+
+
+def _check_security(cfg: ServerConfig) -> None:
+    if cfg.secret is not None and (not isinstance(cfg.secret, bytes) or not cfg.secret):
+        raise ConfigError("secret must be non-empty bytes", setting="secret")
+    if not isinstance(cfg.insecure, bool):
+        raise ConfigError(
+            f"insecure must be true or false, got {cfg.insecure!r}", setting="insecure"
+        )
+    if cfg.secret is None and not cfg.insecure and cfg.host not in _LOOPBACK:
+        raise ConfigError(
+            f"refusing to serve on {cfg.host} without a secret: give --secret-file "
+            "(or KVBRIDGE_SECRET), or --insecure to allow anyone who can reach it",
+            setting="secret",
+        )
 
 
 _SIZES = {"host_capacity", "disk_capacity"}
@@ -119,22 +249,24 @@ def load_config(
         layers.append((str(config_file), _from_toml(Path(config_file))))
     layers.append(("flags", {k: v for k, v in (flags or {}).items() if v is not None}))
     merged: dict[str, Any] = {}
+    origin: dict[str, str] = {}
     for source, layer in layers:
         for name, value in layer.items():
             try:
                 merged[name] = _convert(name, value)
             except (TypeError, ValueError) as exc:
-                raise ConfigError(f"{source}: {name}: {exc}") from None
+                raise ConfigError(f"{source}: {name}: {exc}", setting=name) from None
+            origin[name] = source
     secret_file = merged.pop("secret_file", None)
     secret = merged.pop("secret", None)
     if secret_file is not None:
-        secret = Path(secret_file).read_bytes().strip()
-        if not secret:
-            raise ConfigError(f"{secret_file} is empty")
+        secret = _read_secret(secret_file)
     try:
         return ServerConfig(**merged, secret=secret)
-    except TypeError as exc:
-        raise ConfigError(str(exc)) from None
+    except ConfigError as exc:
+        if exc.setting not in origin:  # an embedded default, or the combination
+            raise
+        raise ConfigError(f"{origin[exc.setting]}: {exc}", setting=exc.setting) from None
 
 
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
@@ -146,21 +278,42 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
     return found
 
 
+def _read_secret(secret_file: str) -> bytes:
+    try:
+        secret = Path(secret_file).read_bytes().strip()
+    except OSError as exc:
+        raise ConfigError(f"secret_file {secret_file}: {exc.strerror or exc}") from None
+    if not secret:
+        raise ConfigError(f"secret_file {secret_file} is empty")
+    return secret
+
+
 def _from_toml(path: Path) -> dict[str, Any]:
     try:
-        data = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"{path}: {exc}") from None
-    table = data.get("server", data)
-    if not isinstance(table, dict):
-        raise ConfigError(f"{path}: [server] must be a table")
-    unknown = sorted(set(table) - _FIELDS - {"server"})
+        data = tomllib.loads(path.read_bytes().decode("utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"{path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}): not a TOML file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    table: Any = data
+    if "server" in data:
+        table = data["server"]
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: [server] must be a table")
+        outside = sorted(set(data) - {"server"})
+        if outside:
+            raise ConfigError(f"{path}: settings {outside} are outside the [server] table")
+    unknown = sorted(set(table) - _FIELDS)
     if unknown:
         raise ConfigError(f"{path}: unknown settings {unknown}; known: {sorted(_FIELDS)}")
-    return {k: v for k, v in table.items() if k != "server"}
+    return dict(table)
 
 
 def _convert(name: str, value: Any) -> Any:
+    """One setting from a flag, the TOML file or the environment, as the field's type;
+    ``ValueError`` if it is not one (range checks are :class:`ServerConfig`'s)."""
     if name in _SIZES:
         return parse_size(value)
     if name in _INTS:
@@ -172,16 +325,16 @@ def _convert(name: str, value: Any) -> Any:
             raise ValueError(f"not a number: {value!r}")
         return float(value)
     if name in _BOOLS:
-        if isinstance(value, str):
-            if value.lower() not in ("1", "0", "true", "false", "yes", "no"):
-                raise ValueError(f"not a boolean: {value!r}")
+        if isinstance(value, str) and value.lower() in ("1", "0", "true", "false", "yes", "no"):
             return value.lower() in ("1", "true", "yes")
-        return bool(value)
+        if not isinstance(value, bool):
+            raise ValueError(f"not a boolean: {value!r}")
+        return value
     if name == "transports":
         items = value.split(",") if isinstance(value, str) else value
-        if not isinstance(items, list | tuple) or not items:
+        if not isinstance(items, list | tuple) or not all(isinstance(t, str) for t in items):
             raise ValueError(f"not a list of transports: {value!r}")
-        return tuple(str(t).strip() for t in items)
-    if name in ("host", "disk_path", "secret_file", "policy"):
-        return str(value)
+        return tuple(t.strip() for t in items)
+    if not isinstance(value, str):  # host, disk_path, secret_file, policy
+        raise ValueError(f"not a string: {value!r}")
     return value

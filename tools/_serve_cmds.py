@@ -4,18 +4,26 @@ from __future__ import annotations
 
 import argparse
 import signal
-import sys
 import threading
 from collections.abc import Sequence
 from typing import IO, Any
+
+import zmq
 
 from kvbridge.store import (
     DEFAULT_PORT,
     CacheServer,
     ConfigError,
+    StoreError,
     load_config,
 )
 from kvbridge.transfer import TransferEngine, TransferError
+
+from ._fail import fail
+
+_START_ERRORS = (StoreError, TransferError, OSError, ValueError, zmq.ZMQError)
+"""What starting a server may raise for a reason the user can fix: a port in use (zmq
+reports a failed bind as ``ZMQError``), a transport this machine lacks, a disk tier."""
 
 
 def add_parsers(commands: Any) -> None:
@@ -65,10 +73,12 @@ def _serve(args: argparse.Namespace) -> int:
     ]
     try:
         config = load_config({name: getattr(args, name) for name in names}, args.config)
-        server = CacheServer(config)
     except (ConfigError, OSError) as exc:
-        print(f"kvbridge serve: {exc}", file=sys.stderr)
-        return 2
+        return fail("kvbridge serve", exc)
+    try:
+        server = CacheServer(config)
+    except _START_ERRORS as exc:
+        return fail("kvbridge serve", f"cannot start: {type(exc).__name__}: {exc}")
     stop = threading.Event()
 
     def _on_signal(signum: int, frame: Any) -> None:
@@ -94,13 +104,18 @@ def _serve(args: argparse.Namespace) -> int:
 def _stats(args: argparse.Namespace) -> int:
     secret = None
     if args.secret_file:
-        with open(args.secret_file, "rb") as f:
-            secret = f.read().strip()
+        try:
+            with open(args.secret_file, "rb") as f:
+                secret = f.read().strip()
+        except OSError as exc:
+            return fail("kvbridge stats", f"--secret-file {args.secret_file}: {exc.strerror}")
+        if not secret:
+            return fail("kvbridge stats", f"--secret-file {args.secret_file} is empty")
     try:
         stats = server_stats(args.address, secret)
     except TransferError as exc:
-        print(f"kvbridge stats: {args.address}: {exc}", file=sys.stderr)
-        return 1
+        where = "" if args.address in str(exc) else f"{args.address}: "
+        return fail("kvbridge stats", f"{where}{exc}", 1)
     print(format_stats(stats))
     return 0
 
@@ -119,7 +134,9 @@ def read_listening(stdout: IO[str]) -> tuple[str, str]:
 
 def server_stats(address: str, secret: bytes | None = None) -> dict[str, Any]:
     """Ask a server for its figures (opens no namespace)."""
-    with TransferEngine("kvbridge-stats", secret=secret, timeout=5.0) as engine:
+    with TransferEngine(
+        "kvbridge-stats", secret=secret, timeout=5.0, connect_timeout=5.0
+    ) as engine:
         return engine.dial(address).call({"op": "stats"})
 
 

@@ -5,15 +5,29 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
+import re
 from typing import Any
 
+import lmdb
+
 from kvbridge.store import KEY_BYTES, StoreError, TieredStore, prefix_hashes
+
+from ._fail import fail
+
+_TOKEN_ID = re.compile(r"^-?[0-9]+$")
+
+
+def _token_id(text: str) -> int:
+    """A token id as typed: ASCII digits only (``int()`` would also take ``+7``, ``1_0``
+    and other scripts' digits); a negative one is left for ``prefix_hashes`` to refuse."""
+    if not _TOKEN_ID.match(text):
+        raise argparse.ArgumentTypeError(f"not a token id (a whole number >= 0): {text!r}")
+    return int(text)
 
 
 def add_parsers(commands: Any) -> None:
     hashing = commands.add_parser("hash", help="print the chained prefix keys of a token sequence")
-    hashing.add_argument("tokens", nargs="+", type=int, help="token ids")
+    hashing.add_argument("tokens", nargs="+", type=_token_id, help="token ids")
     hashing.add_argument("--block-tokens", type=int, default=16)
     hashing.add_argument("--namespace", default="")
     hashing.add_argument("--algo", choices=sorted(KEY_BYTES), default="blake3")
@@ -35,8 +49,7 @@ def _run_hash(args: argparse.Namespace) -> int:
             args.tokens, args.block_tokens, namespace=args.namespace, algo=args.algo
         )
     except (StoreError, ValueError) as exc:
-        print(f"kvbridge hash: {exc}", file=sys.stderr)
-        return 2
+        return fail("kvbridge hash", exc)
     for key in keys:
         print(key.hex())
     return 0
@@ -45,8 +58,7 @@ def _run_hash(args: argparse.Namespace) -> int:
 def _run_check(args: argparse.Namespace) -> int:
     data_file = os.path.join(args.path, "data.mdb")
     if not os.path.isfile(data_file):
-        print(f"kvbridge check: no disk tier at {args.path}", file=sys.stderr)
-        return 2
+        return fail("kvbridge check", f"no disk tier at {args.path}")
     try:
         # Capacity only bounds the map; a reopen never trims below what is stored here.
         with TieredStore(
@@ -58,8 +70,9 @@ def _run_check(args: argparse.Namespace) -> int:
         ) as store:
             report = store.check(repair=args.repair)
     except (StoreError, ValueError, OSError) as exc:
-        print(f"kvbridge check: {exc}", file=sys.stderr)
-        return 2
+        return fail("kvbridge check", exc)
+    except lmdb.Error as exc:  # the disk tier's own file is damaged beyond what check reads
+        return fail("kvbridge check", f"{args.path}: damaged disk tier: {exc}")
     summary = {
         "blocks": report.blocks,
         "corrupt": len(report.corrupt),
