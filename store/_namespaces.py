@@ -86,8 +86,8 @@ class Namespace:
         first = (offsets // block).astype(np.int64)
         last = ((offsets + lengths - np.uint64(1)) // block).astype(np.int64)
         refused = Admission(np.zeros(len(offsets), dtype=bool))
-        if int((last - first + 1).sum()) > self.request_blocks:
-            return refused  # more than any request may cover: not a client's batch
+        if int((last - first + 1).sum()) > len(offsets) + self.request_blocks:
+            return refused  # more than any request covers (ops cut in slices count once each)
         with self.state:
             if caller.session not in self.openers:
                 return refused

@@ -467,3 +467,19 @@ def test_a_full_disk_is_store_full_for_that_put_and_the_server_lives(tmp_path: P
             server.kill()
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_blocks_larger_than_a_slice_move_through_the_guard() -> None:
+    """A 4 MiB block travels as four 1 MiB slices (ops) into one slot: a request of as many
+    blocks as a request may cover is still admitted whole."""
+    from kvbridge.store import CacheServer, ServerConfig  # noqa: PLC0415
+
+    big = 4 << 20
+    config = ServerConfig(port=0, host_capacity=16 * big, max_namespaces=1)
+    with CacheServer(config) as srv:
+        with StoreClient(srv.address, block_bytes=big, namespace="big") as client:
+            ks = keys(0, client._request_keys)
+            client.put(ks, payloads(ks, big))
+            out = np.zeros((len(ks), big), np.uint8)
+            client.get(ks, out)
+            np.testing.assert_array_equal(out, payloads(ks, big))

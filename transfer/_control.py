@@ -51,6 +51,9 @@ MAX_CONTROL_MESSAGE = 1 << 20
 TICKET_TTL_S = 30.0
 """A handshake's second round trip must come within this of its first."""
 
+_SWEEP_S = 1.0
+"""How often idle sessions are looked for (each look walks every session)."""
+
 _log = logging.getLogger("kvbridge.transfer")
 _STAMP = struct.Struct("<Q")
 
@@ -137,12 +140,15 @@ class ControlServer:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         poller.register(self._wake_rx, zmq.POLLIN)
+        swept = time.monotonic()
         try:
             while True:
-                ready = dict(poller.poll(int(TICKET_TTL_S * 1000)))
+                ready = dict(poller.poll(int(_SWEEP_S * 1000)))
                 if self._wake_rx in ready:
                     return
-                self.sessions.sweep()
+                if time.monotonic() - swept >= _SWEEP_S:  # a walk of every session: not often
+                    self.sessions.sweep()
+                    swept = time.monotonic()
                 if self._socket in ready:
                     self._serve_one()
         finally:

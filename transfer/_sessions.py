@@ -161,10 +161,10 @@ class SessionTable:
 
     def open(self, key: bytes, peer: str) -> Session:
         """A new session after a successful handshake; may end idle streamless ones."""
+        ended: list[Caller] = []
         with self._lock:
-            ended = self._expire_idle()
             if len(self._sessions) >= self._max:
-                ended += self._evict_one()
+                ended = self._expire_idle() or self._evict_one()
             if len(self._sessions) >= self._max:
                 self._notify(ended)
                 raise SessionsFull(f"{self._max} sessions with open streams: try again later")
