@@ -140,6 +140,7 @@ def test_an_expired_staging_keeps_its_slots_until_admitted_writes_land() -> None
         store._pins.clock = store._staging.clock = lambda: clock[0]  # type: ignore[method-assign]
         lease, slots = store.stage(keys(0, 2), owner=5, ttl=1.0)
         _, held = store.admit_writes(5, np.array([0]), np.array([1]))
+        assert held == [lease]
         clock[0] = 2.0  # expired mid-write
         assert not store.admit_writes(5, np.array([0]), np.array([0]))[0].any()
         with pytest.raises(StoreFull):

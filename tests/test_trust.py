@@ -476,10 +476,12 @@ def test_blocks_larger_than_a_slice_move_through_the_guard() -> None:
 
     big = 4 << 20
     config = ServerConfig(port=0, host_capacity=16 * big, max_namespaces=1)
-    with CacheServer(config) as srv:
-        with StoreClient(srv.address, block_bytes=big, namespace="big") as client:
-            ks = keys(0, client._request_keys)
-            client.put(ks, payloads(ks, big))
-            out = np.zeros((len(ks), big), np.uint8)
-            client.get(ks, out)
-            np.testing.assert_array_equal(out, payloads(ks, big))
+    with (
+        CacheServer(config) as srv,
+        StoreClient(srv.address, block_bytes=big, namespace="big") as client,
+    ):
+        ks = keys(0, client._request_keys)
+        client.put(ks, payloads(ks, big))
+        out = np.zeros((len(ks), big), np.uint8)
+        client.get(ks, out)
+        np.testing.assert_array_equal(out, payloads(ks, big))
