@@ -28,7 +28,7 @@ from ._errors import (
     StoreFull,
     TierUnavailable,
 )
-from ._keys import KEY_BYTES, BlockKey, HashAlgo, prefix_hashes
+from ._keys import KEY_BYTES, BlockKey, HashAlgo, InvalidNamespace, prefix_hashes
 from ._metrics import metrics_token
 from ._pins import DEFAULT_PIN_TTL_S, Lease
 from ._policy import FIFO, LRU, POLICIES, EvictionPolicy, ReuseLRU
@@ -65,6 +65,7 @@ __all__ = [
     "InternalError",
     "InvalidBlock",
     "InvalidKey",
+    "InvalidNamespace",
     "InvalidTokens",
     "Lease",
     "LeaseExpired",

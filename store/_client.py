@@ -35,7 +35,7 @@ from ..transfer import (
 )
 from ._buffers import as_array, split_blocks
 from ._errors import InvalidBlock, LeaseExpired
-from ._keys import BlockKey
+from ._keys import BlockKey, namespace_bytes
 from ._server_config import DEFAULT_PORT
 from ._stats import StoreStats, TierStats
 from ._store import _keys
@@ -70,7 +70,7 @@ class StoreClient:
         if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes <= 0:
             raise ValueError(f"block_bytes must be a positive int, got {block_bytes!r}")
         self.block_bytes = block_bytes
-        self.namespace = namespace.encode() if isinstance(namespace, str) else bytes(namespace)
+        self.namespace = namespace_bytes(namespace)
         self._own_engine = engine is None
         self.engine = engine or TransferEngine(
             f"kvbridge-client-{secrets.token_hex(4)}",

@@ -94,7 +94,7 @@ def prefix_hashes(
         raise ValueError(f"block_tokens must be a positive int, got {block_tokens!r}")
     if not isinstance(algo, str) or algo not in KEY_BYTES:
         raise ValueError(f"unknown hash algorithm {algo!r}; choose one of {sorted(KEY_BYTES)}")
-    ns = _namespace_bytes(namespace)
+    ns = namespace_bytes(namespace)
     salt = b"" if extra is None else _bytes_of("extra", extra)
     header = _U32.pack(len(salt)) + salt
     data = _token_bytes(token_ids)
@@ -122,7 +122,9 @@ def prefix_hashes(
     return keys
 
 
-def _namespace_bytes(namespace: object) -> bytes:
+def namespace_bytes(namespace: object) -> bytes:
+    """A namespace as bytes: ``bytes`` as it is, ``str`` as UTF-8; anything else (an int,
+    whose ``bytes()`` would be that many zero bytes) is :class:`InvalidNamespace`."""
     if isinstance(namespace, str):
         try:
             return namespace.encode()

@@ -43,7 +43,7 @@ from ..transfer import Caller, NotifyRefused, TransferEngine
 from ._errors import BlockNotFound, LeaseExpired, StoreError, StoreFull
 from ._metrics import ServerMetrics, metrics_token
 from ._namespaces import Namespace
-from ._server_config import ServerConfig
+from ._server_config import MIN_BLOCK_BYTES, ServerConfig
 from ._slots import SlotTier
 from ._stats import StoreStats
 from ._store import TieredStore
@@ -59,9 +59,6 @@ from ._wire import (
 from ._wire import field as message_field
 
 MAX_NAMESPACE_BYTES = 256
-MIN_BLOCK_BYTES = 4096
-"""Smallest block a namespace may use: per-slot bookkeeping (about 100 bytes) stays under
-3% of the memory it tracks; 1-byte blocks made one ``open`` cost 10x the capacity."""
 MAX_BLOCK_BYTES = 1 << 30
 MAX_NAMESPACES_PER_SESSION = 8
 """Namespaces one session may have open at once (one client squatting every namespace)."""

@@ -49,8 +49,9 @@ _LOOPBACK = ("127.0.0.1", "::1", "localhost")
 SERVER_TRANSPORTS = ("tcp", "ucx", "auto")
 """What a server may offer: ``memory`` reaches only engines in its own process, which no
 client of a ``kvbridge serve`` is. ``auto`` stands alone (it picks ``ucx`` then ``tcp``)."""
-MIN_BLOCK_BYTES = 1
-"""The smallest block a client may open (the server's ``open`` takes 1..1 GiB): each
+MIN_BLOCK_BYTES = 4096
+"""The smallest block a client may open: per-slot bookkeeping (about 100 bytes) stays under
+3% of the memory it tracks (1-byte blocks made one ``open`` cost 10x the capacity). Each
 namespace's share of every capacity must hold at least one, or every client is refused."""
 MAX_TTL_S = 24 * 3600.0
 """Longest lease or handoff: a lease outlives a client that died, holding its slots that

@@ -39,7 +39,7 @@ from ._errors import (
     StoreFull,
     TierUnavailable,
 )
-from ._keys import KEY_BYTES, BlockKey, validate_key
+from ._keys import KEY_BYTES, BlockKey, namespace_bytes, validate_key
 from ._pins import DEFAULT_PIN_TTL_S, Lease, PinTable
 from ._policy import EvictionPolicy, make_policy
 from ._sizes import parse_size
@@ -98,7 +98,7 @@ class TieredStore:
             raise ValueError("disk_path needs a disk_capacity of at least one block")
         if disk_blocks and disk_path is None:
             raise ValueError("disk_capacity needs a disk_path")
-        ns = namespace.encode() if isinstance(namespace, str) else bytes(namespace)
+        ns = namespace_bytes(namespace)
 
         tiers: list[Tier] = []
         try:

@@ -485,3 +485,14 @@ def test_blocks_larger_than_a_slice_move_through_the_guard() -> None:
         out = np.zeros((len(ks), big), np.uint8)
         client.get(ks, out)
         np.testing.assert_array_equal(out, payloads(ks, big))
+
+
+def test_a_namespace_that_is_not_bytes_or_str_is_refused_everywhere(server: _Server) -> None:
+    """bytes(5) is five zero bytes: a silent wrong namespace, refused by every entry."""
+    from kvbridge.store import InvalidNamespace, TieredStore  # noqa: PLC0415
+
+    for wrong in (5, 2.5, None, ["m"]):
+        with pytest.raises(InvalidNamespace):
+            StoreClient(server.address, block_bytes=BB, namespace=wrong)  # type: ignore[arg-type]
+        with pytest.raises(InvalidNamespace):
+            TieredStore(BB, host_capacity=BB, namespace=wrong)  # type: ignore[arg-type]

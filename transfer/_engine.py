@@ -27,6 +27,7 @@ from typing import Any
 
 import zmq
 
+from ._address import tcp_endpoint
 from ._control import ControlClient, ControlServer, RequestHandler
 from ._errors import EngineClosed, LocalProtocolError
 from ._handle import TransferHandle
@@ -208,7 +209,6 @@ class TransferEngine:
         (``host:port``, IPv6 as ``[::1]:port``, or either behind ``tcp://``): :meth:`connect`
         without carrying its metadata out of band. Raises :class:`BadAddress` (a
         :class:`LocalProtocolError`) for anything else, before a socket exists."""
-        from ._address import tcp_endpoint  # noqa: PLC0415 (dial is the one reader)
 
         self._check_open()
         endpoint = tcp_endpoint(address)
