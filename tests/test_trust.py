@@ -496,3 +496,33 @@ def test_a_namespace_that_is_not_bytes_or_str_is_refused_everywhere(server: _Ser
             StoreClient(server.address, block_bytes=BB, namespace=wrong)  # type: ignore[arg-type]
         with pytest.raises(InvalidNamespace):
             TieredStore(BB, host_capacity=BB, namespace=wrong)  # type: ignore[arg-type]
+
+
+def test_kvbridge_serve_logs_its_events_on_stderr_and_never_the_secret(tmp_path: Path) -> None:
+    secret = "correct horse battery staple"
+    (tmp_path / "secret").write_text(secret)
+    server = _Server("--host-capacity", "16MiB", "--secret-file", str(tmp_path / "secret"))
+    try:
+        hello = control_request(
+            server.address, {"op": "hello", "v": 2, "name": "mallory", "nonce": bytes(16)}
+        )
+        guess = {
+            "op": "auth",
+            "name": "mallory",
+            "nonce": bytes(16),
+            "server_nonce": hello["nonce"],
+            "ticket": hello["ticket"],
+            "proof": bytes(32),
+        }
+        assert control_request(server.address, guess)["ok"] is False
+        client = StoreClient(server.address, block_bytes=BB, namespace="m", secret=secret)
+        with client, pytest.raises(TooManyRequests):  # one request may not cover 64 blocks
+            client._call({"op": "stage", "ns": client._ns, "keys": keys(0, 64)})
+    finally:
+        server.proc.send_signal(signal.SIGTERM)
+        _, err = server.proc.communicate(timeout=30)
+    lines = err.splitlines()
+    assert any("serving on" in line and "secret=set" in line for line in lines)
+    assert any("authentication refused" in line for line in lines)
+    assert any("refused stage" in line and "TooManyRequests" in line for line in lines)
+    assert secret not in err and "Traceback" not in err

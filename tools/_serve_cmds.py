@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
+import sys
 import threading
 from collections.abc import Sequence
 from typing import IO, Any
@@ -55,6 +57,12 @@ def add_parsers(commands: Any) -> None:
         help="allow binding beyond loopback without a secret",
     )
     serve.add_argument("--config", help="TOML settings file")
+    serve.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="server log on stderr, one line per event (default INFO)",
+    )
     serve.set_defaults(run=_serve)
 
     stats = commands.add_parser("stats", help="print a cache server's figures")
@@ -75,6 +83,11 @@ def _serve(args: argparse.Namespace) -> int:
         config = load_config({name: getattr(args, name) for name in names}, args.config)
     except (ConfigError, OSError) as exc:
         return fail("kvbridge serve", exc)
+    logging.basicConfig(
+        level=args.log_level,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     try:
         server = CacheServer(config)
     except _START_ERRORS as exc:

@@ -231,7 +231,7 @@ class ControlServer:
         if not hmac.compare_digest(expected, _bytes(message.get("proof"), len(expected))):
             raise AuthenticationError("wrong shared secret")
         session = self.sessions.open(session_key(self._secret, their_nonce, nonce), name)
-        _log.info("control: session %d opened for %r", session.caller.session, name)
+        _log.debug("control: session %d opened for %r", session.caller.session, name)
         return {"ok": True, "session": session.id, "metadata": self._metadata()}
 
     def _take_ticket(self, ticket: bytes, expiry: float, now: float) -> None:
