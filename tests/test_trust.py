@@ -23,7 +23,7 @@ import pytest
 from attack import RawStream, control_request, descriptors, region_key
 from helpers import keys, payloads
 
-from kvbridge.store import BadRequest, StoreClient, StoreFull, TooManyRequests
+from kvbridge.store import BadRequest, LeaseExpired, StoreClient, StoreFull, TooManyRequests
 from kvbridge.store._wire import InternalError
 from kvbridge.tools._serve_cmds import read_listening
 from kvbridge.transfer import AuthenticationError, RegionInfo, TransferEngine, TransferError
@@ -140,12 +140,19 @@ def test_a_session_cannot_write_another_sessions_staged_slots(server: _Server) -
         with pytest.raises(TransferError) as refused:  # and through the engine's own path
             attacker.peer.write(_engine_ops(attacker, slots)).wait(10)
         assert refused.value.code == ErrorCode.ACCESS_DENIED
-        victim.put(ks, payloads(ks, BB))  # the victim's own put of the same keys
+        with pytest.raises(LeaseExpired):  # nor commit the victim's lease
+            attacker._call({"op": "commit", "ns": attacker._ns, "lease": lease})
+        attacker._call({"op": "abort", "ns": attacker._ns, "lease": lease})  # a no-op for it
+        own_stream = RawStream(victim)  # the lease is still the victim's: it writes, commits
+        own_stream.start_write(_slot_ops(victim, slots))
+        own_stream.send(payloads(ks, BB).tobytes())
+        assert isinstance(own_stream.event(), Ack)
+        assert victim._call({"op": "commit", "ns": victim._ns, "lease": lease})["stored"] == 2
+        own_stream.close()
         out = np.zeros((2, BB), np.uint8)
         victim.get(ks, out)
         np.testing.assert_array_equal(out, payloads(ks, BB))
         stream.close()
-        del lease
 
 
 def _engine_ops(client: StoreClient, slots: list[int]) -> np.ndarray:
