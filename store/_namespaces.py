@@ -99,7 +99,7 @@ class Namespace:
             allowed, keys = self.book.readable(caller.session, first, last)
             if not allowed.all():
                 return Admission(allowed)
-            hold = self.store.pin(keys, ttl=float("inf"))  # no slot is reused mid-send
+            hold = self.store.hold(keys)  # no slot is reused mid-send
             return Admission(allowed, hold.release)
 
 

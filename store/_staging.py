@@ -106,8 +106,11 @@ class StagingTable:
             allowed[i] = bool((self._owner[lo[i] : hi[i] + 1] == owner).all())
         if not allowed.all():
             return allowed, []
-        if (lo == hi).all():
-            leases = np.unique(self._lease[lo]).tolist()
+        touched = self._lease[lo]
+        if (lo == hi).all() and (touched == touched[0]).all():  # the usual frame: one put
+            leases = [int(touched[0])]
+        elif (lo == hi).all():
+            leases = np.unique(touched).tolist()
         else:
             spans = [self._lease[a : b + 1] for a, b in zip(lo, hi, strict=True)]
             leases = np.unique(np.concatenate(spans)).tolist()

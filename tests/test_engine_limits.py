@@ -127,12 +127,13 @@ def test_a_slow_loris_before_its_greeting_is_dropped(
     sock.close()
 
 
+@pytest.mark.parametrize("drip", [b"\x01", b""], ids=["trickle", "silence"])
 def test_a_slow_loris_inside_a_frame_is_dropped_and_frees_what_it_held(
-    pair: tuple[TransferEngine, TransferEngine],
+    pair: tuple[TransferEngine, TransferEngine], drip: bytes
 ) -> None:
-    """A session that starts a write and trickles its payload loses the stream once the
-    frame's deadline (the transfer timeout, 2 s here) passes, however steadily it trickles;
-    the region it addressed is released then."""
+    """A session that starts a write and trickles its payload, or goes silent, loses the
+    stream once the frame's deadline (the transfer timeout, 2 s here) passes, however
+    steadily it trickles; the region it addressed is released then."""
     a, b = pair
     target = np.zeros(64 * KiB, np.uint8)
     there = b.register(target)
@@ -145,7 +146,7 @@ def test_a_slow_loris_inside_a_frame_is_dropped_and_frees_what_it_held(
     sock.recv(64)  # ACK
     sock.sendall(conn.write(99, descriptors(there.id, there.key, [(0, 64 * KiB)])))
     start = time.monotonic()
-    assert _closed_within(sock, 6.0, drip=b"\x01")
+    assert _closed_within(sock, 6.0, drip=drip)
     assert 1.5 < time.monotonic() - start < 5.0
     sock.close()
     deadline = time.monotonic() + 2

@@ -339,6 +339,7 @@ class TransferEngine:
             on_bytes=self._count_served,
             handshake_timeout=self.settings.connect_timeout,
             frame_timeout=self.settings.timeout,
+            watch=self._watchdog.watch,
         )
         try:
             serve(pipe, self._regions, hooks)

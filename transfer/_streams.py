@@ -238,6 +238,9 @@ class ServeHooks:
     frame_timeout: float
     """A frame's descriptors and payload (and a read's answer) must move within this once
     its header is in: a peer that trickles bytes cannot hold what the frame touches."""
+    watch: Callable[[float, Callable[[], bool], Callable[[], None]], None]
+    """``watch(timeout, is_done, on_expiry)``: the engine's watchdog, which closes a stream
+    whose frame is still unfinished at its deadline (a peer that went silent mid-frame)."""
 
 
 @dataclass(frozen=True)
@@ -260,15 +263,17 @@ def serve(pipe: Pipe, regions: RegionTable, hooks: ServeHooks) -> None:
         if caller is None:
             return
         served = _Served(conn, pipe, regions, caller, hooks)
+        frames = [0]  # frames finished, for the watchdog's look at the one in progress
         while True:
             pipe.set_deadline(None)  # idle between frames for as long as the peer likes
-            event = _next_frame(conn, pipe, hooks.frame_timeout)
+            event = _next_frame(conn, pipe, hooks, frames)
             if isinstance(event, Write):
                 _receive_write(served, event)
             elif isinstance(event, Read):
                 _send_read(served, event)
             elif isinstance(event, Notify):
                 _notify(served, event)
+            frames[0] += 1
     except (OSError, EOFError, RemoteProtocolError):
         return  # the initiator went away, stalled or misbehaved: only this stream ends
     finally:
@@ -279,6 +284,7 @@ def serve(pipe: Pipe, regions: RegionTable, hooks: ServeHooks) -> None:
 
 def _greet(conn: Connection, pipe: Pipe, hooks: ServeHooks) -> Caller | None:
     """Take the HELLO, all of it within the handshake timeout; ``None`` if refused."""
+    pipe.set_timeout(hooks.handshake_timeout)
     pipe.set_deadline(time.monotonic() + hooks.handshake_timeout)
     hello = next_event(conn, pipe)
     assert isinstance(hello, Hello)  # the protocol allows nothing else first
@@ -290,18 +296,22 @@ def _greet(conn: Connection, pipe: Pipe, hooks: ServeHooks) -> Caller | None:
         return None
     try:
         pipe.send([conn.ack(0)])
+        pipe.set_timeout(None)
     except BaseException:
         hooks.sessions.stream_closed(caller)
         raise
     return caller
 
 
-def _next_frame(conn: Connection, pipe: Pipe, frame_timeout: float) -> Event:
-    """Wait for a header as long as it takes; the rest of the frame has ``frame_timeout``."""
+def _next_frame(conn: Connection, pipe: Pipe, hooks: ServeHooks, frames: list[int]) -> Event:
+    """Wait for a header as long as it takes; the rest of the frame has ``frame_timeout``
+    (checked between reads, and by the watchdog for a peer that stops sending at all)."""
     event = conn.feed(pipe.recv_exact(conn.wanted()))
     if event is not None:
         return event
-    pipe.set_deadline(time.monotonic() + frame_timeout)
+    pipe.set_deadline(time.monotonic() + hooks.frame_timeout)
+    current = frames[0]
+    hooks.watch(hooks.frame_timeout, lambda: frames[0] > current, pipe.close)
     return next_event(conn, pipe)
 
 
