@@ -92,3 +92,18 @@ def control_request(
     finally:
         sock.close()
         context.term()
+
+
+def guess_auth(address: str, name: str = "mallory") -> Any:
+    """A handshake by someone without the secret: a real hello, then an auth whose proof is
+    a guess. Returns the server's answer to the auth."""
+    hello = control_request(address, {"op": "hello", "v": 2, "name": name, "nonce": bytes(16)})
+    guess = {
+        "op": "auth",
+        "name": name,
+        "nonce": bytes(16),
+        "server_nonce": hello["nonce"],
+        "ticket": hello["ticket"],
+        "proof": bytes(32),
+    }
+    return control_request(address, guess)

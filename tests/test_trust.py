@@ -20,7 +20,7 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import pytest
-from attack import RawStream, control_request, descriptors, region_key
+from attack import RawStream, control_request, descriptors, guess_auth, region_key
 from helpers import keys, payloads
 
 from kvbridge.store import BadRequest, LeaseExpired, StoreClient, StoreFull, TooManyRequests
@@ -356,18 +356,7 @@ def test_an_internal_error_is_its_own_kind_and_logged(caplog: pytest.LogCaptureF
     with caplog.at_level("DEBUG", logger="kvbridge"), CacheServer(config) as srv:
         with pytest.raises(AuthenticationError):
             StoreClient(srv.address, block_bytes=BB, namespace="m", secret="wrong")
-        hello = control_request(
-            srv.address, {"op": "hello", "v": 2, "name": "mallory", "nonce": bytes(16)}
-        )
-        guess = {
-            "op": "auth",
-            "name": "mallory",
-            "nonce": bytes(16),
-            "server_nonce": hello["nonce"],
-            "ticket": hello["ticket"],
-            "proof": bytes(32),  # without the secret, a guess
-        }
-        refused = control_request(srv.address, guess)
+        refused = guess_auth(srv.address)
         assert refused["ok"] is False and refused["code"] == 2
         with StoreClient(srv.address, block_bytes=BB, namespace="m", secret=secret) as client:
             ns = next(iter(srv._namespaces.values()))
@@ -510,18 +499,7 @@ def test_kvbridge_serve_logs_its_events_on_stderr_and_never_the_secret(tmp_path:
     (tmp_path / "secret").write_text(secret)
     server = _Server("--host-capacity", "16MiB", "--secret-file", str(tmp_path / "secret"))
     try:
-        hello = control_request(
-            server.address, {"op": "hello", "v": 2, "name": "mallory", "nonce": bytes(16)}
-        )
-        guess = {
-            "op": "auth",
-            "name": "mallory",
-            "nonce": bytes(16),
-            "server_nonce": hello["nonce"],
-            "ticket": hello["ticket"],
-            "proof": bytes(32),
-        }
-        assert control_request(server.address, guess)["ok"] is False
+        assert guess_auth(server.address)["ok"] is False
         client = StoreClient(server.address, block_bytes=BB, namespace="m", secret=secret)
         with client, pytest.raises(TooManyRequests):  # one request may not cover 64 blocks
             client._call({"op": "stage", "ns": client._ns, "keys": keys(0, 64)})
