@@ -17,14 +17,12 @@ dropped, never returned. ``check()`` verifies every block.
 Faults (see ``_disk_faults``): a block found bad leaves the index for good; a write LMDB
 refuses is StoreFull (no room) or StoreCorrupt (damaged pages) and aborts the transaction.
 
-Durability (``sync``): LMDB commits are atomic whatever the setting, and a committed
-transaction lives in the OS page cache, so a *process* crash (SIGKILL, OOM kill) loses
-nothing committed either way. ``sync=False`` (the default) skips ``fsync`` at commit: 4-5x
-faster writes when measured with writemap (2.3-2.8 GB/s against 0.4-0.6 GB/s for 1 MiB
-values on the development machine; not measured again without it), at the price that
-an OS crash or power loss may lose the last commits or leave torn pages, which the
-checksums turn into misses. A KV cache can always be recomputed, so speed wins by
-default; ``sync=True`` makes every commit survive power loss.
+Durability (``sync``): commits are atomic either way, and a committed transaction lives in
+the OS page cache, so a *process* crash (SIGKILL, OOM kill) loses nothing committed.
+``sync=False`` (the default) skips ``fsync`` at commit: 4-5x faster writes (2.3-2.8 against
+0.4-0.6 GB/s for 1 MiB values here), at the price that an OS crash or power loss may lose
+the last commits or tear pages, which the checksums turn into misses; ``sync=True`` makes
+every commit survive power loss. A KV cache can be recomputed: speed wins by default.
 
 Fork: an LMDB environment must not be used across ``fork()``; the tier closes the inherited
 handle and reopens the environment the first time it is used in a new process.
@@ -45,6 +43,7 @@ import xxhash
 from ._buffers import BlockArray, to_host
 from ._disk_faults import CheckReport, lmdb_error, purge
 from ._disk_meta import SUM, check_meta, list_orphans, read_sums
+from ._disk_space import INITIAL_MAP_BYTES, DiskSpace
 from ._errors import StoreClosed, StoreError
 from ._keys import BlockKey
 from ._policy import EvictionPolicy
@@ -61,24 +60,15 @@ TXN_FLUSH_BYTES = 64 << 20
 memory and caps their number (MDB_IDL_UM_MAX, 128k pages), so unbounded batches would fail."""
 
 MAP_HEADROOM = 2
-"""The memory map is twice the data it must hold: copy-on-write needs free pages while
-readers hold old ones. Without ``writemap`` the file grows only as pages are written, so
-headroom costs no disk."""
+"""The map may grow to twice the data (copy-on-write needs free pages while readers hold old
+ones); it grows only as LMDB's pages do (``_disk_space``), so headroom costs no disk."""
 
 MAP_SLACK_BYTES = 64 << 20
 """Fixed extra map space for metadata and branch pages of small stores."""
 
-# No writemap. With MDB_WRITEMAP, LMDB sizes the file to the whole map (sparse) and writes
-# pages straight into the shared mapping: on a full file system the page fault that needs a
-# new disk block raises SIGBUS and kills the process. Without it LMDB builds dirty pages in
-# malloc'd memory (meminit zeroes their unused ends, else stale heap bytes reach the file)
-# and pwrite()s them at commit, so a full disk is an error from the commit (EIO/ENOSPC),
-# which the tier turns into StoreFull. The cost is on writes: benches/bench_disk_tier.py
-# (put of 64 blocks, medians, raw os.pwrite of the same bytes in the same run), one run each
-# on the development machine: with writemap 4.07 GB/s (os.pwrite 10.46, ratio 0.39) for
-# 64 KiB blocks and 4.83 GB/s (5.65, 0.86) for 1 MiB; without it 1.50 GB/s (7.95, 0.19) and
-# 1.35 GB/s (5.72, 0.24). Reads are unchanged. All processes open a tier the same way
-# (LMDB forbids mixing modes on one environment).
+# Writemap (see _disk_space for why it cannot SIGBUS): 2.7x-3.6x faster puts; bench_disk_tier,
+# one run each, os.pwrite in the same run: with it 4.07 GB/s (ratio 0.39) for 64 KiB blocks
+# and 4.83 (0.86) for 1 MiB, without 1.50 (0.19) and 1.35 (0.24). Every process must use it.
 
 
 def _map_size(capacity: int, block_bytes: int) -> int:
@@ -135,18 +125,21 @@ class DiskTier:
     def _open(self) -> None:
         self._env = lmdb.open(
             self.path,
-            map_size=_map_size(self.capacity, self.block_bytes),
+            map_size=INITIAL_MAP_BYTES,
             max_dbs=3,
             sync=self.sync,
             metasync=self.sync,
             readahead=False,
-            meminit=True,  # zero the unused end of pages written from malloc'd memory
-            writemap=False,  # see the note on writemap above
+            writemap=True,  # see the note on writemap above
         )
         self._meta = self._env.open_db(b"meta")
         self._blocks = self._env.open_db(b"blocks")
         self._sums = self._env.open_db(b"sums")
         self._pid = os.getpid()
+        largest = _map_size(self.capacity, self.block_bytes)  # a txn flushes past 64 MiB:
+        self._space = DiskSpace.attach(
+            self._env, self.path, largest, TXN_FLUSH_BYTES + self.block_bytes
+        )
 
     def _environment(self) -> Any:
         if self._env is None:
@@ -157,6 +150,7 @@ class DiskTier:
             # and fcntl locks are per process), and lets py-lmdb open the path again.
             self._txn = None
             self._env.close()
+            self._space.close()
             self._open()
         return self._env
 
@@ -164,6 +158,9 @@ class DiskTier:
         env, self._env = self._env, None
         if env is not None:
             env.close()
+        space = getattr(self, "_space", None)
+        if space is not None:
+            space.close()
 
     def _load(self) -> None:
         """Check the meta record; rebuild the index and eviction order from the sums."""
@@ -227,7 +224,9 @@ class DiskTier:
 
     def _begin(self) -> None:
         try:
-            self._txn = self._environment().begin(write=True)
+            env = self._environment()
+            self._space.grow(env)
+            self._txn = env.begin(write=True)
         except lmdb.Error as e:
             raise lmdb_error(e, self.path) from e
 
@@ -328,7 +327,9 @@ class DiskTier:
         self._purge.clear()
         if not doomed or self._env is None:
             return []
-        return purge(self._environment(), (self._blocks, self._sums), doomed)
+        env = self._environment()
+        self._space.grow(env)
+        return purge(env, (self._blocks, self._sums), doomed)
 
     # -- reads -------------------------------------------------------------------------
 

@@ -395,3 +395,52 @@ def test_close_spills_the_newest_into_free_disk_room_only(tmp_path: Path) -> Non
         # in their order of use (the newest is evicted last).
         assert _readable(s, ks) == [True] * 6 + [False] * 4 + [True] * 2
         assert list(s.tiers[0].policy.candidates())[-2:] == ks[10:]
+
+
+_FILLED_BY_OTHERS = (
+    f"import sys\nsys.path.insert(0, {TESTS!r})\n"
+    + """
+import json, os
+import numpy as np
+from helpers import keys, payload, payloads
+from kvbridge.store import BlockNotFound, StoreFull, TieredStore
+BB = 64 << 10
+store = TieredStore(BB, host_capacity=0, disk_path=sys.argv[1], disk_capacity=1024 * BB)
+first = keys(0, 4)
+store.put(first, payloads(first, BB))
+hog = os.path.join(os.path.dirname(sys.argv[1]), "hog")
+with open(hog, "wb") as f:          # another process fills the file system to the last block
+    try:
+        while True:
+            f.write(b"\\0" * 65536)
+            f.flush()
+    except OSError:
+        pass
+stored, refused = 0, 0
+for i in range(100, 140):           # writes go on into the blocks the tier allocated, or fail
+    try:
+        store.put([keys(i, i + 1)[0]], payloads(keys(i, i + 1), BB))
+        stored += 1
+    except StoreFull:
+        refused += 1
+out = np.empty((1, BB), np.uint8)
+good = 0
+for k in first + keys(100, 140):
+    try:
+        store.get([k], out)
+    except BlockNotFound:
+        continue
+    good += bool((out[0] == payload(k, BB)).all())
+store.close()
+print(json.dumps({"stored": stored, "refused": refused, "good": good}))
+"""
+)
+
+
+def test_a_file_system_filled_by_another_process_is_store_full_not_sigbus(tiny_fs: Path) -> None:
+    """With writemap, LMDB writes into its mapping: the tier keeps the map within the disk
+    blocks it allocated, so a disk filled by someone else after the tier opened makes puts
+    fail with StoreFull (or land in what the tier holds already), never a SIGBUS."""
+    result = _run_child(_FILLED_BY_OTHERS, str(tiny_fs / "tier"))
+    assert result["stored"] + result["refused"] == 40  # type: ignore[operator]
+    assert result["good"] == 4 + result["stored"]  # type: ignore[operator]
