@@ -9,7 +9,9 @@ book records which session each lease belongs to, so that:
 - the namespace's region guard admits a remote read only into slots pinned for the reading
   session, under a lease that has not expired (:meth:`LeaseBook.readable`), and a remote
   write only into slots staged for the writing session (the store checks that);
-- what one session may hold is bounded (:meth:`LeaseBook.held`);
+- what one session may hold is bounded (:attr:`LeaseBook.held`), transfers in flight on a
+  lease it already gave back included (:meth:`LeaseBook.begin_use`): a lease released with a
+  stalled read still on it counts until that read ends;
 - a session that ends gives everything back at once (:meth:`LeaseBook.end_session`).
 """
 
@@ -22,6 +24,10 @@ import numpy as np
 
 from ._errors import LeaseExpired
 from ._pins import Lease
+
+Use = tuple[str, int]
+"""A lease as transfers in flight name it: ``("stage", id)`` or ``("pin", id)`` (the two
+kinds of lease number their ids apart)."""
 
 
 @dataclass
@@ -52,6 +58,10 @@ class LeaseBook:
         """Slots held per session (staged and pinned)."""
         self._readable: dict[int, dict[int, dict[int, bytes]]] = {}
         """session -> slot -> {read lease id: the key pinned there}."""
+        self._inflight: Counter[Use] = Counter()
+        """Remote transfers admitted on each lease and not done yet."""
+        self._ended: dict[Use, tuple[int, int]] = {}
+        """Leases ended with transfers in flight: (session, slots) still counted as held."""
 
     # -- staged puts -------------------------------------------------------------------
 
@@ -66,7 +76,7 @@ class LeaseBook:
         if staged is None or staged.session != session:
             raise LeaseExpired(f"lease {lease_id} is unknown, finished or expired")
         del self.stagings[lease_id]
-        self._drop(session, len(staged.keys))
+        self._drop(("stage", lease_id), session, len(staged.keys))
         return staged
 
     # -- read leases -------------------------------------------------------------------
@@ -85,7 +95,7 @@ class LeaseBook:
         if pinned is None or pinned.session != session:
             raise LeaseExpired(f"lease {lease_id} is unknown, finished or expired")
         del self.pins[lease_id]
-        self._drop(session, len(pinned.slots))
+        self._drop(("pin", lease_id), session, len(pinned.slots))
         readable = self._readable.get(session, {})
         for slot in pinned.slots:
             by_lease = readable.get(slot)
@@ -99,28 +109,50 @@ class LeaseBook:
 
     def readable(
         self, session: int, first: np.ndarray, last: np.ndarray
-    ) -> tuple[np.ndarray, list[bytes]]:
+    ) -> tuple[np.ndarray, list[bytes], list[Use]]:
         """Per slot range ``first..last``: whether every slot in it is pinned for
-        ``session`` under a lease that has not expired; and the keys of those slots."""
+        ``session`` under a lease that has not expired; the keys of those slots, and the
+        leases that pin them."""
         allowed = np.zeros(len(first), dtype=bool)
         mine = self._readable.get(session)
         if mine is None:
-            return allowed, []
+            return allowed, [], []
         keys: list[bytes] = []
+        leases: set[Use] = set()
         for i, (lo, hi) in enumerate(zip(first.tolist(), last.tolist(), strict=True)):
             if not 0 <= lo <= hi:
                 continue
-            found = [self._live_key(mine.get(slot)) for slot in range(lo, hi + 1)]
-            if all(key is not None for key in found):
+            found = [self._live(mine.get(slot)) for slot in range(lo, hi + 1)]
+            if all(entry is not None for entry in found):
                 allowed[i] = True
-                keys += [key for key in found if key is not None]
-        return allowed, keys
+                for entry in found:
+                    assert entry is not None
+                    leases.add(("pin", entry[0]))
+                    keys.append(entry[1])
+        return allowed, keys, list(leases)
 
-    def _live_key(self, by_lease: dict[int, bytes] | None) -> bytes | None:
+    def _live(self, by_lease: dict[int, bytes] | None) -> tuple[int, bytes] | None:
         for lease_id, key in (by_lease or {}).items():
             if not self.pins[lease_id].lease.expired:
-                return key
+                return lease_id, key
         return None
+
+    # -- transfers in flight -----------------------------------------------------------
+
+    def begin_use(self, leases: list[Use]) -> None:
+        """Remote transfers on ``leases`` were admitted: what they hold stays counted as
+        held by the lease's session until :meth:`end_use`, even if the lease ends first."""
+        for lease in leases:
+            self._inflight[lease] += 1
+
+    def end_use(self, leases: list[Use]) -> None:
+        for lease in leases:
+            self._inflight[lease] -= 1
+            if self._inflight[lease] <= 0:
+                del self._inflight[lease]
+                ended = self._ended.pop(lease, None)
+                if ended is not None:
+                    self._unhold(*ended)
 
     # -- lifetimes ---------------------------------------------------------------------
 
@@ -144,10 +176,16 @@ class LeaseBook:
     def __len__(self) -> int:
         return len(self.stagings) + len(self.pins)
 
-    def _drop(self, session: int, slots: int) -> None:
+    def _drop(self, lease: Use, session: int, slots: int) -> None:
         self.leases[session] -= 1
         if self.leases[session] <= 0:
             del self.leases[session]
+        if self._inflight[lease] > 0:  # still being read or written: counted until done
+            self._ended[lease] = (session, slots)
+        else:
+            self._unhold(session, slots)
+
+    def _unhold(self, session: int, slots: int) -> None:
         self.held[session] -= slots
         if self.held[session] <= 0:
             del self.held[session]

@@ -15,12 +15,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from ..transfer import Admission, Caller, Region
-from ._leases import LeaseBook
+from ._leases import LeaseBook, Use
 from ._store import TieredStore
 
 REQUEST_SHARE = 4
@@ -92,16 +91,25 @@ class Namespace:
             if caller.session not in self.openers:
                 return refused
             if access == "w":
-                allowed, leases = self.store.admit_writes(caller.session, first, last)
+                allowed, staged = self.store.admit_writes(caller.session, first, last)
                 if not allowed.all():
                     return Admission(allowed)
-                return Admission(allowed, _call(self.store.end_writes, leases))
-            allowed, keys = self.book.readable(caller.session, first, last)
+                uses: list[Use] = [("stage", lease) for lease in staged]
+                self.book.begin_use(uses)
+                return Admission(allowed, self._ender(uses, lambda: self.store.end_writes(staged)))
+            allowed, keys, uses = self.book.readable(caller.session, first, last)
             if not allowed.all():
                 return Admission(allowed)
             hold = self.store.hold(keys)  # no slot is reused mid-send
-            return Admission(allowed, hold.release)
+            self.book.begin_use(uses)
+            return Admission(allowed, self._ender(uses, hold.release))
 
+    def _ender(self, uses: list[Use], release: Callable[[], None]) -> Callable[[], None]:
+        """What ends an admitted transfer: release what it held, then stop counting it."""
 
-def _call(fn: Callable[[Any], None], arg: Any) -> Callable[[], None]:
-    return lambda: fn(arg)
+        def end() -> None:
+            release()
+            with self.state:
+                self.book.end_use(uses)
+
+        return end

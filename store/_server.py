@@ -40,7 +40,7 @@ from typing import Any
 import msgpack
 
 from ..transfer import Caller, NotifyRefused, TransferEngine
-from ._errors import BlockNotFound, LeaseExpired, StoreError, StoreFull
+from ._errors import BlockNotFound, BlockPinned, LeaseExpired, StoreError, StoreFull
 from ._metrics import ServerMetrics, metrics_token
 from ._namespaces import Namespace
 from ._server_config import MIN_BLOCK_BYTES, ServerConfig
@@ -151,6 +151,10 @@ class CacheServer:
             if handler is None:
                 raise BadRequest(f"unknown op {op!r}; known: {sorted(self._ops)}")
             with self._state:
+                # Checked under the state lock: a session that ends after this is cleaned
+                # up after this request (_end_session waits for the lock), never before.
+                if not self.engine.session_alive(caller):
+                    raise BadRequest(f"session {caller.session} has ended")
                 return handler(caller, body)
         except StoreError as exc:
             self._refused(caller, label, exc)
@@ -270,11 +274,11 @@ class CacheServer:
 
     def _create(self, name: bytes, block_bytes: int) -> Namespace:
         cfg = self.config
+        host_share = cfg.host_capacity // cfg.max_namespaces
+        if host_share < block_bytes:  # checked before anything is reclaimed for it
+            raise StoreFull(f"a namespace's {host_share} bytes of host memory hold no block")
         if len(self._namespaces) >= cfg.max_namespaces:
             self._reclaim()
-        host_share = cfg.host_capacity // cfg.max_namespaces
-        if host_share < block_bytes:
-            raise StoreFull(f"a namespace's {host_share} bytes of host memory hold no block")
         store = TieredStore(
             block_bytes,
             host_capacity=host_share,
@@ -375,6 +379,8 @@ class CacheServer:
     def _pin(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
         ns = self._namespace(caller, body)
         keys = keys_field(body)
+        if not keys:
+            return {"lease": 0, "slots": []}  # nothing to read: no lease to count
         self._room(caller, ns, len(keys))
         lease, slots = ns.store.pin_resident(keys, ttl=self.config.lease_ttl)
         ns.book.add_pin(caller.session, lease, slots)
@@ -394,8 +400,14 @@ class CacheServer:
     def _remove(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
         ns = self._namespace(caller, body)
         keys = keys_field(body)
-        self._first_read(ns, keys)  # a handoff hold must not make removal fail
-        return {"removed": ns.store.remove(keys)}
+        holds = {key: ns.unread.pop(key) for key in keys if key in ns.unread}
+        for key, deadline in holds.items():  # a handoff hold must not make removal fail
+            self._release_handoff(ns, key, deadline)
+        try:
+            return {"removed": ns.store.remove(keys)}
+        except BlockPinned:  # refused: the holds it released come back, nothing changed
+            self._restore_handoffs(ns, holds)
+            raise
 
     def _stats(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
         """Server figures. A namespace this session has not opened is named by a digest of
@@ -454,6 +466,14 @@ class CacheServer:
             deadline = ns.unread.pop(key, None)
             if deadline is not None:
                 self._release_handoff(ns, key, deadline)
+
+    @staticmethod
+    def _restore_handoffs(ns: Namespace, holds: dict[bytes, float]) -> None:
+        now = time.monotonic()
+        for key, deadline in holds.items():
+            if deadline > now:
+                ns.store.pin([key], ttl=deadline - now)
+                ns.unread[key] = deadline
 
     @staticmethod
     def _release_handoff(ns: Namespace, key: bytes, deadline: float) -> None:

@@ -185,3 +185,22 @@ def test_done_means_the_buffers_are_free(pair: tuple[TransferEngine, TransferEng
         thread.join(60)
     assert errors == []
     peer.close()
+
+
+def test_silent_connections_cannot_keep_a_peer_out(
+    pair: tuple[TransferEngine, TransferEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Someone without the secret opens connections and never greets. They used to hold
+    served-stream slots for the whole greeting timeout, so honest peers could not connect;
+    now a newcomer pushes out the oldest silent one."""
+    a, b = pair
+    monkeypatch.setattr(engine_module, "MAX_SERVED_STREAMS", 32)
+    monkeypatch.setattr(engine_module, "MAX_UNGREETED_STREAMS", 8)
+    flood = [socket.create_connection(_data_address(b)) for _ in range(64)]
+    try:
+        for _ in range(5):
+            _write_once(a, b)  # every attempt gets in
+            flood += [socket.create_connection(_data_address(b)) for _ in range(16)]
+    finally:
+        for s in flood:
+            s.close()

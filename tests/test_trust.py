@@ -511,3 +511,92 @@ def test_kvbridge_serve_logs_its_events_on_stderr_and_never_the_secret(tmp_path:
     assert any("authentication refused" in line for line in lines)
     assert any("refused stage" in line and "TooManyRequests" in line for line in lines)
     assert secret not in err and "Traceback" not in err
+
+
+# -- found by an independent attack (each failed before its fix) ------------------------
+
+
+def test_a_refused_open_reclaims_nothing() -> None:
+    """An open that must fail (a block larger than a namespace's share) used to close the
+    least recently used idle namespace first, losing its blocks."""
+    server = _Server("--host-capacity", "4MiB", "--max-namespaces", "2", "--handoff-ttl", "0")
+    try:
+        ks = keys(0, 4)
+        with _client(server, "tenant-a") as tenant:
+            tenant.put(ks, payloads(ks, BB))
+        time.sleep(0.3)  # tenant-a is idle now
+        with _client(server, "tenant-b"):
+            with pytest.raises(StoreFull, match="hold no block"):
+                StoreClient(server.address, block_bytes=1 << 30, namespace="huge")
+            with _client(server, "tenant-a") as tenant:
+                assert tenant.contains(ks) == [True] * 4
+    finally:
+        server.kill()
+
+
+def test_a_refused_remove_keeps_the_handoff_holds() -> None:
+    """remove([pushed, pinned]) is refused (BlockPinned) and must change nothing: the
+    pushed block keeps the hold that keeps it for its first reader."""
+    from kvbridge.store import BlockPinned, CacheServer, ServerConfig  # noqa: PLC0415
+
+    config = ServerConfig(port=0, host_capacity=32 * BB, max_namespaces=1, handoff_ttl=30)
+    with (
+        CacheServer(config) as srv,
+        StoreClient(srv.address, block_bytes=BB, namespace="m") as prefill,
+        StoreClient(srv.address, block_bytes=BB, namespace="m") as reader,
+    ):
+        pushed, pinned = keys(0, 1), keys(1, 2)
+        prefill.put(pushed + pinned, payloads(pushed + pinned, BB))
+        reader._call({"op": "pin", "ns": reader._ns, "keys": pinned})
+        with pytest.raises(BlockPinned):
+            prefill.remove(pushed + pinned)
+        ns = next(iter(srv._namespaces.values()))
+        assert pushed[0] in ns.unread  # still held for its first read
+        assert ns.store._pins.is_pinned(pushed[0])
+
+
+def test_a_read_stalled_on_a_released_lease_still_counts_against_the_share() -> None:
+    """Pin the share, start a read of it that never drains, release the leases, pin again:
+    the stalled read still holds its blocks, so it still counts, and the second pin is
+    refused. Before, one session could hold every slot this way."""
+    block = 1 << 20
+    server = _Server("--host-capacity", str(32 * block), "--max-namespaces", "2")
+    try:
+        with StoreClient(server.address, block_bytes=block, namespace="m") as client:
+            ks = keys(0, 12)
+            client.put(ks, payloads(ks, block))
+            leases, slots = [], []
+            for start in (0, 4):  # the session's share: 8 of 16 slots, 4 per request
+                reply = client._call({"op": "pin", "ns": client._ns, "keys": ks[start : start + 4]})
+                leases.append(reply["lease"])
+                slots += [int(s) for s in reply["slots"]]
+            stalled = RawStream(client)
+            stalled.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            key = region_key(client, client._region)
+            ops = descriptors(client._region, key, [(s * block, block) for s in slots])
+            stalled.sock.sendall(stalled.conn.read(1 << 41, ops))  # and never read the answer
+            time.sleep(0.5)
+            for lease in leases:
+                client._call({"op": "release", "ns": client._ns, "lease": lease})
+            with pytest.raises(TooManyRequests, match="share"):
+                client._call({"op": "pin", "ns": client._ns, "keys": ks[8:12]})
+            stalled.close()  # the read ends: its blocks are the session's no longer
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    client._call({"op": "pin", "ns": client._ns, "keys": ks[8:12]})
+                    break
+                except TooManyRequests:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.1)
+    finally:
+        server.kill()
+
+
+def test_a_request_of_an_ended_session_is_refused() -> None:
+    from kvbridge.store import CacheServer, ServerConfig  # noqa: PLC0415
+    from kvbridge.transfer import Caller  # noqa: PLC0415
+
+    with CacheServer(ServerConfig(port=0, host_capacity=16 * BB)) as srv:
+        reply = srv._handle(Caller(session=12345, peer="gone"), {"op": "stats"})
+        assert reply["kind"] == "BadRequest" and "ended" in reply["message"]

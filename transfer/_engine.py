@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -47,6 +47,11 @@ TRANSPORTS = ("tcp", "ucx", "memory")
 MAX_SERVED_STREAMS = 1024
 """Data streams served at once (a thread each); more are closed as they arrive, so a flood
 of connections cannot exhaust threads. Sessions cap their own streams too (``_sessions``)."""
+
+MAX_UNGREETED_STREAMS = 64
+"""Streams not yet past their greeting at once. A newcomer pushes out the oldest: an honest
+peer greets within a round trip of connecting, so connections that sit silent (a flood by
+someone without the secret) can neither fill the served streams nor keep peers out."""
 
 _log = logging.getLogger("kvbridge.transfer")
 
@@ -98,6 +103,7 @@ class TransferEngine:
         self._lock = threading.Lock()
         self._closed = False
         self._served: dict[Pipe, threading.Thread] = {}
+        self._ungreeted: OrderedDict[Pipe, None] = OrderedDict()
         self._peers: list[Peer] = []
         self._inbox: deque[Notification] = deque()
         self._notify_handler: Callable[[Caller, bytes], None] | None = None
@@ -176,6 +182,10 @@ class TransferEngine:
         request at a time; an exception it raises is logged and answered as an internal
         error."""
         self._control.handler = handler
+
+    def session_alive(self, caller: Caller) -> bool:
+        """Whether ``caller``'s session is still open (see :meth:`set_session_end_handler`)."""
+        return self._sessions.alive(caller)
 
     def set_session_end_handler(self, handler: Callable[[Caller], None] | None) -> None:
         """Call ``handler(caller)`` when a peer's session ends: its last data stream closed,
@@ -312,11 +322,17 @@ class TransferEngine:
         :data:`MAX_SERVED_STREAMS`, or when no thread can be started, the stream is closed
         (and logged); the listener goes on accepting."""
         thread = threading.Thread(target=self._serve, args=(pipe,), daemon=True)
+        pushed_out: Pipe | None = None
         with self._lock:
             refused = self._closed or len(self._served) >= MAX_SERVED_STREAMS
             if not refused:
                 self._served[pipe] = thread
                 thread.name = f"kvbridge-serve-{len(self._served)}"
+                self._ungreeted[pipe] = None
+                if len(self._ungreeted) > MAX_UNGREETED_STREAMS:
+                    pushed_out = self._ungreeted.popitem(last=False)[0]
+        if pushed_out is not None:
+            pushed_out.close()  # its serve thread wakes with an error and ends
         if refused:
             if not self._closed:
                 _log.warning(
@@ -330,6 +346,7 @@ class TransferEngine:
             _log.error("%s: cannot serve a stream: %s", self.name, exc)
             with self._lock:
                 self._served.pop(pipe, None)
+                self._ungreeted.pop(pipe, None)
             pipe.close()
 
     def _serve(self, pipe: Pipe) -> None:
@@ -340,12 +357,18 @@ class TransferEngine:
             handshake_timeout=self.settings.connect_timeout,
             frame_timeout=self.settings.timeout,
             watch=self._watchdog.watch,
+            greeted=self._greeted,
         )
         try:
             serve(pipe, self._regions, hooks)
         finally:
             with self._lock:
                 self._served.pop(pipe, None)
+                self._ungreeted.pop(pipe, None)
+
+    def _greeted(self, pipe: Pipe) -> None:
+        with self._lock:
+            self._ungreeted.pop(pipe, None)
 
     def _notify(self, caller: Caller, message: bytes) -> None:
         handler = self._notify_handler

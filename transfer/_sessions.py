@@ -233,6 +233,11 @@ class SessionTable:
                     ended.append(caller)
         self._notify(ended)
 
+    def alive(self, caller: Caller) -> bool:
+        """Whether the session is still open."""
+        with self._lock:
+            return caller.session in self._ids
+
     def end(self, session_id: bytes) -> None:
         """End a session now (the peer said goodbye)."""
         with self._lock:

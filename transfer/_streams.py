@@ -241,6 +241,8 @@ class ServeHooks:
     watch: Callable[[float, Callable[[], bool], Callable[[], None]], None]
     """``watch(timeout, is_done, on_expiry)``: the engine's watchdog, which closes a stream
     whose frame is still unfinished at its deadline (a peer that went silent mid-frame)."""
+    greeted: Callable[[Pipe], None]
+    """The stream proved its session (it no longer counts as a stranger's connection)."""
 
 
 @dataclass(frozen=True)
@@ -262,6 +264,7 @@ def serve(pipe: Pipe, regions: RegionTable, hooks: ServeHooks) -> None:
         caller = _greet(conn, pipe, hooks)
         if caller is None:
             return
+        hooks.greeted(pipe)
         served = _Served(conn, pipe, regions, caller, hooks)
         frames = [0]  # frames finished, for the watchdog's look at the one in progress
         while True:
