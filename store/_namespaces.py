@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..transfer import Admission, Caller, Region
-from ._leases import LeaseBook, Use
+from ._leases import LeaseBook, Pinned, Use
 from ._store import TieredStore
 
 REQUEST_SHARE = 4
@@ -69,6 +69,21 @@ class Namespace:
     def session_blocks(self) -> int:
         """Most slots one session may hold at once."""
         return max(self.request_blocks, self.slots // SESSION_SHARE)
+
+    def sweep(self) -> None:
+        """End the leases past their deadline (their slots and pins are already void)."""
+        self._finish(*self.book.expired(time.monotonic()))
+
+    def end_session(self, session: int) -> None:
+        """The session ended: it no longer has the namespace open, and its leases end."""
+        self.openers.discard(session)
+        self._finish(*self.book.end_session(session))
+
+    def _finish(self, staged: list[int], pinned: list[Pinned]) -> None:
+        for lease_id in staged:
+            self.store.abort(lease_id)  # slots still being written come back after that
+        for entry in pinned:
+            entry.lease.release()
 
     @property
     def idle(self) -> bool:

@@ -28,40 +28,31 @@ block, and a restart on the same ``disk_path`` serves them again.
 
 from __future__ import annotations
 
-import hashlib
-import itertools
 import logging
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import msgpack
 
 from ..transfer import Caller, NotifyRefused, TransferEngine
-from ._errors import BlockNotFound, BlockPinned, LeaseExpired, StoreError, StoreFull
+from ._errors import BlockNotFound, BlockPinned, LeaseExpired, StoreError
+from ._handoff import first_read, hand_off, restore, take
 from ._metrics import ServerMetrics, metrics_token
+from ._namespace_table import NamespaceTable
 from ._namespaces import Namespace
-from ._server_config import MIN_BLOCK_BYTES, ServerConfig
-from ._slots import SlotTier
+from ._server_config import ServerConfig
 from ._stats import StoreStats
-from ._store import TieredStore
 from ._wire import (
     BadRequest,
     InternalError,
     TooManyRequests,
-    UnknownNamespace,
     code_of,
     error_reply,
     keys_field,
 )
 from ._wire import field as message_field
-
-MAX_NAMESPACE_BYTES = 256
-MAX_BLOCK_BYTES = 1 << 30
-MAX_NAMESPACES_PER_SESSION = 8
-"""Namespaces one session may have open at once (one client squatting every namespace)."""
 
 _log = logging.getLogger("kvbridge.server")
 _QUIET = (BlockNotFound,)  # refusals that are the normal course of things (a cache miss)
@@ -81,11 +72,8 @@ class CacheServer:
             transports=cfg.transports,
             secret=cfg.secret,
         )
-        self._namespaces: dict[int, Namespace] = {}
-        self._by_name: dict[bytes, int] = {}
-        self._handles = itertools.count(1)
-        self._lock = threading.Lock()  # the namespace table: the control thread changes it
         self._state = threading.Lock()  # leases and stores: control and serving threads
+        self._namespaces = NamespaceTable(cfg, self.engine, self._state)
         self._started = time.time()
         self.metrics = ServerMetrics(self._store_stats)
         self.metrics_port: int | None = None
@@ -123,12 +111,7 @@ class CacheServer:
         self.engine.set_session_end_handler(None)
         self.engine.close()  # joins every engine thread: no request is mid-way after this
         self.metrics.close()
-        with self._lock:
-            namespaces = list(self._namespaces.values())
-        for ns in namespaces:
-            if ns.region is not None:
-                self.engine.unregister(ns.region)
-            ns.store.close()
+        self._namespaces.close()
         _log.info("stopped")
 
     def __enter__(self) -> CacheServer:
@@ -192,36 +175,17 @@ class CacheServer:
     def _end_session(self, caller: Caller) -> None:
         """A client's session ended (it closed, or was killed): its leases end now."""
         with self._state:
-            with self._lock:
-                namespaces = list(self._namespaces.values())
-            for ns in namespaces:
-                ns.openers.discard(caller.session)
-                self._finish(ns, *ns.book.end_session(caller.session))
+            for ns in self._namespaces.snapshot():
+                ns.end_session(caller.session)
         _log.debug("session %d (%s) ended", caller.session, caller.peer)
 
     def _namespace(self, caller: Caller, body: dict[str, Any]) -> Namespace:
-        handle = message_field(body, "ns", int)
-        ns = self._namespaces.get(handle)
-        if ns is None or caller.session not in ns.openers:
-            raise UnknownNamespace(f"no namespace {handle} open in this session: open it first")
-        ns.last_used = time.monotonic()
-        return ns
-
-    def _sweep(self, ns: Namespace) -> None:
-        """End the leases past their deadline (their slots and pins are already void)."""
-        self._finish(ns, *ns.book.expired(time.monotonic()))
-
-    @staticmethod
-    def _finish(ns: Namespace, staged: list[int], pinned: list[Any]) -> None:
-        for lease_id in staged:
-            ns.store.abort(lease_id)  # slots still being written come back after that
-        for entry in pinned:
-            entry.lease.release()
+        return self._namespaces.get(caller, message_field(body, "ns", int))
 
     def _room(self, caller: Caller, ns: Namespace, blocks: int) -> None:
         """Refuse a request that would take more than its share (TooManyRequests)."""
-        self._sweep(ns)
-        leases = sum(n.book.leases[caller.session] for n in self._namespaces.values())
+        ns.sweep()
+        leases = sum(n.book.leases[caller.session] for n in self._namespaces.snapshot())
         if leases >= self.config.max_leases_per_client:
             raise TooManyRequests(
                 f"session {caller.session} holds {leases} open leases "
@@ -243,25 +207,7 @@ class CacheServer:
     def _open(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
         name = message_field(body, "namespace", bytes)
         block_bytes = message_field(body, "block_bytes", int)
-        if len(name) > MAX_NAMESPACE_BYTES:
-            raise BadRequest(f"a namespace is at most {MAX_NAMESPACE_BYTES} bytes")
-        if not MIN_BLOCK_BYTES <= block_bytes <= MAX_BLOCK_BYTES:
-            raise BadRequest(
-                f"block_bytes must be {MIN_BLOCK_BYTES}..{MAX_BLOCK_BYTES}, got {block_bytes}"
-            )
-        handle = self._by_name.get(name)
-        ns = self._namespaces[handle] if handle is not None else None
-        if ns is not None and ns.store.block_bytes != block_bytes:
-            raise BadRequest(
-                f"namespace {ns.label} has {ns.store.block_bytes}-byte blocks, not {block_bytes}"
-            )
-        if ns is None or caller.session not in ns.openers:
-            mine = sum(caller.session in n.openers for n in self._namespaces.values())
-            if mine >= MAX_NAMESPACES_PER_SESSION:
-                raise TooManyRequests(f"a session opens at most {MAX_NAMESPACES_PER_SESSION}")
-        if ns is None:
-            ns = self._create(name, block_bytes)
-        ns.openers.add(caller.session)
+        ns = self._namespaces.open(caller, name, block_bytes)
         assert ns.region is not None
         return {
             "ns": ns.handle,
@@ -271,68 +217,6 @@ class CacheServer:
             "lease_ttl": self.config.lease_ttl,
             "request_blocks": ns.request_blocks,
         }
-
-    def _create(self, name: bytes, block_bytes: int) -> Namespace:
-        cfg = self.config
-        host_share = cfg.host_capacity // cfg.max_namespaces
-        if host_share < block_bytes:  # checked before anything is reclaimed for it
-            raise StoreFull(f"a namespace's {host_share} bytes of host memory hold no block")
-        if len(self._namespaces) >= cfg.max_namespaces:
-            self._reclaim()
-        store = TieredStore(
-            block_bytes,
-            host_capacity=host_share,
-            namespace=name,
-            pin_ttl=cfg.lease_ttl,
-            policy=cfg.policy,
-            prefault=True,
-            **self._disk_settings(name, block_bytes),
-        )
-        ns = Namespace(next(self._handles), name, store, self._state)
-        top = store.tiers[0]
-        assert isinstance(top, SlotTier)
-        try:
-            ns.region = self.engine.register(top.memory.array, access="rw", guard=ns.guard)  # type: ignore[attr-defined]
-        except BaseException:
-            store.close()
-            raise
-        with self._lock:
-            self._namespaces[ns.handle] = ns
-            self._by_name[name] = ns.handle
-        _log.info("namespace %s opened (handle %d)", ns.label, ns.handle)
-        return ns
-
-    def _disk_settings(self, name: bytes, block_bytes: int) -> dict[str, Any]:
-        cfg = self.config
-        if cfg.disk_path is None:
-            return {}
-        digest = hashlib.sha256(name).hexdigest()[:16]
-        return {
-            "disk_path": Path(cfg.disk_path) / f"{digest}-{block_bytes}",
-            "disk_capacity": max(cfg.disk_capacity // cfg.max_namespaces, block_bytes),
-            "write_through": True,
-        }
-
-    def _reclaim(self) -> None:
-        """Close the least recently used namespace that no live session has open and that
-        holds no lease, to make room for a new one; :class:`StoreFull` if there is none."""
-        for ns in sorted(self._namespaces.values(), key=lambda n: n.last_used):
-            self._sweep(ns)
-            if not ns.idle or ns.region is None:
-                continue
-            try:
-                self.engine.unregister(ns.region)  # refused while a transfer still uses it
-            except Exception:
-                continue
-            with self._lock:
-                del self._namespaces[ns.handle]
-                del self._by_name[ns.name]
-            ns.store.close()
-            _log.info("namespace %s reclaimed (handle %d)", ns.label, ns.handle)
-            return
-        raise StoreFull(
-            f"the server serves at most {self.config.max_namespaces} namespaces, all in use"
-        )
 
     def _contains(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
         ns = self._namespace(caller, body)
@@ -364,7 +248,7 @@ class CacheServer:
             raise BadRequest(f"lease {lease}: a commit while writes into it are in flight")
         staged = ns.book.take_staging(lease, caller.session)
         stored = ns.store.commit(lease)
-        self._hand_off(ns, staged.keys)
+        hand_off(ns, staged.keys, min(self.config.handoff_ttl, self.config.lease_ttl))
         return {"stored": stored}
 
     def _abort(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
@@ -384,7 +268,7 @@ class CacheServer:
         self._room(caller, ns, len(keys))
         lease, slots = ns.store.pin_resident(keys, ttl=self.config.lease_ttl)
         ns.book.add_pin(caller.session, lease, slots)
-        self._first_read(ns, keys)
+        first_read(ns, keys)
         return {"lease": lease.id, "slots": slots}
 
     def _release(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
@@ -400,13 +284,11 @@ class CacheServer:
     def _remove(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
         ns = self._namespace(caller, body)
         keys = keys_field(body)
-        holds = {key: ns.unread.pop(key) for key in keys if key in ns.unread}
-        for key, deadline in holds.items():  # a handoff hold must not make removal fail
-            self._release_handoff(ns, key, deadline)
+        holds = take(ns, keys)  # a handoff hold must not make removal fail
         try:
             return {"removed": ns.store.remove(keys)}
         except BlockPinned:  # refused: the holds it released come back, nothing changed
-            self._restore_handoffs(ns, holds)
+            restore(ns, holds)
             raise
 
     def _stats(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
@@ -416,7 +298,7 @@ class CacheServer:
 
     def _server_stats(self, session: int | None = None) -> dict[str, Any]:
         """Every namespace's figures; with ``session``, names hidden where it is not open."""
-        namespaces = self._snapshot()
+        namespaces = self._namespaces.snapshot()
         return {
             "server": {
                 "address": self.address,
@@ -434,54 +316,8 @@ class CacheServer:
             ],
         }
 
-    def _snapshot(self) -> list[Namespace]:
-        with self._lock:
-            return list(self._namespaces.values())
-
-    # -- handoff holds -----------------------------------------------------------------
-
-    def _hand_off(self, ns: Namespace, keys: list[bytes]) -> None:
-        """Hold freshly committed blocks until their first read (or ``handoff_ttl``).
-
-        Prefill pushes a request's blocks and decode pulls them moments later; until then
-        nothing says they are wanted, and a policy that evicts never-reused blocks first
-        (``reuse``) would drop them first. Their pins go at the first read, at the deadline,
-        or oldest first once they would hold more than half of the top tier (so pushes
-        alone cannot fill the store with pins)."""
-        ttl = min(self.config.handoff_ttl, self.config.lease_ttl)
-        fresh = [key for key in keys if key not in ns.unread and ns.store.contains([key])[0]]
-        if ttl <= 0 or not fresh:
-            return
-        ns.store.pin(fresh, ttl=ttl)
-        deadline = time.monotonic() + ttl
-        for key in fresh:
-            ns.unread[key] = deadline
-        limit = ns.slots // 2
-        while len(ns.unread) > limit:
-            key = next(iter(ns.unread))
-            self._release_handoff(ns, key, ns.unread.pop(key))
-
-    def _first_read(self, ns: Namespace, keys: list[bytes]) -> None:
-        for key in keys:
-            deadline = ns.unread.pop(key, None)
-            if deadline is not None:
-                self._release_handoff(ns, key, deadline)
-
-    @staticmethod
-    def _restore_handoffs(ns: Namespace, holds: dict[bytes, float]) -> None:
-        now = time.monotonic()
-        for key, deadline in holds.items():
-            if deadline > now:
-                ns.store.pin([key], ttl=deadline - now)
-                ns.unread[key] = deadline
-
-    @staticmethod
-    def _release_handoff(ns: Namespace, key: bytes, deadline: float) -> None:
-        if deadline > time.monotonic():  # an expired pin is gone already: nothing to undo
-            ns.store.unpin([key])  # the pin expiring first: handoff_ttl <= lease_ttl
-
     def _store_stats(self) -> dict[str, StoreStats]:
-        return {ns.label: ns.store.stats() for ns in self._snapshot()}
+        return {ns.label: ns.store.stats() for ns in self._namespaces.snapshot()}
 
 
 def _settings(cfg: ServerConfig) -> str:

@@ -359,7 +359,7 @@ def test_an_internal_error_is_its_own_kind_and_logged(caplog: pytest.LogCaptureF
         refused = guess_auth(srv.address)
         assert refused["ok"] is False and refused["code"] == 2
         with StoreClient(srv.address, block_bytes=BB, namespace="m", secret=secret) as client:
-            ns = next(iter(srv._namespaces.values()))
+            ns = srv._namespaces.snapshot()[0]
 
             def broken(keys: object) -> int:
                 raise RuntimeError("a bug")
@@ -550,7 +550,7 @@ def test_a_refused_remove_keeps_the_handoff_holds() -> None:
         reader._call({"op": "pin", "ns": reader._ns, "keys": pinned})
         with pytest.raises(BlockPinned):
             prefill.remove(pushed + pinned)
-        ns = next(iter(srv._namespaces.values()))
+        ns = srv._namespaces.snapshot()[0]
         assert pushed[0] in ns.unread  # still held for its first read
         assert ns.store._pins.is_pinned(pushed[0])
 

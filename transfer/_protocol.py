@@ -61,17 +61,15 @@ MAX_CONTROL_BYTES = 64 << 10
 
 
 class ErrorCode(enum.IntEnum):
-    """Why a responder answered ERROR (what the initiator raises is chosen by the code)."""
+    """Why a responder answered ERROR: an op was refused (unknown region, wrong key or mode,
+    bytes outside, the region's guard; nothing written), the HELLO proved no live session,
+    the notification handler refused the batch without a code of its own, or the responder
+    failed inside."""
 
     ACCESS_DENIED = 1
-    """An op named an unknown region, a wrong key or mode, bytes outside, or the region's
-    guard refused it; nothing was written."""
     AUTHENTICATION = 2
-    """The HELLO did not prove a live session."""
     REFUSED = 3
-    """The receiver's notification handler refused the batch (without a code of its own)."""
     INTERNAL = 4
-    """The responder failed inside while serving the request."""
 
 
 APP_CODES = 1000
