@@ -23,8 +23,7 @@ Frame = 24-byte header + body::
     descriptor (32 bytes): region u32 | flags u32 (0) | key u64 | offset u64 | length u64
 
 All integers are little-endian. A frame breaking a rule is a :class:`RemoteProtocolError`
-and the connection stays failed (sticky) with the reason.
-"""
+and the connection stays failed (sticky) with the reason."""
 
 from __future__ import annotations
 
@@ -72,8 +71,7 @@ class ErrorCode(enum.IntEnum):
     INTERNAL = 4
 
 
-APP_CODES = 1000
-"""Codes from here up are an application's own (a notification handler's refusals)."""
+APP_CODES = 1000  # codes from here up are an application's own (a notify handler's)
 
 
 class Frame(enum.IntEnum):
