@@ -55,15 +55,12 @@ MAX_OPS_PER_FRAME = 1024
 MAX_PAYLOAD_BYTES = 1 << 30
 """No frame carries more than 1 GiB; senders cut frames far smaller (settings.frame_bytes)."""
 
-MAX_CONTROL_BYTES = 64 << 10
-"""HELLO, ERROR and NOTIFY bodies are small messages."""
+MAX_CONTROL_BYTES = 64 << 10  # HELLO, ERROR and NOTIFY bodies are small messages
 
 
 class ErrorCode(enum.IntEnum):
-    """Why a responder answered ERROR: an op was refused (unknown region, wrong key or mode,
-    bytes outside, the region's guard; nothing written), the HELLO proved no live session,
-    the notification handler refused the batch without a code of its own, or the responder
-    failed inside."""
+    """Why a responder answered ERROR: an op refused (nothing written), a HELLO proving no
+    live session, a notify handler's refusal without a code of its own, an inner failure."""
 
     ACCESS_DENIED = 1
     AUTHENTICATION = 2
