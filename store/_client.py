@@ -36,9 +36,9 @@ from ..transfer import (
 from ._buffers import as_array, split_blocks
 from ._errors import InvalidBlock, LeaseExpired
 from ._keys import BlockKey, namespace_bytes
+from ._placement import check_keys
 from ._server_config import DEFAULT_PORT
 from ._stats import StoreStats, TierStats
-from ._store import _keys
 from ._wire import ERRORS, MAX_KEYS_PER_REQUEST, error_for, raise_error
 
 _TRUSTED_LEASE_FRACTION = 0.5
@@ -106,7 +106,7 @@ class StoreClient:
         """Store each block under its key; return, per key, whether this call sent it (a
         key the server already held is not sent). ``blocks``: one buffer of
         ``len(keys) * block_bytes`` bytes or a sequence of ``block_bytes`` buffers."""
-        checked = _keys(keys)
+        checked = check_keys(keys)
         if not checked:
             return []
         with _Registration(self, blocks, len(checked), writable=False) as where:
@@ -114,13 +114,13 @@ class StoreClient:
 
     def put_from(self, keys: Sequence[bytes], region: Region, offsets: Sequence[int]) -> list[bool]:
         """``put`` from a registered region: block ``i`` is at ``offsets[i]`` in it."""
-        checked = _keys(keys)
+        checked = check_keys(keys)
         return self._put(checked, self._locations(region, offsets, len(checked)))
 
     def get(self, keys: Sequence[bytes], out: object) -> None:
         """Fill ``out`` with the blocks of ``keys``; raises :class:`BlockNotFound` (``out``
         untouched) when any is absent."""
-        checked = _keys(keys)
+        checked = check_keys(keys)
         if not checked:
             return
         with _Registration(self, out, len(checked), writable=True) as where:
@@ -128,12 +128,12 @@ class StoreClient:
 
     def get_into(self, keys: Sequence[bytes], region: Region, offsets: Sequence[int]) -> None:
         """``get`` into a registered region: block ``i`` lands at ``offsets[i]``."""
-        checked = _keys(keys)
+        checked = check_keys(keys)
         self._get(checked, self._locations(region, offsets, len(checked)))
 
     def match_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading keys the server holds (the cache hit of a prefix, in blocks)."""
-        checked = _keys(keys)
+        checked = check_keys(keys)
         total = 0
         for start, chunk in _chunks(checked, MAX_KEYS_PER_REQUEST):
             count = int(self._call({"op": "match", "ns": self._ns, "keys": chunk})["count"])
@@ -143,14 +143,14 @@ class StoreClient:
         return total
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        checked = _keys(keys)
+        checked = check_keys(keys)
         present: list[bool] = []
         for _, chunk in _chunks(checked, MAX_KEYS_PER_REQUEST):
             present += self._call({"op": "contains", "ns": self._ns, "keys": chunk})["present"]
         return present
 
     def remove(self, keys: Sequence[bytes]) -> list[bool]:
-        checked = _keys(keys)
+        checked = check_keys(keys)
         removed: list[bool] = []
         for _, chunk in _chunks(checked, MAX_KEYS_PER_REQUEST):
             removed += self._call({"op": "remove", "ns": self._ns, "keys": chunk})["removed"]

@@ -1,0 +1,260 @@
+"""Where a TieredStore's blocks go: the placement cascade, and the state all of it shares.
+
+A new block goes to the highest tier with room or an evictable block (``_place``); making
+room evicts the policy's coldest unpinned, unprotected blocks (``_make_room_for``), each moving
+one tier down (``_evict``, ``_demote``) or out of the store from the last. A hit below the
+top tier is copied up (``_use``, ``_lift``). Every method here runs under the store's lock;
+the public API that calls them is in ``_store`` (local use) and ``_remote`` (a server's
+staged puts and resident pins).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Container, Iterable, Iterator, Sequence
+
+from ._buffers import BlockArray, as_sequence
+from ._errors import (
+    StoreClosed,
+    StoreError,
+    StoreFull,
+)
+from ._keys import KEY_BYTES, BlockKey, validate_key
+from ._pins import Lease, PinTable
+from ._slots import SlotTier
+from ._staging import StagingTable
+from ._stats import StoreStats
+from ._tier import Tier
+
+_log = logging.getLogger("kvbridge.store")
+_KEY_LENGTHS = frozenset(KEY_BYTES.values())
+
+
+def check_keys(keys: Sequence[bytes]) -> Sequence[BlockKey]:
+    """Validate every key (a 16- or 32-byte ``bytes``) before anything else happens."""
+    checked = as_sequence(keys, "keys")
+    for key in checked:
+        if type(key) is not bytes or len(key) not in _KEY_LENGTHS:
+            validate_key(key)  # raises InvalidKey with the details
+    return checked
+
+
+class Placement:
+    """The shared state of a :class:`~kvbridge.store.TieredStore` and its placement cascade."""
+
+    block_bytes: int
+    write_through: bool
+    promote: bool
+    pin_ttl: float
+    _tiers: list[Tier]
+    _persistent: int | None
+    _lock: threading.RLock
+    _pins: PinTable
+    _staging: StagingTable
+    _stats: StoreStats
+    _tier_evictions: list[int]
+    _closed: bool
+
+    def _locate(self, key: BlockKey) -> int | None:
+        """Index of the highest tier holding ``key``."""
+        for t, tier in enumerate(self._tiers):
+            if key in tier.index:
+                return t
+        return None
+
+    def _room(self, needed: int) -> int:
+        """How many new blocks fit (every slot not held by a pin or a staged put can be
+        freed), counted exactly only when a cheap lower bound says fewer than ``needed``:
+        walking every pinned key on every put cost O(pins)."""
+        if self.write_through:
+            assert self._persistent is not None
+            tiers = [self._tiers[self._persistent]]
+        else:
+            tiers = self._tiers
+        staged = self._staging.slots if tiers[0] is self._tiers[0] else 0
+        capacity = sum(tier.capacity for tier in tiers) - staged
+        if capacity - len(self._pins) * len(tiers) >= needed:
+            return capacity - len(self._pins) * len(tiers)
+        pinned = self._pins.pinned()
+        return capacity - sum(sum(key in tier for key in pinned) for tier in tiers)
+
+    @contextlib.contextmanager
+    def _batch(self) -> Iterator[None]:
+        with contextlib.ExitStack() as scopes:
+            for tier in self._tiers:
+                scopes.enter_context(tier.batch())
+            yield
+
+    def _place(
+        self, key: BlockKey, src: BlockArray, protect: Container[BlockKey]
+    ) -> tuple[int, BlockArray | None]:
+        """Put ``key`` in the highest tier with room: its index, and the slot to fill (or
+        ``None`` when the tier stored ``src`` itself)."""
+        for t, tier in enumerate(self._tiers):
+            if self._make_room(t, protect):
+                slot = tier.reserve(key)
+                if slot is None:
+                    tier.store(key, src)
+                return t, slot
+        raise StoreFull("no tier has room")  # unreachable: put checked the room first
+
+    def _write_through(self, key: BlockKey, src: BlockArray, protect: Container[BlockKey]) -> None:
+        assert self._persistent is not None
+        if not self._make_room(self._persistent, protect):
+            raise StoreFull("no room for the write-through copy")  # unreachable, see _room
+        self._tiers[self._persistent].store(key, src)
+
+    def _make_room(self, t: int, protect: Container[BlockKey]) -> bool:
+        """Ensure tier ``t`` has a free slot, evicting one unpinned, unprotected block."""
+        return self._make_room_for(t, 1, protect)
+
+    def _make_room_for(self, t: int, count: int, protect: Container[BlockKey]) -> bool:
+        """Free ``count`` slots of tier ``t`` (staged slots count as used), evicting
+        unpinned, unprotected blocks found in one walk of the policy's candidates (one walk
+        per block cost O(pinned) each time: a policy that ranks pinned blocks coldest made
+        a batch O(pinned x batch)). Evicts nothing when it cannot free them all."""
+        tier = self._tiers[t]
+        used = len(tier) + (self._staging.slots if t == 0 else 0)
+        need = used + count - tier.capacity
+        if need <= 0:
+            return True
+        victims = []
+        for key in tier.policy.candidates():
+            if key not in protect and not self._pins.is_pinned(key):
+                victims.append(key)
+                if len(victims) == need:
+                    break
+        else:
+            return False
+        for key in victims:
+            self._evict(t, key, protect)
+        return True
+
+    def _evict(self, t: int, key: BlockKey, protect: Container[BlockKey]) -> None:
+        """Move ``key`` from tier ``t`` one tier down, or out of the store from the last."""
+        tier = self._tiers[t]
+        self._tier_evictions[t] += 1
+        below = t + 1
+        if below < len(self._tiers) and (
+            key in self._tiers[below] or self._demote(tier, below, key, protect)
+        ):
+            self._stats.demotions += 1
+        elif all(key not in other for other in self._tiers if other is not tier):
+            self._stats.evictions += 1
+        tier.delete(key)
+
+    def _demote(self, tier: Tier, below: int, key: BlockKey, protect: Container[BlockKey]) -> bool:
+        if not self._make_room(below, protect):
+            return False
+        with tier.reading() as read:
+            src = read(key)
+            if src is None:
+                self._stats.corrupt += 1
+                return False
+            self._tiers[below].store(key, src)
+        return True
+
+    def _use(self, key: BlockKey, data: BlockArray, protect: set[BlockKey]) -> None:
+        """Record a hit on ``key`` and promote it to the top tier where policy says so."""
+        t = self._locate(key)
+        assert t is not None
+        source = self._tiers[t]
+        if t == 0 or not self.promote or self._pins.is_pinned(key):
+            source.touch(key)
+            return
+        if source.persistent:  # copy up; the persistent copy stays and counts as used
+            if not self._make_room(0, protect):
+                source.touch(key)
+                return
+            source.touch(key)
+        else:  # move up: free the slot first, so that the top tier's victim can swap into it
+            source.delete(key)
+            if not self._make_room(0, protect):
+                source.store(key, data)
+                return
+        self._tiers[0].store(key, data)
+        self._stats.promotions += 1
+
+    def _fresh(self, keys: Sequence[BlockKey]) -> dict[BlockKey, int]:
+        """The keys not stored yet, each with its first index; present keys count as used
+        and repeats as duplicates."""
+        fresh: dict[BlockKey, int] = {}
+        for i, key in enumerate(keys):
+            if key in fresh:
+                continue
+            where = self._locate(key)
+            if where is None:
+                fresh[key] = i
+            else:
+                self._tiers[where].touch(key)
+        self._stats.duplicates += len(keys) - len(fresh)
+        return fresh
+
+    def _drop_corrupt(self, keys: list[BlockKey]) -> None:
+        """Drop blocks found bad, for good (see Tier.discard); one purge for them all."""
+        shown = ", ".join(key.hex()[:16] for key in keys[:4])
+        _log.warning(
+            "%d corrupt block(s) dropped (%s): a miss, never wrong bytes", len(keys), shown
+        )
+        self._stats.corrupt += len(keys)
+        self._stats.misses += len(keys)
+        with self._batch():
+            for key in keys:
+                for tier in self._tiers:
+                    if key in tier and tier.persistent:
+                        tier.discard(key)
+
+    def _withdraw(self, keys: Iterable[BlockKey]) -> None:
+        """Take the blocks of a failed put or commit out of every tier. A disk delete
+        stands even when its batch fails, so that failure hides nothing: it is dropped."""
+        with contextlib.suppress(StoreError), self._batch():
+            for key in keys:
+                for tier in self._tiers:
+                    if key in tier:
+                        tier.delete(key)
+
+    def _check_lift_room(self, top: SlotTier, protect: set[BlockKey], lifts: int) -> None:
+        """Raise StoreFull unless the top tier can take ``lifts`` more blocks next to the
+        ones of ``protect`` it holds: slots of staged puts and pinned blocks stay."""
+        room = top.capacity - self._staging.slots - (len(protect) - lifts)
+        if lifts <= room - len(self._pins):  # a cheap bound first, as in _room
+            return
+        room -= sum(key in top and key not in protect for key in self._pins.pinned())
+        if lifts > room:
+            raise StoreFull(
+                f"{lifts} block(s) to copy up but the {top.name} tier can free at most "
+                f"{max(room, 0)} slot(s) (the others are pinned or staged)"
+            )
+
+    def _lift(self, t: int, key: BlockKey, protect: set[BlockKey]) -> bool:
+        """Copy ``key`` from tier ``t`` into the top tier (moving it out of a memory tier);
+        False when it is found bad (it is dropped, and nothing was moved for it)."""
+        source = self._tiers[t]
+        with source.reading() as read:
+            data = read(key)
+            if data is None:
+                self._drop_corrupt([key])
+                return False
+            if not self._make_room(0, protect):  # unreachable: pin_resident checked
+                raise StoreFull(f"the {self._tiers[0].name} tier has no unpinned slot")
+            self._tiers[0].store(key, data)
+        if not source.persistent:
+            source.delete(key)
+        self._stats.promotions += 1
+        return True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosed("the store is closed")
+
+    def _lifetime(self, ttl: float | None) -> float:
+        lifetime = self.pin_ttl if ttl is None else ttl
+        if not lifetime > 0:
+            raise ValueError(f"ttl must be positive, got {lifetime}")
+        return lifetime
+
+    def _release(self, lease: Lease) -> None:
+        with self._lock:
+            self._pins.release(lease.id, lease.keys)
