@@ -30,3 +30,16 @@ def payloads(ks: list[BlockKey], block_bytes: int) -> np.ndarray:
     for row, k in zip(out, ks, strict=True):
         row[:] = payload(k, block_bytes)
     return out
+
+
+class FakeClock:
+    """A clock for stores and leases that moves only when a test says so (no sleeps)."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import key, payloads
+from helpers import FakeClock, key, payloads
 
 from kvbridge.store import (
     FIFO,
@@ -148,12 +147,17 @@ def test_pinned_block_is_neither_demoted_nor_promoted(tmp_path: Path) -> None:
 
 
 def test_pins_expire() -> None:
-    with TieredStore(BB, host_capacity=2 * BB, pin_ttl=0.05) as s:
+    clock = FakeClock()
+    with TieredStore(BB, host_capacity=2 * BB, pin_ttl=5.0, clock=clock) as s:
         put(s, a, b)
         lease = s.pin([a, b])
         with pytest.raises(StoreFull):
             put(s, c)
-        time.sleep(0.1)
+        clock.advance(4.9)
+        assert not lease.expired
+        with pytest.raises(StoreFull):
+            put(s, c)  # still pinned just before the deadline
+        clock.advance(0.1)
         assert lease.expired
         put(s, c)  # the expired pins no longer hold the blocks
         assert order(s) == {"host": "bc"}

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import keys, payload, payloads
+from helpers import FakeClock, keys, payload, payloads
 
 from kvbridge.store import BlockNotFound, LeaseExpired, StoreFull, TieredStore
 
@@ -48,14 +47,15 @@ def test_present_and_repeated_keys_get_no_slot() -> None:
 
 
 def test_abort_and_expiry_give_the_slots_back() -> None:
-    with TieredStore(BB, host_capacity=2 * BB) as store:
+    clock = FakeClock()
+    with TieredStore(BB, host_capacity=2 * BB, clock=clock) as store:
         ks = keys(0, 4)
         lease, _ = store.stage(ks[:2])
         with pytest.raises(StoreFull):
             store.stage(ks[2:3])  # both slots are staged
         store.abort(lease)
-        short, _ = store.stage(ks[:2], ttl=0.05)
-        time.sleep(0.1)
+        short, _ = store.stage(ks[:2], ttl=5.0)
+        clock.advance(5.0)
         lease, slots = store.stage(ks[2:4])  # the expired lease was swept
         assert sorted(s for s in slots if s is not None) == [0, 1]
         with pytest.raises(LeaseExpired):
@@ -64,10 +64,11 @@ def test_abort_and_expiry_give_the_slots_back() -> None:
 
 
 def test_a_lease_that_expires_before_commit_stores_nothing() -> None:
-    with TieredStore(BB, host_capacity=2 * BB) as store:
+    clock = FakeClock()
+    with TieredStore(BB, host_capacity=2 * BB, clock=clock) as store:
         ks = keys(0, 2)
-        lease, _ = store.stage(ks, ttl=0.05)
-        time.sleep(0.1)
+        lease, _ = store.stage(ks, ttl=5.0)
+        clock.advance(5.0)
         with pytest.raises(LeaseExpired):
             store.commit(lease)
         assert store.contains(ks) == [False, False]
@@ -135,13 +136,12 @@ def test_an_ended_staging_keeps_its_slots_until_admitted_writes_land() -> None:
 
 
 def test_an_expired_staging_keeps_its_slots_until_admitted_writes_land() -> None:
-    clock = [0.0]
-    with TieredStore(BB, host_capacity=2 * BB) as store:
-        store._pins.clock = store._staging.clock = lambda: clock[0]  # type: ignore[method-assign]
+    clock = FakeClock()
+    with TieredStore(BB, host_capacity=2 * BB, clock=clock) as store:
         lease, slots = store.stage(keys(0, 2), owner=5, ttl=1.0)
         _, held = store.admit_writes(5, np.array([0]), np.array([1]))
         assert held == [lease]
-        clock[0] = 2.0  # expired mid-write
+        clock.advance(1.0)  # expired mid-write
         assert not store.admit_writes(5, np.array([0]), np.array([0]))[0].any()
         with pytest.raises(StoreFull):
             store.stage(keys(2, 4), owner=6)  # sweeps the expired lease, slots still held
