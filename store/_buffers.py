@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from ..transfer._device import is_device
 from ._errors import InvalidBlock
 
 BlockArray = Any
@@ -32,11 +33,6 @@ def cupy_module() -> ModuleType | None:
         return None
     module: ModuleType = cupy
     return module
-
-
-def is_device(obj: object) -> bool:
-    """True for GPU arrays (anything exposing ``__cuda_array_interface__``)."""
-    return hasattr(obj, "__cuda_array_interface__")
 
 
 def as_array(obj: object, *, writable: bool) -> BlockArray:

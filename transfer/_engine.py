@@ -29,6 +29,7 @@ import zmq
 
 from ._address import tcp_endpoint
 from ._control import ControlClient, ControlServer, RequestHandler
+from ._device import is_device
 from ._errors import EngineClosed, LocalProtocolError
 from ._handle import TransferHandle
 from ._metadata import EngineInfo
@@ -164,7 +165,7 @@ class TransferEngine:
         serving threads call it concurrently, so it must be thread-safe.
         """
         self._check_open()
-        if hasattr(buffer, "__cuda_array_interface__") and "ucx" not in self._transports:
+        if is_device(buffer) and "ucx" not in self._transports:
             raise LocalProtocolError("GPU memory moves over the ucx transport only")
         return self._regions.register(buffer, access, guard)
 

@@ -16,6 +16,8 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
+from ._device import is_device
+
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 """Most buffers one sendmsg/recvmsg_into call takes (1024 on Linux)."""
 
@@ -165,7 +167,7 @@ def byte_views(buffers: Sequence[bytes | memoryview]) -> list[memoryview]:
     cost ~120 us, checking them ~50 us. GPU region views (cupy arrays) pass unchanged."""
     return [
         b  # type: ignore[misc]  # a GPU view is not a memoryview, but is used like one
-        if (type(b) is memoryview and b.format == "B") or hasattr(b, "__cuda_array_interface__")
+        if (type(b) is memoryview and b.format == "B") or is_device(b)
         else memoryview(b).cast("B")
         for b in buffers
     ]

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from ._device import is_device
 from ._errors import AccessDenied, LocalProtocolError, RegionBusy
 from ._sessions import Caller
 
@@ -97,7 +98,7 @@ class Region:
     ) -> None:
         if access not in ACCESS_MODES:
             raise LocalProtocolError(f"access must be one of {ACCESS_MODES}, not {access!r}")
-        self.device = hasattr(buffer, "__cuda_array_interface__")
+        self.device = is_device(buffer)
         self.view: Any = _device_view(buffer) if self.device else _host_view(buffer)
         self.id = region_id
         self.length: int = self.view.nbytes

@@ -47,6 +47,7 @@ from typing import Any
 
 import numpy
 
+from ._device import is_device
 from ._errors import PeerClosed
 from ._pipes import Pipe, byte_views
 from ._protocol import HEADER
@@ -221,14 +222,14 @@ def _current_gpu() -> Any:
 
 def _pack(views: Sequence[Any]) -> bytes:
     """One message of small payloads; GPU views are copied to host memory first."""
-    return b"".join(v.get() if hasattr(v, "__cuda_array_interface__") else v for v in views)
+    return b"".join(v.get() if is_device(v) else v for v in views)
 
 
 def _unpack(staging: bytearray, views: Sequence[Any]) -> None:
     offset = 0
     for view in views:
         part = memoryview(staging)[offset : offset + view.nbytes]
-        if hasattr(view, "__cuda_array_interface__"):
+        if is_device(view):
             view.set(numpy.frombuffer(part, numpy.uint8))
         else:
             view[:] = part
