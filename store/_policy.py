@@ -1,11 +1,13 @@
 """Eviction policies: small objects that only order keys.
 
-A tier owns its index, its pins and its capacity; a policy is told what happened
-(``insert``, ``touch``, ``remove``) and answers one question: which keys to evict first
-(``candidates``, coldest first). The tier walks the candidates and skips the ones it cannot
-evict (pinned, or part of the batch being stored), so a policy never needs to know about pins.
+A tier owns its index and its capacity; a policy is told what happened (``insert``,
+``touch``, ``remove``) and answers one question: which keys to evict first (``candidates``,
+coldest first). The store walks the candidates (``Placement._make_room_for``) and skips the
+ones it cannot evict (pinned, or part of the batch being stored), so a policy never needs
+to know about pins.
 
-``reuse`` (:class:`ReuseLRU`) beats LRU on shared-prefix workloads; see its docstring.
+``TieredStore`` defaults to ``lru``; the cache server to ``reuse`` (:class:`ReuseLRU`), which
+beats LRU on shared-prefix workloads (figures in ``benches/README.md``).
 Every operation is O(1) (amortised). Add a policy by writing a class with these four methods
 and registering it in :data:`POLICIES`.
 """
@@ -74,8 +76,8 @@ class FIFO:
 
 
 class ReuseLRU:
-    """LRU that evicts blocks never reused before blocks that were: the default's better
-    for shared prefix caches.
+    """LRU that evicts blocks never reused before blocks that were: better than LRU for
+    shared prefix caches (the cache server's default).
 
     Why it works. In a prefix cache most blocks are used once: the tail of a conversation
     that never continues, a document asked about once. In the Kimi and synthetic Mooncake
@@ -90,20 +92,9 @@ class ReuseLRU:
     (so a block reused long ago cannot hold its slot forever). New blocks still get the
     whole cache while nothing was reused, so a workload without reuse runs as LRU.
 
-    Measured with ``kvbridge replay`` (token hit rate, 512-token blocks): at 3M tokens
-    0.179 against LRU's 0.141 on the conversation trace (1.27x) and 0.342 against 0.315 on
-    the synthetic one (1.08x); at 1M 0.105 / 0.157 against 0.053 / 0.142; at 6M 0.232 /
-    0.501 against 0.229 / 0.466. Where the cache nearly holds the working set it can lose a
-    little: at 8M and 16M tokens on the conversation trace 0.249 and 0.319 against LRU's
-    0.259 and 0.325 (the synthetic trace: 0.567 / 0.639 against 0.536 / 0.637). Nothing in
-    it knows a trace: its only constants are ratios to the cache's own size.
-
-    What it leaves: on the synthetic trace the rest of the room is in telling a reused
-    block whose conversation has ended from one whose next turn is late, and the turns'
-    gaps there are close to exponential. ``benches/policy_bounds.py`` measures the bounds:
-    a perfect detector of dead reused blocks on top of this rule would reach 1.36x LRU;
-    a hit-density ranking given the exact per-class statistics of use count, request
-    length and last reuse interval reaches 1.15x.
+    Nothing in it knows a trace: its only constants are ratios to the cache's own size.
+    What it gains over LRU on the Mooncake traces, where it loses, and how far an online
+    policy could go there: ``benches/README.md`` ("Prefix-cache hit rate by eviction policy").
 
     All operations are O(1): two ordered dicts and a bounded ghost dict; ``candidates``
     merges the two queues' heads lazily.

@@ -29,8 +29,9 @@ Accept = Callable[[Pipe], None]
 class Transport(Protocol):
     name: str
     frame_bytes: int
-    device_memory: bool
     """Smallest frame size that suits the transport (the engine uses at least this)."""
+    device_memory: bool
+    """Whether its pipes can carry GPU memory (cupy arrays) as well as host memory."""
 
     def address(self) -> dict[str, Any]:
         """How peers reach this transport (goes into the engine's metadata)."""
