@@ -61,3 +61,24 @@ def test_wheel_holds_only_the_kvbridge_package(tmp_path: Path) -> None:
     assert out.strip().startswith(str(site))
     # No bare top-level component module sneaks in.
     assert not any(n.startswith(("store/", "transfer/", "tools/", "bindings/")) for n in names)
+
+
+def test_a_plain_store_user_does_not_load_the_server() -> None:
+    """``import kvbridge.store`` loads neither pyzmq, prometheus-client nor the transfer
+    engine: the client and server load on first use (PEP 562), and still import by name."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    probe = (
+        "import sys, kvbridge.store as s\n"
+        "heavy = [m for m in ('zmq', 'prometheus_client', 'kvbridge.transfer._engine')"
+        " if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+        "assert s.StoreClient.__name__ == 'StoreClient' and 'zmq' in sys.modules\n"
+        "from kvbridge.transfer import TransferEngine, Caller\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], check=False, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

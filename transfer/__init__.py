@@ -16,7 +16,11 @@ request handler and a region guard are given and return), and the errors (all
 :class:`TransferError`).
 """
 
-from ._engine import TRANSPORTS, Notification, TransferEngine
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ._errors import (
     AccessDenied,
     AuthenticationError,
@@ -28,14 +32,45 @@ from ._errors import (
     RemoteProtocolError,
     TransferError,
 )
-from ._handle import TransferHandle
-from ._ops import OP_DTYPE
-from ._peer import Peer
-from ._regions import Admission, Region, RegionInfo
-from ._sessions import Caller
-from ._settings import TransferSettings
-from ._streams import NotifyRefused
-from ._ucx import ucx_available
+
+if TYPE_CHECKING:
+    from ._engine import TRANSPORTS, Notification, TransferEngine
+    from ._handle import TransferHandle
+    from ._ops import OP_DTYPE
+    from ._peer import Peer
+    from ._regions import Admission, Region, RegionInfo
+    from ._sessions import Caller
+    from ._settings import TransferSettings
+    from ._streams import NotifyRefused
+    from ._ucx import ucx_available
+
+_LAZY = {
+    "TRANSPORTS": "._engine",
+    "Notification": "._engine",
+    "TransferEngine": "._engine",
+    "TransferHandle": "._handle",
+    "OP_DTYPE": "._ops",
+    "Peer": "._peer",
+    "Admission": "._regions",
+    "Region": "._regions",
+    "RegionInfo": "._regions",
+    "Caller": "._sessions",
+    "TransferSettings": "._settings",
+    "NotifyRefused": "._streams",
+    "ucx_available": "._ucx",
+}
+"""The engine (pyzmq, threads) loads on first use: the store's modules that need only a
+wire constant or a check from here do not pay for it."""
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "OP_DTYPE",
