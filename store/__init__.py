@@ -63,8 +63,8 @@ _LAZY = {
     "UnknownNamespace": "._wire",
 }
 """The client and the server load on first use: a plain store user does not pay for
-pyzmq, prometheus-client and the transfer engine (``import kvbridge.store``: 0.23 s warm,
-0.9 s cold, before; see the README's development notes for the figure now)."""
+pyzmq, prometheus-client and the transfer engine (``python -X importtime``: 96 ms for
+``import kvbridge.store`` on the development machine, 229 ms when they loaded eagerly)."""
 
 
 def __getattr__(name: str) -> Any:
