@@ -35,9 +35,9 @@ from ..transfer import (
 )
 from ._buffers import as_array, split_blocks
 from ._errors import InvalidBlock, LeaseExpired
-from ._keys import BlockKey, namespace_bytes
-from ._placement import check_keys
+from ._keys import BlockKey, check_keys, namespace_bytes
 from ._server_config import DEFAULT_PORT
+from ._sizes import positive_int
 from ._stats import StoreStats, TierStats
 from ._wire import ERRORS, MAX_KEYS_PER_REQUEST, error_for, raise_error
 
@@ -67,8 +67,7 @@ class StoreClient:
         timeout: float = 30.0,
         engine: TransferEngine | None = None,
     ) -> None:
-        if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes <= 0:
-            raise ValueError(f"block_bytes must be a positive int, got {block_bytes!r}")
+        positive_int("block_bytes", block_bytes)
         self.block_bytes = block_bytes
         self.namespace = namespace_bytes(namespace)
         self._own_engine = engine is None

@@ -33,7 +33,9 @@ import blake3
 import numpy as np
 import xxhash
 
+from ._buffers import as_sequence
 from ._errors import InvalidKey, InvalidTokens, StoreError
+from ._sizes import positive_int
 
 BlockKey = NewType("BlockKey", bytes)
 """A block's key: 32 bytes (BLAKE3) or 16 bytes (XXH3-128)."""
@@ -90,8 +92,7 @@ def prefix_hashes(
     ``ValueError`` for a non-positive ``block_tokens`` or unknown ``algo``, and
     :class:`InvalidKey` for a ``parent`` of the wrong length.
     """
-    if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens <= 0:
-        raise ValueError(f"block_tokens must be a positive int, got {block_tokens!r}")
+    positive_int("block_tokens", block_tokens)
     if not isinstance(algo, str) or algo not in KEY_BYTES:
         raise ValueError(f"unknown hash algorithm {algo!r}; choose one of {sorted(KEY_BYTES)}")
     ns = namespace_bytes(namespace)
@@ -180,8 +181,21 @@ def _token_array(token_ids: object) -> np.ndarray:
     return arr
 
 
+KEY_LENGTHS = frozenset(KEY_BYTES.values())
+"""The lengths a block key may have (one per hash algorithm)."""
+
+
 def validate_key(key: object) -> BlockKey:
     """Return ``key`` as a :data:`BlockKey` or raise :class:`InvalidKey`."""
-    if type(key) is not bytes or len(key) not in (16, 32):
+    if type(key) is not bytes or len(key) not in KEY_LENGTHS:
         raise InvalidKey(f"a block key is 16 or 32 bytes, got {type(key).__name__} {key!r:.40}")
     return BlockKey(key)
+
+
+def check_keys(keys: Sequence[bytes]) -> Sequence[BlockKey]:
+    """Validate every key (a 16- or 32-byte ``bytes``) before anything else happens."""
+    checked = as_sequence(keys, "keys")
+    for key in checked:
+        if type(key) is not bytes or len(key) not in KEY_LENGTHS:
+            validate_key(key)  # raises InvalidKey with the details
+    return checked

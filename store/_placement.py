@@ -15,13 +15,13 @@ import logging
 import threading
 from collections.abc import Container, Iterable, Iterator, Sequence
 
-from ._buffers import BlockArray, as_sequence
+from ._buffers import BlockArray
 from ._errors import (
     StoreClosed,
     StoreError,
     StoreFull,
 )
-from ._keys import KEY_BYTES, BlockKey, validate_key
+from ._keys import BlockKey
 from ._pins import Lease, PinTable
 from ._slots import SlotTier
 from ._staging import StagingTable
@@ -29,16 +29,6 @@ from ._stats import StoreStats
 from ._tier import Tier
 
 _log = logging.getLogger("kvbridge.store")
-_KEY_LENGTHS = frozenset(KEY_BYTES.values())
-
-
-def check_keys(keys: Sequence[bytes]) -> Sequence[BlockKey]:
-    """Validate every key (a 16- or 32-byte ``bytes``) before anything else happens."""
-    checked = as_sequence(keys, "keys")
-    for key in checked:
-        if type(key) is not bytes or len(key) not in _KEY_LENGTHS:
-            validate_key(key)  # raises InvalidKey with the details
-    return checked
 
 
 class Placement:

@@ -21,9 +21,9 @@ from ._errors import (
     StoreFull,
     TierUnavailable,
 )
-from ._keys import BlockKey
+from ._keys import BlockKey, check_keys
 from ._pins import Lease
-from ._placement import Placement, check_keys
+from ._placement import Placement
 from ._slots import SlotTier
 from ._staging import NO_OWNER, Staging
 

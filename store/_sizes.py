@@ -27,6 +27,13 @@ MAX_SIZE = (1 << 63) - 1
 """A size must fit in an int64: numpy offsets and the LMDB map size are 64-bit signed."""
 
 
+def positive_int(name: str, value: object) -> int:
+    """``value`` if it is a positive ``int`` (not a bool), else ``ValueError`` naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
 def parse_size(value: int | str) -> int:
     """Return a byte count from an int or a string like ``"4GiB"``, ``"1.5 GB"`` or ``"0"``.
 

@@ -40,8 +40,8 @@ from ._errors import (
     StoreError,
     StoreFull,
 )
+from ._keys import check_keys
 from ._pins import DEFAULT_PIN_TTL_S, Lease, PinTable
-from ._placement import check_keys
 from ._remote import RemoteAccess
 from ._slots import SlotTier
 from ._spill import spill

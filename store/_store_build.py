@@ -9,7 +9,7 @@ from typing import Literal
 from ._disk import DiskTier
 from ._keys import namespace_bytes
 from ._policy import EvictionPolicy, make_policy
-from ._sizes import parse_size
+from ._sizes import parse_size, positive_int
 from ._slab import DeviceSlab, HostSlab
 from ._slots import SlotTier
 from ._tier import Tier
@@ -33,8 +33,7 @@ def build_tiers(
 ) -> list[Tier]:
     """The tiers, highest first (device, host, disk; those with a capacity). Every setting
     is checked before anything is allocated; tiers already made are closed on a failure."""
-    if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes <= 0:
-        raise ValueError(f"block_bytes must be a positive int, got {block_bytes!r}")
+    positive_int("block_bytes", block_bytes)
     make_policy(policy)  # reject an unknown name before allocating anything
     device_slots = _slots("device_capacity", device_capacity, block_bytes)
     host_slots = _slots("host_capacity", host_capacity, block_bytes)

@@ -39,12 +39,10 @@ from ._errors import (
     StoreError,
     StoreFull,
 )
-from ._keys import KEY_BYTES
+from ._keys import KEY_LENGTHS, validate_key
 
 MAX_KEYS_PER_REQUEST = 16384
 """Keys in one request: 16,384 keys of 32 bytes are 0.5 MiB, inside the 1 MiB control limit."""
-
-_KEY_LENGTHS = frozenset(KEY_BYTES.values())
 
 
 class BadRequest(StoreError, ValueError):
@@ -137,6 +135,6 @@ def keys_field(message: dict[str, Any]) -> list[bytes]:
     if len(keys) > MAX_KEYS_PER_REQUEST:
         raise BadRequest(f"{len(keys)} keys in one request; at most {MAX_KEYS_PER_REQUEST}")
     for key in keys:
-        if type(key) is not bytes or len(key) not in _KEY_LENGTHS:
-            raise InvalidKey(f"a key must be 16 or 32 bytes, got {key!r:.60}")
+        if type(key) is not bytes or len(key) not in KEY_LENGTHS:
+            validate_key(key)  # raises InvalidKey naming it
     return keys
