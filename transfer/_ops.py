@@ -17,7 +17,7 @@ import numpy as np
 
 from ._errors import LocalProtocolError
 from ._protocol import DESCRIPTOR, MAX_OPS_PER_FRAME
-from ._regions import Region, RegionInfo, RegionTable, distinct
+from ._regions import Region, RegionInfo, RegionTable, distinct, outside
 
 OP_DTYPE = np.dtype(
     [
@@ -113,8 +113,7 @@ def check(
 
 def _check_bounds(ops: np.ndarray, side: str, region_id: int, length: int) -> None:
     mine = ops[f"{side}_region"] == region_id
-    offset, size = ops[f"{side}_offset"], ops["length"]
-    bad = mine & ((offset > length) | (size > length) | (offset + size > length))
+    bad = mine & outside(ops[f"{side}_offset"], ops["length"], length)
     if bad.any():
         index = int(np.argmax(bad))
         raise LocalProtocolError(

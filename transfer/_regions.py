@@ -239,6 +239,14 @@ class RegionTable:
         return views, use
 
 
+def outside(offsets: np.ndarray, lengths: np.ndarray, region_length: int) -> np.ndarray:
+    """Per op, whether ``offset..offset+length`` leaves a region of ``region_length`` bytes
+    (each operand is bounded first, so the unsigned sum cannot wrap around)."""
+    too_far = (offsets > region_length) | (lengths > region_length)
+    result: np.ndarray = too_far | (offsets + lengths > region_length)
+    return result
+
+
 def _check(ops: np.ndarray, region_id: int, region: Region, access: str, device_ok: bool) -> None:
     """Raise :class:`AccessDenied` at the first op on ``region`` it must not run."""
     mine = ops["region"] == region_id
@@ -251,9 +259,7 @@ def _check(ops: np.ndarray, region_id: int, region: Region, access: str, device_
     if not bad.any() and region.device and not device_ok:
         bad, reason = mine, f"region {region_id} is GPU memory: it moves over ucx only"
     if not bad.any():
-        ends = ops["offset"] + ops["length"]
-        too_far = (ops["offset"] > region.length) | (ops["length"] > region.length)
-        bad = mine & (too_far | (ends > region.length))
+        bad = mine & outside(ops["offset"], ops["length"], region.length)
         reason = f"bytes outside region {region_id} ({region.length} bytes)"
     if bad.any():
         index = int(np.argmax(bad))
