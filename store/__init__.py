@@ -14,9 +14,9 @@ Public surface:
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from .._lazy import lazy
 from ._disk import CheckReport, DiskTier
 from ._errors import (
     BlockNotFound,
@@ -67,13 +67,7 @@ pyzmq, prometheus-client and the transfer engine (``python -X importtime``: 96 m
 ``import kvbridge.store`` on the development machine, 229 ms when they loaded eagerly)."""
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy(__name__, _LAZY, globals())
 
 
 __all__ = [

@@ -18,9 +18,9 @@ request handler and a region guard are given and return), and the errors (all
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from .._lazy import lazy
 from ._errors import (
     AccessDenied,
     AuthenticationError,
@@ -63,13 +63,7 @@ _LAZY = {
 wire constant or a check from here do not pay for it."""
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy(__name__, _LAZY, globals())
 
 
 __all__ = [
