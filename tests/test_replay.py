@@ -1,5 +1,6 @@
-"""`kvbridge replay` against the reference figures of ../shared/traces/README.md, and the
-`reuse` eviction policy."""
+"""`kvbridge replay` against the reference hit rates published with the Mooncake traces
+(tests/data/traces/README.md says where the traces come from), and the `reuse` eviction
+policy."""
 
 from __future__ import annotations
 

@@ -2,11 +2,12 @@
 
 The replay runs the store's own eviction policies (``kvbridge.store.POLICIES``, the same
 objects a ``TieredStore`` tier calls) over an index of block keys, without payload bytes.
-Semantics (those of ``../shared/traces/README.md``): a request's hit is the number of its
-leading blocks present, times 512 tokens, capped at its ``input_length``; the hit rate is
-the sum of hits over the sum of ``input_length``; after its lookup every block of the
-request is stored (or, if present, touched), evicting the policy's coldest block while the
-cache is full. Capacity counts 512-token blocks (``tokens // 512``).
+Semantics (those of the reference hit rates published with the Mooncake traces, which
+``tests/test_replay.py`` reproduces): a request's hit is the number of its leading blocks
+present, times 512 tokens, capped at its ``input_length``; the hit rate is the sum of hits
+over the sum of ``input_length``; after its lookup every block of the request is stored (or,
+if present, touched), evicting the policy's coldest block while the cache is full. Capacity
+counts 512-token blocks (``tokens // 512``).
 
 ``belady`` is the offline optimum for reference: it evicts the block whose next use is
 farthest in the future (it reads the whole trace first).
@@ -209,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     try:
         if not args.trace:
-            raise ValueError("give a trace file (see ../shared/traces)")
+            raise ValueError("give a trace file (Mooncake JSONL; tests/data/traces has two)")
         requests = load_requests(args.trace)
         capacities = [parse_tokens(c) for c in (args.capacity or ["3M"])]
         policies = args.policy or ["lru", "reuse"]
