@@ -18,7 +18,7 @@ import pytest
 from attack import descriptors
 
 from kvbridge.transfer import TransferEngine
-from kvbridge.transfer import _engine as engine_module
+from kvbridge.transfer import _served as served_module
 from kvbridge.transfer._protocol import Connection, Role
 
 KiB = 1 << 10
@@ -92,7 +92,7 @@ def test_a_connection_flood_is_capped_and_leaves_room_afterwards(
     pair: tuple[TransferEngine, TransferEngine], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     a, b = pair
-    monkeypatch.setattr(engine_module, "MAX_SERVED_STREAMS", 8)
+    monkeypatch.setattr(served_module, "MAX_SERVED_STREAMS", 8)
     flood = [socket.create_connection(_data_address(b)) for _ in range(40)]
     time.sleep(0.3)
     served = len(b._served)
@@ -194,8 +194,8 @@ def test_silent_connections_cannot_keep_a_peer_out(
     served-stream slots for the whole greeting timeout, so honest peers could not connect;
     now a newcomer pushes out the oldest silent one."""
     a, b = pair
-    monkeypatch.setattr(engine_module, "MAX_SERVED_STREAMS", 32)
-    monkeypatch.setattr(engine_module, "MAX_UNGREETED_STREAMS", 8)
+    monkeypatch.setattr(served_module, "MAX_SERVED_STREAMS", 32)
+    monkeypatch.setattr(served_module, "MAX_UNGREETED_STREAMS", 8)
     flood = [socket.create_connection(_data_address(b)) for _ in range(64)]
     try:
         for _ in range(5):

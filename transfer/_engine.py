@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -33,26 +33,18 @@ from ._device import is_device
 from ._errors import EngineClosed, LocalProtocolError
 from ._handle import TransferHandle
 from ._metadata import EngineInfo
-from ._peer import Peer
+from ._peer import EngineSide, Peer
 from ._pipes import Pipe
 from ._regions import Guard, Region, RegionTable
+from ._served import ServedStreams
 from ._sessions import Caller, SessionTable
 from ._settings import TransferSettings
-from ._streams import ServeHooks, serve
+from ._streams import ServeHooks
 from ._transports import MemoryTransport, TcpTransport, Transport
 from ._ucx import UcxTransport, ucx_available
 from ._watchdog import Watchdog
 
 TRANSPORTS = ("tcp", "ucx", "memory")
-
-MAX_SERVED_STREAMS = 1024
-"""Data streams served at once (a thread each); more are closed as they arrive, so a flood
-of connections cannot exhaust threads. Sessions cap their own streams too (``_sessions``)."""
-
-MAX_UNGREETED_STREAMS = 64
-"""Streams not yet past their greeting at once. A newcomer pushes out the oldest: an honest
-peer greets within a round trip of connecting, so connections that sit silent (a flood by
-someone without the secret) can neither fill the served streams nor keep peers out."""
 
 _log = logging.getLogger("kvbridge.transfer")
 
@@ -103,8 +95,6 @@ class TransferEngine:
         self._sessions = SessionTable()
         self._lock = threading.Lock()
         self._closed = False
-        self._served: dict[Pipe, threading.Thread] = {}
-        self._ungreeted: OrderedDict[Pipe, None] = OrderedDict()
         self._peers: list[Peer] = []
         self._inbox: deque[Notification] = deque()
         self._notify_handler: Callable[[Caller, bytes], None] | None = None
@@ -119,6 +109,17 @@ class TransferEngine:
         }
         self._context: zmq.Context[Any] = zmq.Context()
         self._watchdog = Watchdog()
+        self._served = ServedStreams(self.name, self._regions, self._serve_hooks)
+        self._side = EngineSide(
+            name=self.name,
+            settings=self.settings,
+            secret=self._secret,
+            context=self._context,
+            regions=self._regions,
+            watchdog=self._watchdog,
+            check_open=self._check_open,
+            settled=self._settled,
+        )
         self._transports: dict[str, Transport] = {}
         try:
             for transport in chosen:
@@ -139,14 +140,14 @@ class TransferEngine:
             return TcpTransport(
                 host,
                 self.settings.data_port,
-                self._accept,
+                self._served.accept,
                 socket_buffer=self.settings.socket_buffer,
             )
         if transport == "ucx":
             if not ucx_available():
                 raise LocalProtocolError("the ucx transport needs ucxx: pip install kvbridge[ucx]")
-            return UcxTransport(self._accept)
-        return MemoryTransport(self._accept)
+            return UcxTransport(self._served.accept)
+        return MemoryTransport(self._served.accept)
 
     # -- regions and metadata ----------------------------------------------------------
 
@@ -246,7 +247,7 @@ class TransferEngine:
                 f"no common transport: we have {list(self._transports)}, "
                 f"{info.name} offers {list(info.transports)}"
             )
-        peer = Peer(self, info, transport)
+        peer = Peer(self._side, info, transport)
         with self._lock:
             self._peers.append(peer)
         return peer
@@ -291,12 +292,7 @@ class TransferEngine:
             control.close()
         for transport in self._transports.values():
             transport.close()
-        with self._lock:
-            served = list(self._served.items())
-        for pipe, thread in served:
-            pipe.close()
-            if thread.ident is not None:  # a thread that failed to start has nothing to join
-                thread.join()
+        self._served.close()
         self._sessions.on_end = None
         self._watchdog.close()
         self._context.term()
@@ -318,58 +314,16 @@ class TransferEngine:
         if self._closed:
             raise EngineClosed(f"engine {self.name} is closed")
 
-    def _accept(self, pipe: Pipe) -> None:
-        """A peer opened a data stream: serve it on a thread this engine owns. Past
-        :data:`MAX_SERVED_STREAMS`, or when no thread can be started, the stream is closed
-        (and logged); the listener goes on accepting."""
-        thread = threading.Thread(target=self._serve, args=(pipe,), daemon=True)
-        pushed_out: Pipe | None = None
-        with self._lock:
-            refused = self._closed or len(self._served) >= MAX_SERVED_STREAMS
-            if not refused:
-                self._served[pipe] = thread
-                thread.name = f"kvbridge-serve-{len(self._served)}"
-                self._ungreeted[pipe] = None
-                if len(self._ungreeted) > MAX_UNGREETED_STREAMS:
-                    pushed_out = self._ungreeted.popitem(last=False)[0]
-        if pushed_out is not None:
-            pushed_out.close()  # its serve thread wakes with an error and ends
-        if refused:
-            if not self._closed:
-                _log.warning(
-                    "%s: %d streams served already: one refused", self.name, MAX_SERVED_STREAMS
-                )
-            pipe.close()
-            return
-        try:
-            thread.start()
-        except RuntimeError as exc:  # can't start new thread: process or memory limits
-            _log.error("%s: cannot serve a stream: %s", self.name, exc)
-            with self._lock:
-                self._served.pop(pipe, None)
-                self._ungreeted.pop(pipe, None)
-            pipe.close()
-
-    def _serve(self, pipe: Pipe) -> None:
-        hooks = ServeHooks(
+    def _serve_hooks(self, greeted: Callable[[Pipe], None]) -> ServeHooks:
+        return ServeHooks(
             sessions=self._sessions,
             on_notify=self._notify,
             on_bytes=self._count_served,
             handshake_timeout=self.settings.connect_timeout,
             frame_timeout=self.settings.timeout,
             watch=self._watchdog.watch,
-            greeted=self._greeted,
+            greeted=greeted,
         )
-        try:
-            serve(pipe, self._regions, hooks)
-        finally:
-            with self._lock:
-                self._served.pop(pipe, None)
-                self._ungreeted.pop(pipe, None)
-
-    def _greeted(self, pipe: Pipe) -> None:
-        with self._lock:
-            self._ungreeted.pop(pipe, None)
 
     def _notify(self, caller: Caller, message: bytes) -> None:
         handler = self._notify_handler

@@ -69,9 +69,9 @@ class TransferHandle:
         self.add_done_callback(settle)
         return future.__await__()
 
-    # -- for the engine ----------------------------------------------------------------
+    # -- for the engine (its batches complete handles through these; callers do not) --
 
-    def _part_done(self) -> None:
+    def part_done(self) -> None:
         """One part (a frame, or the notification) is done."""
         with self._lock:
             if self._settling:
@@ -81,7 +81,7 @@ class TransferHandle:
         if last:
             self._settle()
 
-    def _fail(self, error: TransferError) -> None:
+    def fail(self, error: TransferError) -> None:
         with self._lock:
             if self._settling:
                 return

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+import zmq
 
 from ._control import ControlClient
 from ._errors import LocalProtocolError, PeerClosed, TransferError
@@ -14,12 +17,29 @@ from ._handle import TransferHandle
 from ._metadata import EngineInfo
 from ._ops import FramePlan, check, normalize, plan
 from ._protocol import MAX_CONTROL_BYTES
-from ._regions import RegionInfo
+from ._regions import Region, RegionInfo, RegionTable
 from ._sessions import Credentials
+from ._settings import TransferSettings
 from ._streams import InitiatorStream, Pending
+from ._watchdog import Watchdog
 
-if TYPE_CHECKING:
-    from ._engine import TransferEngine
+
+@dataclass(frozen=True)
+class EngineSide:
+    """What a :class:`Peer` uses of the engine that made it: the seam between the two,
+    named (a peer touches nothing else of the engine)."""
+
+    name: str
+    settings: TransferSettings
+    secret: bytes | None
+    context: zmq.Context[Any]
+    regions: RegionTable
+    watchdog: Watchdog
+    check_open: Callable[[], None]
+    """Raises ``EngineClosed`` once the engine is closed."""
+    settled: Callable[[TransferHandle, str, list[Region]], None]
+    """A batch is done or failed: release its local regions and count it."""
+
 
 _REQUEST_IDS = itertools.count(1)  # 0 is the stream HELLO
 
@@ -27,12 +47,19 @@ _REQUEST_IDS = itertools.count(1)  # 0 is the stream HELLO
 class _Batch:
     """Counts a batch's frames down to completion and turns errors into batch errors."""
 
-    def __init__(self, peer: Peer, ops: np.ndarray, handle: TransferHandle, notify: bytes | None):
+    def __init__(
+        self,
+        peer: Peer,
+        ops: np.ndarray,
+        handle: TransferHandle,
+        notify: bytes | None,
+        frames: int,
+    ) -> None:
         self.peer = peer
         self.ops = ops
         self.handle = handle
         self.notify = notify
-        self._writes_left = handle._parts - (1 if notify is not None else 0)
+        self._writes_left = frames
         self._lock = threading.Lock()
 
     def frame_done(self) -> None:
@@ -41,7 +68,7 @@ class _Batch:
             with self._lock:
                 self._writes_left -= 1
                 send_notify = self._writes_left == 0
-        self.handle._part_done()
+        self.handle.part_done()
         if send_notify:
             self.peer._send_notify(self)
 
@@ -56,7 +83,7 @@ class _Batch:
                 op_index=index,
                 code=error.code,
             )
-        self.handle._fail(error)
+        self.handle.fail(error)
 
 
 class Peer:
@@ -67,7 +94,7 @@ class Peer:
     protocol error) the peer is closed: :meth:`reconnect` or ``engine.connect`` again.
     """
 
-    def __init__(self, engine: TransferEngine, info: EngineInfo, transport: Any) -> None:
+    def __init__(self, engine: EngineSide, info: EngineInfo, transport: Any) -> None:
         self._engine = engine
         self._info = info
         self._transport = transport
@@ -87,9 +114,9 @@ class Peer:
 
     def _connect(self) -> None:
         settings = self._engine.settings
-        client = ControlClient(self._engine._context, self._info.control, settings.connect_timeout)
+        client = ControlClient(self._engine.context, self._info.control, settings.connect_timeout)
         try:
-            credentials, fresh = client.handshake(self._engine.name, self._engine._secret)
+            credentials, fresh = client.handshake(self._engine.name, self._engine.secret)
         finally:
             client.close()
         info = EngineInfo.decode(fresh)  # a restarted peer listens on new data ports
@@ -119,7 +146,7 @@ class Peer:
     def refresh(self) -> dict[int, RegionInfo]:
         """Fetch the peer's current regions over the control plane."""
         client = ControlClient(
-            self._engine._context, self._info.control, self._engine.settings.connect_timeout
+            self._engine.context, self._info.control, self._engine.settings.connect_timeout
         )
         try:
             self.regions = dict(EngineInfo.decode(client.metadata(self._session())).regions)
@@ -137,7 +164,7 @@ class Peer:
             if self._error is not None:
                 raise PeerClosed(f"peer {self.name} is closed: {self._error}")
             if self._calls is None:
-                self._calls = ControlClient(self._engine._context, self._info.control, wait)
+                self._calls = ControlClient(self._engine.context, self._info.control, wait)
             self._calls.timeout = wait
             try:
                 return self._calls.call(self._session(), body)
@@ -154,7 +181,7 @@ class Peer:
                 raise PeerClosed(f"peer {self.name} is closed: {self._error}")
             if self._calls is None:
                 wait = self._engine.settings.timeout
-                self._calls = ControlClient(self._engine._context, self._info.control, wait)
+                self._calls = ControlClient(self._engine.context, self._info.control, wait)
             self._calls.cast(self._session(), body)
 
     def _session(self) -> Credentials:
@@ -217,18 +244,18 @@ class Peer:
 
     def _submit(self, ops: Any, access: str, notify: bytes | None) -> TransferHandle:
         engine = self._engine
-        engine._check_open()
+        engine.check_open()
         batch_ops = normalize(ops)
         local = check(
             batch_ops,
-            engine._regions,
+            engine.regions,
             self.regions,
             access,
             device_ok=self._transport.device_memory,
         )
         frames = plan(
             batch_ops,
-            engine._regions,
+            engine.regions,
             self.regions,
             slice_bytes=engine.settings.slice_bytes,
             frame_bytes=max(engine.settings.frame_bytes, self._transport.frame_bytes),
@@ -241,19 +268,19 @@ class Peer:
             first = self._next_stream
             self._next_stream += len(frames)
         nbytes = sum(frame.nbytes for frame in frames)
-        engine._regions.acquire(local)
+        engine.regions.acquire(local)
         handle = TransferHandle(
             nbytes,
             len(frames) + (1 if notify is not None else 0),
-            on_settle=lambda settled: engine._settled(settled, access, local),
+            on_settle=lambda settled: engine.settled(settled, access, local),
         )
-        batch = _Batch(self, batch_ops, handle, notify)
+        batch = _Batch(self, batch_ops, handle, notify, len(frames))
         if handle.done:
             return handle
         if not frames:  # a notification alone
             self._send_notify(batch)
             return handle
-        engine._watchdog.watch(
+        engine.watchdog.watch(
             engine.settings.timeout, lambda: handle.done, lambda: self._expired(batch)
         )
         for i, frame in enumerate(frames):
@@ -292,7 +319,7 @@ class Peer:
             return
         stream = streams[0]
         request_id = next(_REQUEST_IDS)
-        pending = Pending(on_done=batch.handle._part_done, on_error=batch.fail)
+        pending = Pending(on_done=batch.handle.part_done, on_error=batch.fail)
         try:
             stream.submit(request_id, [stream.conn.notify(request_id, batch.notify)], pending, 0)
         except TransferError as exc:
