@@ -19,12 +19,12 @@ import contextlib
 import secrets
 import time
 from collections.abc import Iterator, Sequence
-from types import TracebackType
 from typing import Any
 
 import msgpack
 import numpy as np
 
+from .._closing import Closing
 from ..transfer import (
     OP_DTYPE,
     AuthenticationError,
@@ -48,7 +48,7 @@ request left) ran under the pin for sure; later ones ask the server whether it h
 _Locations = tuple[np.ndarray, np.ndarray]  # per key: local region id, offset in it
 
 
-class StoreClient:
+class StoreClient(Closing):
     """A connection to ``kvbridge serve`` for one namespace and block size.
 
     ``address`` is ``host:port``. ``secret`` must match the server's. ``transports`` are
@@ -180,17 +180,6 @@ class StoreClient:
             peer.close()
         if self._own_engine:
             self.engine.close()
-
-    def __enter__(self) -> StoreClient:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     # -- awaitable twins ---------------------------------------------------------------
 

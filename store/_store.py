@@ -29,9 +29,9 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from types import TracebackType
 from typing import Literal
 
+from .._closing import Closing
 from ._buffers import BlockArray, copy_blocks, split_blocks
 from ._disk import CheckReport, DiskTier
 from ._errors import (
@@ -53,7 +53,7 @@ from ._tier import Tier
 _log = logging.getLogger("kvbridge.store")
 
 
-class TieredStore(RemoteAccess):
+class TieredStore(RemoteAccess, Closing):
     """A KV-block store over device, host and disk tiers (any subset, in that order).
 
     ``block_bytes`` is the fixed size of every block. Capacities are bytes or strings like
@@ -372,16 +372,5 @@ class TieredStore(RemoteAccess):
             finally:
                 for tier in self._tiers:
                     tier.close()
-
-    def __enter__(self) -> TieredStore:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     # -- internals ---------------------------------------------------------------------

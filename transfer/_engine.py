@@ -22,11 +22,11 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
 import zmq
 
+from .._closing import Closing
 from ._address import tcp_endpoint
 from ._control import ControlClient, ControlServer, RequestHandler
 from ._device import is_device
@@ -57,7 +57,7 @@ class Notification:
     message: bytes
 
 
-class TransferEngine:
+class TransferEngine(Closing):
     """Moves bytes between registered regions of engines, over TCP streams or in memory.
 
     ``host``/``port``: where the control socket listens (127.0.0.1 and a free port by
@@ -296,17 +296,6 @@ class TransferEngine:
         self._sessions.on_end = None
         self._watchdog.close()
         self._context.term()
-
-    def __enter__(self) -> TransferEngine:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     # -- internals ---------------------------------------------------------------------
 

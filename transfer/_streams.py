@@ -20,6 +20,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from ._errors import (
     AccessDenied,
@@ -42,7 +43,7 @@ from ._protocol import (
     Role,
     Write,
 )
-from ._regions import RegionTable
+from ._regions import RegionTable, Use
 from ._sessions import Caller, SessionTable
 
 _log = logging.getLogger("kvbridge.transfer")
@@ -332,33 +333,43 @@ def _notify(served: _Served, event: Notify) -> None:
 
 
 def _receive_write(served: _Served, event: Write) -> None:
-    conn, pipe, regions = served.conn, served.pipe, served.regions
-    try:
-        views, use = regions.resolve(event.ops, "w", served.caller, device_ok=pipe.device_memory)
-    except AccessDenied as exc:
-        pipe.discard(event.ops["length"].tolist())
-        conn.payload_received()
-        pipe.send([conn.error(event.request_id, ErrorCode.ACCESS_DENIED, str(exc), exc.op_index)])
+    resolved = _resolve(served, event, "w")
+    if resolved is None:
         return
+    views, use = resolved
     try:
-        pipe.recv_into_views(views)
+        served.pipe.recv_into_views(views)
     finally:
-        regions.finish(use)  # the guard's holds end only once no byte can still land
-    conn.payload_received()
+        served.regions.finish(use)  # the guard's holds end only once no byte can still land
+    served.conn.payload_received()
     served.hooks.on_bytes(event.payload_bytes, 0)
-    pipe.send([conn.ack(event.request_id)])
+    served.pipe.send([served.conn.ack(event.request_id)])
 
 
 def _send_read(served: _Served, event: Read) -> None:
-    conn, pipe, regions = served.conn, served.pipe, served.regions
-    try:
-        views, use = regions.resolve(event.ops, "r", served.caller, device_ok=pipe.device_memory)
-    except AccessDenied as exc:
-        pipe.send([conn.error(event.request_id, ErrorCode.ACCESS_DENIED, str(exc), exc.op_index)])
+    resolved = _resolve(served, event, "r")
+    if resolved is None:
         return
+    views, use = resolved
     total = sum(v.nbytes for v in views)
     try:
-        pipe.send([conn.data(event.request_id, len(views), total), *views])
+        served.pipe.send([served.conn.data(event.request_id, len(views), total), *views])
     finally:
-        regions.finish(use)
+        served.regions.finish(use)
     served.hooks.on_bytes(0, total)
+
+
+def _resolve(served: _Served, event: Write | Read, access: str) -> tuple[list[Any], Use] | None:
+    """The views a remote op addresses, with what it holds; ``None`` once a refusal was
+    sent (a refused write's payload is read and dropped first: the stream stays in step)."""
+    conn, pipe = served.conn, served.pipe
+    try:
+        return served.regions.resolve(
+            event.ops, access, served.caller, device_ok=pipe.device_memory
+        )
+    except AccessDenied as exc:
+        if isinstance(event, Write):
+            pipe.discard(event.ops["length"].tolist())
+            conn.payload_received()
+        pipe.send([conn.error(event.request_id, ErrorCode.ACCESS_DENIED, str(exc), exc.op_index)])
+        return None
