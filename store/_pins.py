@@ -11,8 +11,8 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Iterable
-from types import TracebackType
 
+from .._closing import Closing
 from ._keys import BlockKey
 
 DEFAULT_PIN_TTL_S = 60.0
@@ -72,7 +72,7 @@ class PinTable:
         return [key for key in list(self._by_key) if self.is_pinned(key)]
 
 
-class Lease:
+class Lease(Closing):
     """A pin on some blocks; release it (or leave the ``with`` block) when done.
 
     Releasing twice, or after the deadline, is harmless.
@@ -102,13 +102,4 @@ class Lease:
             self.released = True
             self._release(self)
 
-    def __enter__(self) -> Lease:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.release()
+    close = release  # ``with store.pin(keys): ...`` releases on the way out (Closing)
