@@ -58,7 +58,7 @@ def main() -> None:
                     return
                 block, count, seed = START.unpack(start)
                 offsets = shuffled_offsets(block, count, seed).tolist()
-                views = [memoryview(buffer)[o : o + block] for o in offsets]
+                views = [buffer.data[o : o + block] for o in offsets]
 
                 def post(views: list[memoryview] = views) -> Any:
                     return [

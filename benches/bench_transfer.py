@@ -110,7 +110,7 @@ def test_tcp_throughput(
         for handle in [submit(batch) for batch in batches]:
             handle.wait(120)
 
-    raw = _raw_bulk(target[1], block, seed=block, source=memoryview(local))
+    raw = _raw_bulk(target[1], block, seed=block, source=local.data)
     try:
         compare(
             f"tcp {op} {block >> 10} KiB ops x {TOTAL // block}",
@@ -141,7 +141,7 @@ def test_latency_64k_write(
     conn = socket.create_connection(("127.0.0.1", target[1]))
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     conn.sendall(RAW_HEADER.pack(block, rounds, 7, 0, 1, 1))
-    source = memoryview(local)[:block]
+    source = local.data[:block]
     raw = []
     for _ in range(rounds):
         start = time.perf_counter()

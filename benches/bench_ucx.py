@@ -79,7 +79,7 @@ class _Side:
     def raw_round(self, block: int, seed: int) -> Callable[[], None]:
         count = TOTAL // block
         offsets = shuffled_offsets(block, count, seed + 1).tolist()
-        views = [memoryview(self.local)[o : o + block] for o in offsets]
+        views = [self.local.data[o : o + block] for o in offsets]
         start = START.pack(block, count, seed)
         ack = bytearray(1)
         ucx, array, ep, worker = self.raw.ucx, self.raw.Array, self.endpoint, self.raw.worker

@@ -88,7 +88,8 @@ def control_request(
         if not sock.poll(int(timeout_s * 1000)):
             raise TimeoutError("no answer")
         _, body = sock.recv_multipart()
-        return msgpack.unpackb(body, raw=False)
+        answer: dict[str, Any] = msgpack.unpackb(body, raw=False)
+        return answer
     finally:
         sock.close()
         context.term()

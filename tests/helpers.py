@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -24,7 +25,7 @@ def payload(k: bytes, block_bytes: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, block_bytes, dtype=np.uint8)
 
 
-def payloads(ks: list[BlockKey], block_bytes: int) -> np.ndarray:
+def payloads(ks: Sequence[bytes], block_bytes: int) -> np.ndarray:
     """One contiguous ``(len(ks), block_bytes)`` array of the keys' payloads."""
     out = np.empty((len(ks), block_bytes), dtype=np.uint8)
     for row, k in zip(out, ks, strict=True):

@@ -225,7 +225,9 @@ _BAD_CONFIGS: list[dict[str, Any]] = [
 def test_server_config_refuses_every_bad_setting(tmp_path: Path, settings: dict[str, Any]) -> None:
     (tmp_path / "file").write_bytes(b"")
     where = {"dir": str(tmp_path / "tier"), "file": str(tmp_path / "file")}
-    filled = {k: v.format(**where) if isinstance(v, str) else v for k, v in settings.items()}
+    filled: dict[str, Any] = {
+        k: v.format(**where) if isinstance(v, str) else v for k, v in settings.items()
+    }
     with pytest.raises(ConfigError):
         ServerConfig(**filled)
 
@@ -333,9 +335,15 @@ def test_usage_errors_are_one_line(args: list[str]) -> None:
 # -- C: prefix-hash inputs -------------------------------------------------------------
 
 
-_FLOAT_TOKENS = [iter([0.9, 1.9]), [1.0], iter([1.0]), np.array([1.0]), [np.float32(1)]]
-_BOOL_TOKENS = [[1, True], iter([True]), np.array([True, False])]
-_ODD_TOKENS = [[Decimal(1)], iter(["1"]), "12", b"\x01\x02", {1, 2}, {1: 2}, [[1, 2]]]
+_FLOAT_TOKENS: list[object] = [
+    iter([0.9, 1.9]),
+    [1.0],
+    iter([1.0]),
+    np.array([1.0]),
+    [np.float32(1)],
+]
+_BOOL_TOKENS: list[object] = [[1, True], iter([True]), np.array([True, False])]
+_ODD_TOKENS: list[object] = [[Decimal(1)], iter(["1"]), "12", b"\x01\x02", {1, 2}, {1: 2}, [[1, 2]]]
 
 
 @pytest.mark.parametrize(
@@ -372,9 +380,11 @@ def test_prefix_hashes_still_takes_every_int_form() -> None:
             return 3
 
     expected = prefix_hashes([5, 3], 1, namespace=b"m", extra=b"x")
+    # prefix_hashes is annotated with bytes, but documents (and this checks) that bytearray
+    # and memoryview work for namespace and extra too.
     for tokens in ([np.uint64(5), 3], [np.int16(5), Index()], (t for t in [5, 3])):
-        assert prefix_hashes(tokens, 1, namespace="m", extra=bytearray(b"x")) == expected
-    assert prefix_hashes([5, 3], 1, namespace=memoryview(b"m"), extra=b"x") == expected
+        assert prefix_hashes(tokens, 1, namespace="m", extra=bytearray(b"x")) == expected  # type: ignore[arg-type]
+    assert prefix_hashes([5, 3], 1, namespace=memoryview(b"m"), extra=b"x") == expected  # type: ignore[arg-type]
     assert prefix_hashes([5, 3], 1, extra=None) == prefix_hashes([5, 3], 1, extra=b"")
 
 

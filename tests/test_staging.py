@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 import pytest
 from helpers import FakeClock, keys, payload, payloads
 
-from kvbridge.store import BlockNotFound, LeaseExpired, StoreFull, TieredStore
+from kvbridge.store import BlockKey, BlockNotFound, LeaseExpired, StoreFull, TieredStore
 
 BB = 4096
 
 
-def _fill(store: TieredStore, slots: list[int | None], ks: list[bytes]) -> None:
+def _fill(store: TieredStore, slots: list[int | None], ks: Sequence[bytes]) -> None:
     top = store.tiers[0]
     for slot, k in zip(slots, ks, strict=True):
         if slot is not None:
@@ -178,7 +179,7 @@ def test_staging_frees_a_batch_in_one_walk_past_pinned_blocks() -> None:
         walks = 0
         candidates = policy.candidates
 
-        def counted() -> object:
+        def counted() -> Iterator[BlockKey]:
             nonlocal walks
             walks += 1
             return candidates()

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 from helpers import key, keys, payload, payloads
 
@@ -23,7 +25,7 @@ BB = 256
 
 
 @pytest.fixture
-def store() -> TieredStore:
+def store() -> Iterator[TieredStore]:
     with TieredStore(BB, host_capacity=16 * BB) as s:
         yield s
 
@@ -48,7 +50,11 @@ def test_put_then_get_contiguous_and_per_block_forms(store: TieredStore) -> None
     more = keys(4, 7)
     as_list = [payload(k, BB).tobytes() for k in more]  # bytes
     assert store.put(more, as_list) == [True] * 3
-    outs = [bytearray(BB), np.zeros(BB, np.uint8), memoryview(bytearray(BB))]
+    outs: list[bytearray | npt.NDArray[np.uint8] | memoryview] = [
+        bytearray(BB),
+        np.zeros(BB, np.uint8),
+        memoryview(bytearray(BB)),
+    ]
     store.get(more, outs)
     for k, o in zip(more, outs, strict=True):
         assert bytes(o) == payload(k, BB).tobytes()

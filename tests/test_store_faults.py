@@ -9,7 +9,7 @@ import json
 import struct
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +26,7 @@ TESTS = str(Path(__file__).parent)
 # -- helpers -------------------------------------------------------------------------------
 
 
-def _fill(store: TieredStore, slots: list[int | None], ks: list[bytes]) -> None:
+def _fill(store: TieredStore, slots: list[int | None], ks: Sequence[bytes]) -> None:
     """Write the payloads of a staged put into its top-tier slots, as a remote client would."""
     top = store.tiers[0]
     for slot, k in zip(slots, ks, strict=True):
@@ -34,7 +34,7 @@ def _fill(store: TieredStore, slots: list[int | None], ks: list[bytes]) -> None:
         top.memory.slot(slot)[:] = payload(k, store.block_bytes)  # type: ignore[attr-defined]
 
 
-def _readable(store: TieredStore, ks: list[bytes]) -> list[bool]:
+def _readable(store: TieredStore, ks: Sequence[bytes]) -> list[bool]:
     """Per key: whether ``get`` returns exactly its payload."""
     out = np.empty((1, store.block_bytes), np.uint8)
     result = []
@@ -157,7 +157,7 @@ def test_commit_bigger_than_the_disk_stores_nothing_and_gives_its_slots_back(
         assert _readable(store, ok) == [True, True]
 
 
-def _write(store: TieredStore, ks: list[bytes], via: str) -> None:
+def _write(store: TieredStore, ks: Sequence[bytes], via: str) -> None:
     """Store ``ks`` with ``put``, or staged (as a cache server does) and committed."""
     if via == "put":
         store.put(ks, payloads(ks, BB))
@@ -252,7 +252,7 @@ def test_a_block_found_bad_by_a_server_get_leaves_every_index(tmp_path: Path) ->
         assert s.check().ok
 
 
-def _damaged_store(path: Path, ks: list[bytes]) -> Path:
+def _damaged_store(path: Path, ks: Sequence[bytes]) -> Path:
     with TieredStore(BB, host_capacity=0, disk_path=path, disk_capacity=64 * BB) as s:
         s.put(ks, payloads(ks, BB))
     return path / "data.mdb"

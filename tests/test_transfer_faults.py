@@ -18,7 +18,14 @@ import numpy as np
 import pytest
 import zmq
 
-from kvbridge.transfer import PeerClosed, TransferEngine, TransferError, ucx_available
+from kvbridge.transfer import (
+    Peer,
+    PeerClosed,
+    Region,
+    TransferEngine,
+    TransferError,
+    ucx_available,
+)
 
 MiB = 1 << 20
 
@@ -63,7 +70,10 @@ def _engine(metadata: bytes, name: str, timeout: float) -> TransferEngine:
     )
 
 
-def _big_write(engine: TransferEngine, metadata: bytes) -> tuple[object, object]:
+_Ops = list[tuple[Region, int, int, int, int]]
+
+
+def _big_write(engine: TransferEngine, metadata: bytes) -> tuple[Peer, tuple[_Ops, Region]]:
     src = engine.register(np.ones(256 << 20, np.uint8))
     peer = engine.connect(metadata)
     region = next(iter(peer.regions.values()))

@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import msgpack
@@ -79,7 +79,7 @@ def _client(server: _Server, namespace: str = "m") -> StoreClient:
     return StoreClient(server.address, block_bytes=BB, namespace=namespace)
 
 
-def _stage(client: StoreClient, ks: list[bytes]) -> tuple[int, list[int]]:
+def _stage(client: StoreClient, ks: Sequence[bytes]) -> tuple[int, list[int]]:
     reply = client._call({"op": "stage", "ns": client._ns, "keys": ks})
     return int(reply["lease"]), [int(s) for s in reply["slots"]]
 
