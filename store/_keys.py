@@ -68,8 +68,8 @@ def prefix_hashes(
     token_ids: TokenIds,
     block_tokens: int,
     *,
-    namespace: bytes | str = b"",
-    extra: bytes | None = None,
+    namespace: bytes | bytearray | memoryview | str = b"",
+    extra: bytes | bytearray | memoryview | None = None,
     algo: HashAlgo = "blake3",
     parent: BlockKey | None = None,
 ) -> list[BlockKey]:
