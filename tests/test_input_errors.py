@@ -380,8 +380,7 @@ def test_prefix_hashes_still_takes_every_int_form() -> None:
             return 3
 
     expected = prefix_hashes([5, 3], 1, namespace=b"m", extra=b"x")
-    # prefix_hashes is annotated with bytes, but documents (and this checks) that bytearray
-    # and memoryview work for namespace and extra too.
+    # bytearray and memoryview work for namespace and extra too (as annotated and documented).
     for tokens in ([np.uint64(5), 3], [np.int16(5), Index()], (t for t in [5, 3])):
         assert prefix_hashes(tokens, 1, namespace="m", extra=bytearray(b"x")) == expected
     assert prefix_hashes([5, 3], 1, namespace=memoryview(b"m"), extra=b"x") == expected
