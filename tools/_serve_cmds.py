@@ -45,6 +45,11 @@ def add_parsers(commands: Any) -> None:
     serve.add_argument("--max-namespaces", type=int, help="namespaces at once (default 4)")
     serve.add_argument("--lease-ttl", type=float, help="seconds a lease lasts (default 60)")
     serve.add_argument(
+        "--max-leases-per-client",
+        type=int,
+        help="open leases one client session may hold (default 256)",
+    )
+    serve.add_argument(
         "--handoff-ttl", type=float, help="seconds a new block is held for its first read (5)"
     )
     serve.add_argument("--transports", help="comma-separated: tcp, ucx, auto (default tcp)")
@@ -78,6 +83,7 @@ def _serve(args: argparse.Namespace) -> int:
         *("host", "port", "host_capacity", "disk_path", "disk_capacity", "metrics_port"),
         *("max_namespaces", "lease_ttl", "transports", "secret_file", "insecure", "policy"),
         "handoff_ttl",
+        "max_leases_per_client",
     ]
     try:
         config = load_config({name: getattr(args, name) for name in names}, args.config)
