@@ -10,8 +10,6 @@ its state lock.
 
 from __future__ import annotations
 
-import time
-
 from ._namespaces import Namespace
 
 
@@ -21,7 +19,7 @@ def hand_off(ns: Namespace, keys: list[bytes], ttl: float) -> None:
     if ttl <= 0 or not fresh:
         return
     ns.store.pin(fresh, ttl=ttl)
-    deadline = time.monotonic() + ttl
+    deadline = ns.clock() + ttl
     for key in fresh:
         ns.unread[key] = deadline
     while len(ns.unread) > ns.slots // 2:
@@ -44,7 +42,7 @@ def take(ns: Namespace, keys: list[bytes]) -> dict[bytes, float]:
 
 def restore(ns: Namespace, holds: dict[bytes, float]) -> None:
     """Put back holds taken for a request that was then refused (it must change nothing)."""
-    now = time.monotonic()
+    now = ns.clock()
     for key, deadline in holds.items():
         if deadline > now:
             ns.store.pin([key], ttl=deadline - now)
@@ -52,5 +50,5 @@ def restore(ns: Namespace, holds: dict[bytes, float]) -> None:
 
 
 def _release(ns: Namespace, key: bytes, deadline: float) -> None:
-    if deadline > time.monotonic():  # an expired pin is gone already: nothing to undo
+    if deadline > ns.clock():  # an expired pin is gone already: nothing to undo
         ns.store.unpin([key])  # the pin expiring first: handoff_ttl <= lease_ttl

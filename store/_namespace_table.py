@@ -12,6 +12,7 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +35,15 @@ _log = logging.getLogger("kvbridge.server")
 class NamespaceTable:
     """The namespaces a server serves, by handle and by name."""
 
-    def __init__(self, config: ServerConfig, engine: TransferEngine, state: threading.Lock):
+    def __init__(
+        self,
+        config: ServerConfig,
+        engine: TransferEngine,
+        state: threading.Lock,
+        clock: Callable[[], float],
+    ) -> None:
         self._config = config
+        self._clock = clock
         self._engine = engine
         self._state = state
         self._by_handle: dict[int, Namespace] = {}
@@ -99,6 +107,7 @@ class NamespaceTable:
             pin_ttl=cfg.lease_ttl,
             policy=cfg.policy,
             prefault=True,
+            clock=self._clock,
             **self._disk_settings(name, block_bytes),
         )
         ns = Namespace(next(self._handles), name, store, self._state)

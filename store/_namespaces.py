@@ -51,6 +51,11 @@ class Namespace:
         return f"{text}/{self.store.block_bytes}"
 
     @property
+    def clock(self) -> Callable[[], float]:
+        """The clock of the namespace's leases (the store's: ``CacheServer(clock=...)``)."""
+        return self.store.clock
+
+    @property
     def anonymous(self) -> str:
         """The label shown to sessions that did not open it: a digest, not the name."""
         digest = hashlib.sha256(self.name).hexdigest()[:12]
@@ -72,7 +77,7 @@ class Namespace:
 
     def sweep(self) -> None:
         """End the leases past their deadline (their slots and pins are already void)."""
-        self._finish(*self.book.expired(time.monotonic()))
+        self._finish(*self.book.expired(self.clock()))
 
     def end_session(self, session: int) -> None:
         """The session ended: it no longer has the namespace open, and its leases end."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Container, Iterable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 
 from ._buffers import BlockArray
 from ._errors import (
@@ -38,6 +38,8 @@ class Placement:
     write_through: bool
     promote: bool
     pin_ttl: float
+    clock: Callable[[], float]
+    """Times pins and staged puts (``time.monotonic`` unless a test gives its own)."""
     _tiers: list[Tier]
     _persistent: int | None
     _lock: threading.RLock

@@ -62,7 +62,10 @@ class CacheServer:
     """A standalone KV-block cache: ``CacheServer(config)``, then clients connect to
     ``address``; ``close()`` stops it (also a context manager)."""
 
-    def __init__(self, config: ServerConfig | None = None) -> None:
+    def __init__(
+        self, config: ServerConfig | None = None, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        """``clock`` times leases and handoff holds (tests pass a fake one)."""
         self.config = config or ServerConfig()
         cfg = self.config
         self.engine = TransferEngine(
@@ -73,7 +76,7 @@ class CacheServer:
             secret=cfg.secret,
         )
         self._state = threading.Lock()  # leases and stores: control and serving threads
-        self._namespaces = NamespaceTable(cfg, self.engine, self._state)
+        self._namespaces = NamespaceTable(cfg, self.engine, self._state, clock)
         self._started = time.time()
         self.metrics = ServerMetrics(self._store_stats)
         self.metrics_port: int | None = None
@@ -236,7 +239,7 @@ class CacheServer:
         self.metrics.saved.inc(saved)
         if lease:
             fresh = [k for k, s in zip(keys, slots, strict=True) if s is not None]
-            ns.book.add_staging(caller.session, lease, fresh, time.monotonic() + ttl)
+            ns.book.add_staging(caller.session, lease, fresh, ns.clock() + ttl)
         return {"lease": lease, "slots": slots, "saved_bytes": saved}
 
     def _commit(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:

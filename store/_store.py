@@ -147,6 +147,7 @@ class TieredStore(RemoteAccess, Closing):
         self.pin_ttl = pin_ttl
         self._lock = threading.RLock()
         self._pins = PinTable(clock)
+        self.clock = clock
         top = tiers[0]
         self._staging = StagingTable(
             top.capacity if isinstance(top, SlotTier) else 0, clock=self._pins.clock

@@ -17,7 +17,7 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
-from helpers import keys, payloads
+from helpers import FakeClock, keys, payloads
 
 from kvbridge.store import (
     BadRequest,
@@ -62,7 +62,7 @@ class _Server:
 
 @pytest.fixture
 def server() -> Iterator[_Server]:
-    s = _Server("--host-capacity", "16MiB", "--max-namespaces", "2", "--lease-ttl", "1")
+    s = _Server("--host-capacity", "16MiB", "--max-namespaces", "2", "--lease-ttl", "30")
     yield s
     if s.proc.poll() is None:
         s.stop(signal.SIGKILL)
@@ -465,14 +465,15 @@ def test_environment_variables_reach_the_server_process() -> None:
 
 
 def test_a_put_whose_lease_expired_is_refused_and_stores_nothing() -> None:
-    config = ServerConfig(port=0, host_capacity=8 << 20, lease_ttl=0.2)
+    clock = FakeClock()
+    config = ServerConfig(port=0, host_capacity=8 << 20, lease_ttl=5.0)
     with (
-        CacheServer(config) as server,
+        CacheServer(config, clock=clock) as server,
         StoreClient(server.address, block_bytes=BB, namespace="m") as client,
     ):
         ks = keys(0, 2)
         staged = client._call({"op": "stage", "ns": client._ns, "keys": ks})
-        time.sleep(0.3)
+        clock.advance(5.0)  # the lease is over, with no sleep
         src = client.register(payloads(ks, BB).reshape(-1), access="r")
         ops = client._ops(
             (np.full(2, src.id, np.uint64), np.arange(2, dtype=np.uint64) * BB),
