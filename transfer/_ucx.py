@@ -11,7 +11,7 @@ GPU regions (cupy arrays) are posted to UCX as they are: UCX moves them with CUD
 one host and GPUDirect RDMA between hosts where the hardware has it (else it stages them
 itself). Packed runs of small GPU payloads are copied through host memory.
 
-Every UCX call runs on one thread per transport (:class:`_Worker`), which also drives the
+Every UCX call runs on one thread per transport (`_ucx_worker.Worker`), which also drives the
 worker in blocking mode (``arm`` then ``poll`` on its event fd: no busy loop); stream
 threads hand it closures and wait on futures.
 
@@ -32,16 +32,12 @@ about 1.1 GB/s; 512K lifts it to 4-6 GB/s).
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
-import os
 import secrets
-import select
 import socket
 import struct
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -51,9 +47,10 @@ from ._device import is_device
 from ._errors import PeerClosed
 from ._pipes import Pipe, byte_views
 from ._protocol import HEADER
+from ._ucx_worker import Worker
 
-UCX_DEFAULTS = {"TLS": "^cma", "TCP_RX_SEG_SIZE": "512K", "TCP_TX_SEG_SIZE": "512K"}
-"""UCX settings applied unless the user set ``UCX_<name>`` (see the module docstring)."""
+_Worker = Worker  # the name benches/ use for raw ucxx baselines
+
 
 PACK_BELOW_BYTES = 64 << 10
 """Payloads smaller than this travel packed with their neighbours (one message per run)."""
@@ -64,7 +61,6 @@ PACK_RUN_BYTES = 1 << 20
 CONNECT_BYTES = 4096
 """Fixed size of the connect message (a worker address is a few hundred bytes)."""
 
-_CLOSE_PROGRESS_ROUNDS = 100
 _CONNECT_TAG = 0xFFFFFFFF << 32
 _CONNECT = struct.Struct("<I16sI")  # channel, host id, address length
 _HEADER_BYTES = HEADER.size
@@ -88,138 +84,6 @@ def host_id() -> bytes:
         return socket.gethostname().encode()[:16].ljust(16, b"\0")
 
 
-class _Worker:
-    """A UCX context and worker, and the one thread that makes every call on them."""
-
-    def __init__(self) -> None:
-        import ucxx._lib.libucxx as ucx  # noqa: PLC0415 - optional dependency
-        from ucxx._lib.arr import Array  # noqa: PLC0415
-
-        self.ucx: Any = ucx
-        self.Array: Any = Array
-        self._gpu = _current_gpu()  # UCX finds CUDA memory when a context exists first
-        config = {k: v for k, v in UCX_DEFAULTS.items() if f"UCX_{k}" not in os.environ}
-        self._context = ucx.UCXContext(
-            config_dict=config, feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP)
-        )
-        self.worker = ucx.UCXWorker(self._context)
-        self.worker.init_blocking_progress_mode()
-        self.address: bytes = self.worker.address.tobytes()
-        self._commands: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
-        self._pending: list[tuple[list[Any], concurrent.futures.Future[Any], Any]] = []
-        self._lock = threading.Lock()
-        self._stopping = False
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)  # a full pipe already means "wake up"
-        self._thread = threading.Thread(target=self._run, name="kvbridge-ucx", daemon=True)
-        self._thread.start()
-
-    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
-        """Run ``fn`` on the worker thread. It returns ``(requests, result)``; the future
-        gets ``result`` once every request completed, or the first request's error."""
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        with self._lock:  # the wake pipe is closed under this lock too
-            if self._stopping:
-                future.set_exception(EOFError("the UCX transport is closed"))
-                return future
-            self._commands.append((fn, future))
-            self._wake()
-        return future
-
-    def close(self) -> None:
-        """Run what is queued (endpoint closes), stop the thread, then free UCX objects in
-        order: endpoints first (their owners dropped them), the worker, the context."""
-        with self._lock:
-            self._stopping = True
-            self._wake()
-        self._thread.join()
-        with self._lock:
-            os.close(self._wake_r)
-            os.close(self._wake_w)
-        self.worker = None
-        self._context = None
-
-    def _wake(self) -> None:
-        with contextlib.suppress(BlockingIOError):
-            os.write(self._wake_w, b"x")
-
-    def _run(self) -> None:
-        if self._gpu is not None:
-            self._gpu.use()  # device memory is posted and progressed from this thread
-        poller = select.poll()
-        poller.register(self.worker.epoll_file_descriptor, select.POLLIN)
-        poller.register(self._wake_r, select.POLLIN)
-        try:
-            while True:
-                self.worker.progress()
-                with self._lock:
-                    commands, self._commands = self._commands, deque()
-                    stopping = self._stopping
-                for fn, future in commands:
-                    self._start(fn, future)
-                if stopping:
-                    for _ in range(_CLOSE_PROGRESS_ROUNDS):  # let endpoint closes go out
-                        self.worker.progress()
-                    return
-                self._finish_completed()
-                if commands or not self.worker.arm():
-                    continue  # more to do before sleeping
-                poller.poll()
-                with contextlib.suppress(BlockingIOError):
-                    os.read(self._wake_r, 4096)
-        finally:
-            self._fail_all(EOFError("the UCX transport is closed"))
-            with contextlib.suppress(Exception):
-                self.worker.cancel_inflight_requests()
-
-    def _start(self, fn: Callable[[], Any], future: concurrent.futures.Future[Any]) -> None:
-        try:
-            requests, result = fn()
-        except Exception as exc:
-            _settle(future, exc=exc)
-            return
-        self._pending.append((list(requests), future, result))
-
-    def _finish_completed(self) -> None:
-        still = []
-        for requests, future, result in self._pending:
-            if future.done():  # cancelled by a closing pipe
-                continue
-            if all(r.completed for r in requests):
-                try:
-                    for r in requests:
-                        r.check_error()
-                except Exception as exc:
-                    _settle(future, exc=exc)
-                else:
-                    _settle(future, result=result() if callable(result) else result)
-            else:
-                still.append((requests, future, result))
-        self._pending = still
-
-    def _fail_all(self, exc: BaseException) -> None:
-        with self._lock:
-            commands, self._commands = self._commands, deque()
-        for _, future in commands:
-            _settle(future, exc=exc)
-        for _, future, _ in self._pending:
-            _settle(future, exc=exc)
-        self._pending = []
-
-
-def _current_gpu() -> Any:
-    """The current cupy device, its CUDA context made, or ``None`` without cupy or GPU."""
-    try:
-        import cupy  # noqa: PLC0415 - optional dependency
-
-        device = cupy.cuda.Device()
-        cupy.cuda.runtime.free(0)  # makes the primary context
-    except Exception:  # no cupy, no driver, or no GPU
-        return None
-    return device
-
-
 def _pack(views: Sequence[Any]) -> bytes:
     """One message of small payloads; GPU views are copied to host memory first."""
     return b"".join(v.get() if is_device(v) else v for v in views)
@@ -234,16 +98,6 @@ def _unpack(staging: bytearray, views: Sequence[Any]) -> None:
         else:
             view[:] = part
         offset += view.nbytes
-
-
-def _settle(
-    future: concurrent.futures.Future[Any], *, result: Any = None, exc: BaseException | None = None
-) -> None:
-    with contextlib.suppress(concurrent.futures.InvalidStateError):
-        if exc is None:
-            future.set_result(result)
-        else:
-            future.set_exception(exc)
 
 
 def _runs(lengths: Sequence[int]) -> list[tuple[int, int]]:
