@@ -81,14 +81,7 @@ class TransferEngine(Closing):
         **settings: Any,
     ) -> None:
         self.settings = TransferSettings.from_kwargs(settings)
-        if transports == "auto" or list(transports) == ["auto"]:
-            transports = ("ucx", "tcp") if ucx_available() else ("tcp",)
-        elif isinstance(transports, str):
-            transports = (transports,)
-        chosen = list(transports)
-        unknown = [t for t in chosen if t not in TRANSPORTS]
-        if unknown or not chosen:
-            raise LocalProtocolError(f"transports must be among {TRANSPORTS}, got {chosen}")
+        chosen = _chosen(transports)
         self.name = name or f"kvbridge-{secrets.token_hex(4)}"
         self._secret = secret.encode() if isinstance(secret, str) else secret
         self._regions = RegionTable()
@@ -136,6 +129,7 @@ class TransferEngine(Closing):
             raise
 
     def _start_transport(self, transport: str, host: str) -> Transport:
+        """One transport, listening on ``host``."""
         if transport == "tcp":
             return TcpTransport(
                 host,
@@ -342,3 +336,16 @@ class TransferEngine(Closing):
                 self._counters["bytes_written"] += handle.bytes
             else:
                 self._counters["bytes_read"] += handle.bytes
+
+
+def _chosen(transports: Sequence[str] | str) -> list[str]:
+    """The transports asked for, in order (``"auto"``: ucx where ucxx imports, then tcp)."""
+    if transports == "auto" or list(transports) == ["auto"]:
+        transports = ("ucx", "tcp") if ucx_available() else ("tcp",)
+    elif isinstance(transports, str):
+        transports = (transports,)
+    chosen = list(transports)
+    unknown = [t for t in chosen if t not in TRANSPORTS]
+    if unknown or not chosen:
+        raise LocalProtocolError(f"transports must be among {TRANSPORTS}, got {chosen}")
+    return chosen
