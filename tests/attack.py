@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import socket
+from collections.abc import Sequence
 from typing import Any
 
 import msgpack
@@ -108,3 +109,17 @@ def guess_auth(address: str, name: str = "mallory") -> Any:
         "proof": bytes(32),
     }
     return control_request(address, guess)
+
+
+def stage(client: StoreClient, ks: Sequence[bytes]) -> tuple[int, list[int]]:
+    """Stage ``ks`` by hand (one request, no write): the lease and the slots."""
+    reply = client._call({"op": "stage", "ns": client._ns, "keys": ks})
+    return int(reply["lease"]), [int(s) for s in reply["slots"]]
+
+
+def slot_ops(client: StoreClient, slots: list[int], region: int | None = None) -> np.ndarray:
+    """Descriptors of whole blocks at ``slots`` of ``region`` (the client's namespace by
+    default), with the region's real key."""
+    region = client._region if region is None else region
+    bb = client.block_bytes
+    return descriptors(region, region_key(client, region), [(s * bb, bb) for s in slots])

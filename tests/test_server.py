@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import zmq
 from helpers import FakeClock, keys, payloads
+from serve import ServeProcess
 
 from kvbridge.store import (
     BadRequest,
@@ -32,43 +33,20 @@ from kvbridge.store import (
     UnknownNamespace,
     load_config,
 )
-from kvbridge.tools._serve_cmds import read_listening
 from kvbridge.transfer import OP_DTYPE, AuthenticationError, TransferError, ucx_available
 
 BB = 64 << 10
 
 
-class _Server:
-    """``kvbridge serve`` in a subprocess; ``address`` is read from its first line."""
-
-    def __init__(self, *args: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvbridge", "serve", "--port", "0", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        assert self.proc.stdout is not None
-        try:
-            self.address, self.line = read_listening(self.proc.stdout)
-        except RuntimeError:
-            raise AssertionError(self.proc.stderr.read()) from None  # type: ignore[union-attr]
-
-    def stop(self, sig: int = signal.SIGTERM) -> str:
-        self.proc.send_signal(sig)
-        out, _ = self.proc.communicate(timeout=30)
-        return out
-
-
 @pytest.fixture
-def server() -> Iterator[_Server]:
-    s = _Server("--host-capacity", "16MiB", "--max-namespaces", "2", "--lease-ttl", "30")
+def server() -> Iterator[ServeProcess]:
+    s = ServeProcess("--host-capacity", "16MiB", "--max-namespaces", "2", "--lease-ttl", "30")
     yield s
     if s.proc.poll() is None:
         s.stop(signal.SIGKILL)
 
 
-def test_push_from_one_client_pull_from_another_with_dedup(server: _Server) -> None:
+def test_push_from_one_client_pull_from_another_with_dedup(server: ServeProcess) -> None:
     ks = keys(0, 40)
     data = payloads(ks, BB)
     with (
@@ -90,7 +68,7 @@ def test_push_from_one_client_pull_from_another_with_dedup(server: _Server) -> N
         assert stats.puts == 40 and stats.duplicates == 30 and stats.hits == 43
 
 
-def test_zero_copy_variants_move_registered_regions(server: _Server) -> None:
+def test_zero_copy_variants_move_registered_regions(server: ServeProcess) -> None:
     ks = keys(100, 108)
     data = payloads(ks, BB)
     with StoreClient(server.address, block_bytes=BB, namespace="llama") as client:
@@ -103,7 +81,7 @@ def test_zero_copy_variants_move_registered_regions(server: _Server) -> None:
         np.testing.assert_array_equal(dst_buffer, data.reshape(-1))
 
 
-def test_missing_blocks_and_bad_requests_are_typed_and_change_nothing(server: _Server) -> None:
+def test_missing_blocks_and_bad_requests_are_typed_and_change_nothing(server: ServeProcess) -> None:
     ks = keys(200, 204)
     with StoreClient(server.address, block_bytes=BB, namespace="m") as client:
         client.put(ks[:2], payloads(ks[:2], BB))
@@ -121,7 +99,7 @@ def test_missing_blocks_and_bad_requests_are_typed_and_change_nothing(server: _S
         assert client.contains(ks) == [True, True, False, False]
 
 
-def test_a_client_cannot_write_outside_its_staged_slots(server: _Server) -> None:
+def test_a_client_cannot_write_outside_its_staged_slots(server: ServeProcess) -> None:
     ks = keys(300, 302)
     with StoreClient(server.address, block_bytes=BB, namespace="m") as client:
         client.put(ks[:1], payloads(ks[:1], BB))
@@ -160,7 +138,7 @@ def test_one_client_holds_at_most_its_share_and_a_killed_ones_leases_end_with_it
     """A client that stages everything it can gets half of the namespace at most; when it is
     killed, its session ends with its streams and its slots come back at once, long before
     its leases would expire."""
-    server = _Server("--host-capacity", "16MiB", "--max-namespaces", "2", "--lease-ttl", "60")
+    server = ServeProcess("--host-capacity", "16MiB", "--max-namespaces", "2", "--lease-ttl", "60")
     capacity = (16 << 20) // 2 // BB  # the namespace's share of host memory, in blocks
     try:
         holder = subprocess.Popen(
@@ -231,14 +209,14 @@ def test_restart_on_the_same_disk_serves_the_same_blocks(tmp_path: Path) -> None
     args = ("--host-capacity", "4MiB", "--disk-path", str(tmp_path), "--disk-capacity", "64MiB")
     ks = keys(0, 100)  # more than host memory holds: most are on disk only
     data = payloads(ks, BB)
-    first = _Server(*args)
+    first = ServeProcess(*args)
     try:
         with StoreClient(first.address, block_bytes=BB, namespace="m") as client:
             client.put(ks, data)
     finally:
         assert "stopped" in first.stop(signal.SIGTERM)
     assert first.proc.returncode == 0
-    second = _Server(*args)
+    second = ServeProcess(*args)
     try:
         with StoreClient(second.address, block_bytes=BB, namespace="m") as client:
             assert client.match_prefix(ks) == 100
@@ -252,13 +230,13 @@ def test_restart_on_the_same_disk_serves_the_same_blocks(tmp_path: Path) -> None
 def test_a_killed_server_loses_no_committed_block(tmp_path: Path) -> None:
     args = ("--host-capacity", "4MiB", "--disk-path", str(tmp_path), "--disk-capacity", "64MiB")
     ks = keys(0, 20)
-    first = _Server(*args)
+    first = ServeProcess(*args)
     try:
         with StoreClient(first.address, block_bytes=BB, namespace="m") as client:
             client.put(ks, payloads(ks, BB))
     finally:
         first.stop(signal.SIGKILL)
-    second = _Server(*args)
+    second = ServeProcess(*args)
     try:
         with StoreClient(second.address, block_bytes=BB, namespace="m") as client:
             out = np.zeros((20, BB), np.uint8)
@@ -271,7 +249,7 @@ def test_a_killed_server_loses_no_committed_block(tmp_path: Path) -> None:
 def test_auth_accepted_and_refused(tmp_path: Path) -> None:
     secret = tmp_path / "secret"
     secret.write_text("correct horse battery staple\n")
-    server = _Server("--secret-file", str(secret), "--host-capacity", "8MiB")
+    server = ServeProcess("--secret-file", str(secret), "--host-capacity", "8MiB")
     try:
         with StoreClient(
             server.address, block_bytes=BB, namespace="m", secret="correct horse battery staple"
@@ -319,7 +297,7 @@ def test_settings_precedence_flags_then_toml_then_environment(tmp_path: Path) ->
         load_config({}, None, {"KVBRIDGE_HOST_CAPACITY": "lots"})
 
 
-def test_fuzzed_control_port_while_a_client_keeps_working(server: _Server) -> None:
+def test_fuzzed_control_port_while_a_client_keeps_working(server: ServeProcess) -> None:
     rng = np.random.default_rng(1)
     context = zmq.Context()
     fuzzer = context.socket(zmq.DEALER)
@@ -399,7 +377,7 @@ def test_metrics_endpoint_exposes_the_store_figures() -> None:
     assert 'kvbridge_request_seconds_count{op="stage"}' in text
 
 
-def test_stats_command_prints_the_table(server: _Server) -> None:
+def test_stats_command_prints_the_table(server: ServeProcess) -> None:
     with StoreClient(server.address, block_bytes=BB, namespace="llama") as client:
         client.put(keys(0, 2), payloads(keys(0, 2), BB))
     done = subprocess.run(
@@ -414,7 +392,7 @@ def test_stats_command_prints_the_table(server: _Server) -> None:
     assert f"sha256:{hashlib.sha256(b'llama').hexdigest()[:12]}/65536" in done.stdout
 
 
-def test_code_written_for_tieredstore_runs_against_a_server(server: _Server) -> None:
+def test_code_written_for_tieredstore_runs_against_a_server(server: ServeProcess) -> None:
     def workload(store: TieredStore | StoreClient) -> list[object]:
         ks = keys(600, 610)
         results: list[object] = [store.put(ks[:5], payloads(ks[:5], BB))]
@@ -433,7 +411,7 @@ def test_code_written_for_tieredstore_runs_against_a_server(server: _Server) -> 
         assert workload(remote) == expected
 
 
-def test_async_twins(server: _Server) -> None:
+def test_async_twins(server: ServeProcess) -> None:
     import asyncio  # noqa: PLC0415
 
     async def main() -> None:
