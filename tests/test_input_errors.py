@@ -393,11 +393,3 @@ def test_hash_command_matches_the_library_and_refuses_floats() -> None:
     assert result.stdout.split() == [k.hex() for k in prefix_hashes([0, 1], 1, namespace="m")]
     line = _one_line_error(_kvbridge("hash", "--block-tokens", "1", "0.9", "1.9"), 2)
     assert "0.9" in line
-
-
-def test_serve_takes_max_leases_per_client_as_a_flag() -> None:
-    from kvbridge.tools import _serve_cmds  # noqa: PLC0415
-    from kvbridge.tools.cli import _parser  # noqa: PLC0415
-
-    args = _parser().parse_args(["serve", "--max-leases-per-client", "3"])
-    assert args.max_leases_per_client == 3 and args.run is _serve_cmds._serve

@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 import hashlib
-import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import msgpack
 import numpy as np
 import pytest
-import zmq
 from helpers import FakeClock, keys, payloads
 from serve import ServeProcess
 
@@ -24,16 +21,14 @@ from kvbridge.store import (
     BadRequest,
     BlockNotFound,
     CacheServer,
-    ConfigError,
     ServerConfig,
     StoreClient,
     StoreFull,
     TieredStore,
     TooManyRequests,
     UnknownNamespace,
-    load_config,
 )
-from kvbridge.transfer import OP_DTYPE, AuthenticationError, TransferError, ucx_available
+from kvbridge.transfer import OP_DTYPE, TransferError, ucx_available
 
 BB = 64 << 10
 
@@ -246,137 +241,6 @@ def test_a_killed_server_loses_no_committed_block(tmp_path: Path) -> None:
         second.stop(signal.SIGKILL)
 
 
-def test_auth_accepted_and_refused(tmp_path: Path) -> None:
-    secret = tmp_path / "secret"
-    secret.write_text("correct horse battery staple\n")
-    server = ServeProcess("--secret-file", str(secret), "--host-capacity", "8MiB")
-    try:
-        with StoreClient(
-            server.address, block_bytes=BB, namespace="m", secret="correct horse battery staple"
-        ) as client:
-            client.put(keys(0, 1), payloads(keys(0, 1), BB))
-        with pytest.raises(AuthenticationError):
-            StoreClient(server.address, block_bytes=BB, namespace="m", secret="wrong")
-        with pytest.raises(AuthenticationError):
-            StoreClient(server.address, block_bytes=BB, namespace="m")
-    finally:
-        server.stop()
-
-
-def test_no_secret_means_loopback_only(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="secret"):
-        load_config({"host": "0.0.0.0"}, environ={})
-    assert load_config({"host": "0.0.0.0", "insecure": True}, environ={}).insecure
-    refused = subprocess.run(
-        [sys.executable, "-m", "kvbridge", "serve", "--host", "0.0.0.0"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
-    assert refused.returncode == 2 and "secret" in refused.stderr
-
-
-def test_settings_precedence_flags_then_toml_then_environment(tmp_path: Path) -> None:
-    toml = tmp_path / "server.toml"
-    toml.write_text('[server]\nport = 7701\nhost_capacity = "1GiB"\nlease_ttl = 5\n')
-    env = {
-        "KVBRIDGE_PORT": "7702",
-        "KVBRIDGE_HOST_CAPACITY": "3GiB",
-        "KVBRIDGE_MAX_NAMESPACES": "9",
-    }
-    config = load_config({"port": 7700, "host_capacity": None}, toml, env)
-    assert config.port == 7700  # flag
-    assert config.host_capacity == 1 << 30 and config.lease_ttl == 5.0  # file
-    assert config.max_namespaces == 9  # environment
-    assert load_config({}, None, {}).port == 7600  # embedded default
-    (tmp_path / "bad.toml").write_text("nonsense = 1\n")
-    with pytest.raises(ConfigError, match="nonsense"):
-        load_config({}, tmp_path / "bad.toml", {})
-    with pytest.raises(ConfigError, match="environment: host_capacity"):
-        load_config({}, None, {"KVBRIDGE_HOST_CAPACITY": "lots"})
-
-
-def test_fuzzed_control_port_while_a_client_keeps_working(server: ServeProcess) -> None:
-    rng = np.random.default_rng(1)
-    context = zmq.Context()
-    fuzzer = context.socket(zmq.DEALER)
-    fuzzer.setsockopt(zmq.LINGER, 0)
-    fuzzer.connect(f"tcp://{server.address}")
-    ks = keys(500, 504)
-    try:
-        with StoreClient(server.address, block_bytes=BB, namespace="m") as client:
-            credentials = (
-                client.peer._credentials
-            )  # junk signed as the client: it reaches the handler
-            assert credentials is not None
-            for round_ in range(300):
-                kind = round_ % 3
-                if kind == 0:
-                    body = rng.bytes(int(rng.integers(0, 200)))
-                elif kind == 1:
-                    junk = msgpack.packb(_random_message(rng), use_bin_type=True)
-                    body = msgpack.packb(credentials.sign("call", junk), use_bin_type=True)
-                else:
-                    body = msgpack.packb(_random_message(rng), use_bin_type=True)
-                fuzzer.send_multipart([b"", body])
-                if round_ % 50 == 0:
-                    client.put(ks, payloads(ks, BB))
-                    out = np.zeros((4, BB), np.uint8)
-                    client.get(ks, out)
-                    np.testing.assert_array_equal(out, payloads(ks, BB))
-            answered = 0
-            while fuzzer.poll(2000):
-                fuzzer.recv_multipart()
-                answered += 1
-            assert answered == 300  # every junk message got an (error) answer
-            assert client.match_prefix(ks) == 4
-    finally:
-        fuzzer.close()
-        context.term()
-    assert server.proc.poll() is None
-
-
-def _random_message(rng: np.random.Generator) -> object:
-    ops = ["open", "stage", "commit", "pin", "release", "match", "remove", "stats", "abort", 7]
-    values: list[object] = [
-        None,
-        -1,
-        2**64 - 1 if rng.random() < 0.1 else int(rng.integers(-5, 5)),
-        rng.bytes(int(rng.integers(0, 40))),
-        "x" * int(rng.integers(0, 5)),
-        [rng.bytes(32)] * int(rng.integers(0, 3)),
-        [1, 2],
-        {"a": 1},
-        1.5,
-    ]
-    message: dict[str, object] = {"op": ops[int(rng.integers(0, len(ops)))]}
-    for name in ("ns", "keys", "lease", "namespace", "block_bytes"):
-        if rng.random() < 0.7:
-            message[name] = values[int(rng.integers(0, len(values)))]
-    return message
-
-
-def test_metrics_endpoint_exposes_the_store_figures() -> None:
-    config = ServerConfig(port=0, host_capacity=8 << 20, metrics_port=0)
-    with CacheServer(config) as server:
-        with StoreClient(server.address, block_bytes=BB, namespace="m") as client:
-            ks = keys(0, 3)
-            client.put(ks, payloads(ks, BB))
-            client.get(ks, np.zeros((3, BB), np.uint8))
-            with pytest.raises(BlockNotFound):
-                client.get(keys(9, 10), np.zeros((1, BB), np.uint8))
-        assert server.metrics_port is not None
-        url = f"http://127.0.0.1:{server.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=5) as response:
-            text = response.read().decode()
-    assert 'kvbridge_hits_total{namespace="m/65536"} 3.0' in text
-    assert 'kvbridge_misses_total{namespace="m/65536"} 1.0' in text
-    assert 'kvbridge_tier_blocks{namespace="m/65536",tier="host"} 3.0' in text
-    assert 'kvbridge_request_errors_total{kind="BlockNotFound",op="pin"} 1.0' in text
-    assert 'kvbridge_request_seconds_count{op="stage"}' in text
-
-
 def test_stats_command_prints_the_table(server: ServeProcess) -> None:
     with StoreClient(server.address, block_bytes=BB, namespace="llama") as client:
         client.put(keys(0, 2), payloads(keys(0, 2), BB))
@@ -424,22 +288,6 @@ def test_async_twins(server: ServeProcess) -> None:
             np.testing.assert_array_equal(out, payloads(ks, BB))
 
     asyncio.run(main())
-
-
-def test_environment_variables_reach_the_server_process() -> None:
-    env = {**os.environ, "KVBRIDGE_HOST_CAPACITY": "3MiB"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvbridge", "serve", "--port", "0"],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    assert proc.stdout is not None
-    try:
-        assert "(3 MiB host" in proc.stdout.readline()
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
 
 
 def test_a_put_whose_lease_expired_is_refused_and_stores_nothing() -> None:

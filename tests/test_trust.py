@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import msgpack
 import numpy as np
 import pytest
+import zmq
 from attack import RawStream, control_request, descriptors, slot_ops, stage
 from helpers import keys, payloads
 from serve import BLOCK, SLOTS, ServeProcess, client_of, small_server
@@ -231,3 +232,66 @@ def test_thousands_of_handshakes_and_a_hello_flood_log_nobody_out(server: ServeP
         np.testing.assert_array_equal(out, payloads(ks, BB))
         with client_of(server) as newcomer:
             assert newcomer.match_prefix(ks) == 2
+
+
+# -- garbage on the control port, from a socket and signed as a client ------------------
+
+
+def test_fuzzed_control_port_while_a_client_keeps_working(server: ServeProcess) -> None:
+    rng = np.random.default_rng(1)
+    context = zmq.Context()
+    fuzzer = context.socket(zmq.DEALER)
+    fuzzer.setsockopt(zmq.LINGER, 0)
+    fuzzer.connect(f"tcp://{server.address}")
+    ks = keys(500, 504)
+    try:
+        with StoreClient(server.address, block_bytes=BB, namespace="m") as client:
+            credentials = (
+                client.peer._credentials
+            )  # junk signed as the client: it reaches the handler
+            assert credentials is not None
+            for round_ in range(300):
+                kind = round_ % 3
+                if kind == 0:
+                    body = rng.bytes(int(rng.integers(0, 200)))
+                elif kind == 1:
+                    junk = msgpack.packb(_random_message(rng), use_bin_type=True)
+                    body = msgpack.packb(credentials.sign("call", junk), use_bin_type=True)
+                else:
+                    body = msgpack.packb(_random_message(rng), use_bin_type=True)
+                fuzzer.send_multipart([b"", body])
+                if round_ % 50 == 0:
+                    client.put(ks, payloads(ks, BB))
+                    out = np.zeros((4, BB), np.uint8)
+                    client.get(ks, out)
+                    np.testing.assert_array_equal(out, payloads(ks, BB))
+            answered = 0
+            while fuzzer.poll(2000):
+                fuzzer.recv_multipart()
+                answered += 1
+            assert answered == 300  # every junk message got an (error) answer
+            assert client.match_prefix(ks) == 4
+    finally:
+        fuzzer.close()
+        context.term()
+    assert server.proc.poll() is None
+
+
+def _random_message(rng: np.random.Generator) -> object:
+    ops = ["open", "stage", "commit", "pin", "release", "match", "remove", "stats", "abort", 7]
+    values: list[object] = [
+        None,
+        -1,
+        2**64 - 1 if rng.random() < 0.1 else int(rng.integers(-5, 5)),
+        rng.bytes(int(rng.integers(0, 40))),
+        "x" * int(rng.integers(0, 5)),
+        [rng.bytes(32)] * int(rng.integers(0, 3)),
+        [1, 2],
+        {"a": 1},
+        1.5,
+    ]
+    message: dict[str, object] = {"op": ops[int(rng.integers(0, len(ops)))]}
+    for name in ("ns", "keys", "lease", "namespace", "block_bytes"):
+        if rng.random() < 0.7:
+            message[name] = values[int(rng.integers(0, len(values)))]
+    return message
