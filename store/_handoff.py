@@ -10,10 +10,12 @@ its state lock.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ._namespaces import Namespace
 
 
-def hand_off(ns: Namespace, keys: list[bytes], ttl: float) -> None:
+def hand_off(ns: Namespace, keys: Sequence[bytes], ttl: float) -> None:
     """Hold the committed ``keys`` (those still present) for their first read."""
     fresh = [key for key in keys if key not in ns.unread and ns.store.contains([key])[0]]
     if ttl <= 0 or not fresh:

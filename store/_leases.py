@@ -18,6 +18,7 @@ book records which session each lease belongs to, so that:
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,10 +33,11 @@ kinds of lease number their ids apart)."""
 
 @dataclass
 class Staged:
+    """A staged put as the server sees it: whose it is and how many slots it holds (its keys,
+    slots and deadline are the store's: ``TieredStore.staged_keys``, ``staging_open``)."""
+
     session: int
-    deadline: float
-    keys: list[bytes]
-    """The keys that got a slot (what the commit makes visible)."""
+    slots: int
 
 
 @dataclass
@@ -65,10 +67,10 @@ class LeaseBook:
 
     # -- staged puts -------------------------------------------------------------------
 
-    def add_staging(self, session: int, lease_id: int, keys: list[bytes], deadline: float) -> None:
-        self.stagings[lease_id] = Staged(session, deadline, keys)
+    def add_staging(self, session: int, lease_id: int, slots: int) -> None:
+        self.stagings[lease_id] = Staged(session, slots)
         self.leases[session] += 1
-        self.held[session] += len(keys)
+        self.held[session] += slots
 
     def take_staging(self, lease_id: int, session: int) -> Staged:
         """End the session's staging ``lease_id``; :class:`LeaseExpired` if it has none."""
@@ -76,7 +78,7 @@ class LeaseBook:
         if staged is None or staged.session != session:
             raise LeaseExpired(f"lease {lease_id} is unknown, finished or expired")
         del self.stagings[lease_id]
-        self._drop(("stage", lease_id), session, len(staged.keys))
+        self._drop(("stage", lease_id), session, staged.slots)
         return staged
 
     # -- read leases -------------------------------------------------------------------
@@ -156,10 +158,10 @@ class LeaseBook:
 
     # -- lifetimes ---------------------------------------------------------------------
 
-    def expired(self, now: float) -> tuple[list[int], list[Pinned]]:
-        """End the leases past their deadline: the staged puts' ids (to abort in the store)
-        and the read leases (to release)."""
-        staged = [i for i, s in self.stagings.items() if s.deadline <= now]
+    def expired(self, staging_open: Callable[[int], bool]) -> tuple[list[int], list[Pinned]]:
+        """End the leases past their deadline: the staged puts the store no longer holds
+        open (ids, to abort in the store) and the read leases that expired (to release)."""
+        staged = [i for i in self.stagings if not staging_open(i)]
         pinned = [i for i, p in self.pins.items() if p.lease.expired]
         for lease_id in staged:
             self.take_staging(lease_id, self.stagings[lease_id].session)

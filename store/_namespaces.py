@@ -77,7 +77,7 @@ class Namespace:
 
     def sweep(self) -> None:
         """End the leases past their deadline (their slots and pins are already void)."""
-        self._finish(*self.book.expired(self.clock()))
+        self._finish(*self.book.expired(self.store.staging_open))
 
     def end_session(self, session: int) -> None:
         """The session ended: it no longer has the namespace open, and its leases end."""

@@ -148,6 +148,18 @@ class RemoteAccess(Placement):
         with self._lock:
             self._free_slots(self._staging.release(leases))
 
+    def staging_open(self, lease_id: int) -> bool:
+        """Whether the staged put is open: not committed, aborted or past its deadline."""
+        with self._lock:
+            staging = self._staging.get(lease_id)
+            return staging is not None and staging.deadline > self.clock()
+
+    def staged_keys(self, lease_id: int) -> tuple[BlockKey, ...]:
+        """The keys an open staged put will make visible (none for any other lease)."""
+        with self._lock:
+            staging = self._staging.get(lease_id)
+            return () if staging is None else staging.keys
+
     def staging_busy(self, lease_id: int) -> bool:
         """Whether admitted writes into the staged put's slots are still in flight."""
         with self._lock:

@@ -238,8 +238,7 @@ class CacheServer:
         saved = (len(keys) - sum(slot is not None for slot in slots)) * ns.store.block_bytes
         self.metrics.saved.inc(saved)
         if lease:
-            fresh = [k for k, s in zip(keys, slots, strict=True) if s is not None]
-            ns.book.add_staging(caller.session, lease, fresh, ns.clock() + ttl)
+            ns.book.add_staging(caller.session, lease, sum(s is not None for s in slots))
         return {"lease": lease, "slots": slots, "saved_bytes": saved}
 
     def _commit(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
@@ -249,9 +248,10 @@ class CacheServer:
         mine = staged is not None and staged.session == caller.session
         if mine and ns.store.staging_busy(lease):
             raise BadRequest(f"lease {lease}: a commit while writes into it are in flight")
-        staged = ns.book.take_staging(lease, caller.session)
+        ns.book.take_staging(lease, caller.session)
+        keys = ns.store.staged_keys(lease)
         stored = ns.store.commit(lease)
-        hand_off(ns, staged.keys, min(self.config.handoff_ttl, self.config.lease_ttl))
+        hand_off(ns, keys, min(self.config.handoff_ttl, self.config.lease_ttl))
         return {"stored": stored}
 
     def _abort(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
