@@ -173,6 +173,8 @@ class _Cluster:
                 "1",
                 "--transports",
                 transports,
+                "--log-level",
+                "WARNING",  # the demo's own summary is what the user reads
             ],
             stdout=subprocess.PIPE,
             text=True,
