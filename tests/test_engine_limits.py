@@ -204,3 +204,17 @@ def test_silent_connections_cannot_keep_a_peer_out(
     finally:
         for s in flood:
             s.close()
+
+
+def test_frame_deadlines_leave_one_watchdog_entry_per_stream(
+    pair: tuple[TransferEngine, TransferEngine],
+) -> None:
+    """A busy stream re-arms one watchdog entry instead of adding one per frame (which
+    piled up for a whole transfer timeout: tens of thousands on a busy server)."""
+    a, b = pair
+    src, dst = a.register(np.ones(4 * KiB, np.uint8)), b.register(np.zeros(4 * KiB, np.uint8))
+    peer = a.connect(b.metadata())
+    for _ in range(300):
+        peer.write([(src, 0, dst.id, 0, 4 * KiB)]).wait(10)
+    assert len(b._watchdog._heap) <= 2 * a.settings.streams
+    peer.close()

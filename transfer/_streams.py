@@ -29,6 +29,7 @@ from ._errors import (
     RemoteProtocolError,
     TransferError,
 )
+from ._frame_clock import FrameClock
 from ._pipes import Pipe
 from ._protocol import (
     Ack,
@@ -267,17 +268,16 @@ def serve(pipe: Pipe, regions: RegionTable, hooks: ServeHooks) -> None:
             return
         hooks.greeted(pipe)
         served = _Served(conn, pipe, regions, caller, hooks)
-        frames = [0]  # frames finished, for the watchdog's look at the one in progress
+        frame = FrameClock(pipe, hooks.watch)
         while True:
-            pipe.set_deadline(None)  # idle between frames for as long as the peer likes
-            event = _next_frame(conn, pipe, hooks, frames)
+            frame.end()  # idle between frames for as long as the peer likes
+            event = _next_frame(conn, pipe, hooks.frame_timeout, frame)
             if isinstance(event, Write):
                 _receive_write(served, event)
             elif isinstance(event, Read):
                 _send_read(served, event)
             elif isinstance(event, Notify):
                 _notify(served, event)
-            frames[0] += 1
     except (OSError, EOFError, RemoteProtocolError):
         return  # the initiator went away, stalled or misbehaved: only this stream ends
     finally:
@@ -307,15 +307,12 @@ def _greet(conn: Connection, pipe: Pipe, hooks: ServeHooks) -> Caller | None:
     return caller
 
 
-def _next_frame(conn: Connection, pipe: Pipe, hooks: ServeHooks, frames: list[int]) -> Event:
-    """Wait for a header as long as it takes; the rest of the frame has ``frame_timeout``
-    (checked between reads, and by the watchdog for a peer that stops sending at all)."""
+def _next_frame(conn: Connection, pipe: Pipe, timeout: float, frame: FrameClock) -> Event:
+    """Wait for a header as long as it takes; the rest of the frame has ``timeout``."""
     event = conn.feed(pipe.recv_exact(conn.wanted()))
     if event is not None:
         return event
-    pipe.set_deadline(time.monotonic() + hooks.frame_timeout)
-    current = frames[0]
-    hooks.watch(hooks.frame_timeout, lambda: frames[0] > current, pipe.close)
+    frame.start(timeout)
     return next_event(conn, pipe)
 
 
