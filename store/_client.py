@@ -215,7 +215,9 @@ class StoreClient(Closing):
             if body.get("op") == "open":
                 raise
             self._reconnect()  # the session is gone: leases it held are gone with it
-            reply = self.peer.call({**body, "ns": self._ns}, timeout=self._timeout)
+            if "ns" in body:  # the namespace's handle is the new session's
+                body = {**body, "ns": self._ns}
+            reply = self.peer.call(body, timeout=self._timeout)
         raise_error(reply)
         return reply
 

@@ -29,13 +29,9 @@ def hand_off(ns: Namespace, keys: Sequence[bytes], ttl: float) -> None:
         _release(ns, key, ns.unread.pop(key))
 
 
-def first_read(ns: Namespace, keys: list[bytes]) -> None:
-    """``keys`` are being read: their holds have done their job."""
-    take(ns, keys)
-
-
 def take(ns: Namespace, keys: list[bytes]) -> dict[bytes, float]:
-    """Release the holds on ``keys``; return them (key -> deadline) for :func:`restore`."""
+    """Release the holds on ``keys`` (being read, or removed: the holds have done their job);
+    return them (key -> deadline) for :func:`restore`."""
     holds = {key: ns.unread.pop(key) for key in keys if key in ns.unread}
     for key, deadline in holds.items():
         _release(ns, key, deadline)

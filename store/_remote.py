@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 
@@ -213,7 +214,7 @@ class RemoteAccess(Placement):
     def hold(self, keys: Sequence[bytes]) -> Lease:
         """Pin keys the caller knows are present and valid (already pinned by a lease of
         its own) until released: :meth:`pin` without its checks, for a hot path."""
-        held = tuple(BlockKey(key) for key in keys)
+        held = cast(tuple[BlockKey, ...], tuple(keys))  # the guard's keys came from leases
         with self._lock:
             lease_id, deadline = self._pins.add(held, math.inf)
             return Lease(self._release, self._pins.clock, lease_id, held, deadline)

@@ -38,7 +38,7 @@ import msgpack
 
 from ..transfer import Caller, NotifyRefused, TransferEngine
 from ._errors import BlockNotFound, BlockPinned, LeaseExpired, StoreError
-from ._handoff import first_read, hand_off, restore, take
+from ._handoff import hand_off, restore, take
 from ._metrics import ServerMetrics, metrics_token
 from ._namespace_table import NamespaceTable
 from ._namespaces import Namespace
@@ -271,7 +271,7 @@ class CacheServer:
         self._room(caller, ns, len(keys))
         lease, slots = ns.store.pin_resident(keys, ttl=self.config.lease_ttl)
         ns.book.add_pin(caller.session, lease, slots)
-        first_read(ns, keys)
+        take(ns, keys)  # their first read: the handoff holds have done their job
         return {"lease": lease.id, "slots": slots}
 
     def _release(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from types import TracebackType
+
+from .._closing import Closing
 
 PREFIX = "kvb-"
 
@@ -58,7 +59,7 @@ def remove_stale() -> list[str]:
     return removed
 
 
-class ShapedLink:
+class ShapedLink(Closing):
     """Namespaces ``a`` and ``b`` with addresses ``10.231.0.1`` and ``10.231.0.2``, each
     end's egress limited to ``rate_bits`` bits/s (``None``: unshaped)."""
 
@@ -118,11 +119,3 @@ class ShapedLink:
             subprocess.run(
                 ["ip", "netns", "del", self._made.pop()], capture_output=True, check=False
             )
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

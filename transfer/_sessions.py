@@ -155,10 +155,6 @@ class SessionTable:
         self._serials = itertools.count(1)
         self._lock = threading.Lock()
 
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._sessions)
-
     def open(self, key: bytes, peer: str) -> Session:
         """A new session after a successful handshake; may end idle streamless ones."""
         ended: list[Caller] = []
@@ -249,13 +245,6 @@ class SessionTable:
         """End streamless sessions idle for longer than ``idle_s``."""
         with self._lock:
             ended = self._expire_idle()
-        self._notify(ended)
-
-    def end_all(self) -> None:
-        with self._lock:
-            ended = [s.caller for s in self._sessions.values()]
-            self._sessions.clear()
-            self._ids.clear()
         self._notify(ended)
 
     # -- internals (under the lock) -----------------------------------------------------
