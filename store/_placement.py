@@ -1,8 +1,9 @@
 """Where a TieredStore's blocks go: the placement cascade, and the state all of it shares.
 
 A new block goes to the highest tier with room or an evictable block (``_place``); making
-room evicts the policy's coldest unpinned, unprotected blocks (``_make_room_for``), each moving
-one tier down (``_evict``, ``_demote``) or out of the store from the last. A hit below the
+room evicts the coldest unprotected blocks of the tier's order (``_make_room_for``; pinned
+blocks are out of it, see ``_held``), each moving one tier down (``_evict``, ``_demote``)
+or out of the store from the last. A hit below the
 top tier is copied up (``_use``, ``_lift``). Every method here runs under the store's lock;
 the public API that calls them is in ``_store`` (local use) and ``_remote`` (a server's
 staged puts and resident pins).
@@ -21,6 +22,7 @@ from ._errors import (
     StoreError,
     StoreFull,
 )
+from ._held import HeldOrder
 from ._keys import BlockKey
 from ._pins import Lease, PinTable
 from ._slots import SlotTier
@@ -44,6 +46,8 @@ class Placement:
     _persistent: int | None
     _lock: threading.RLock
     _pins: PinTable
+    _orders: list[HeldOrder]
+    """Each tier's eviction order less its pinned blocks (``tier.policy`` is the same object)."""
     _staging: StagingTable
     _stats: StoreStats
     _tier_evictions: list[int]
@@ -56,21 +60,28 @@ class Placement:
                 return t
         return None
 
-    def _room(self, needed: int) -> int:
-        """How many new blocks fit (every slot not held by a pin or a staged put can be
-        freed), counted exactly only when a cheap lower bound says fewer than ``needed``:
-        walking every pinned key on every put cost O(pins)."""
+    def _room(self) -> int:
+        """How many new blocks fit: every slot not held by a pin or a staged put can be
+        freed (exact, and O(tiers): pinned blocks are counted per tier as they come)."""
+        self._pins.expire()
         if self.write_through:
             assert self._persistent is not None
-            tiers = [self._tiers[self._persistent]]
+            tiers = [self._persistent]
         else:
-            tiers = self._tiers
-        staged = self._staging.slots if tiers[0] is self._tiers[0] else 0
-        capacity = sum(tier.capacity for tier in tiers) - staged
-        if capacity - len(self._pins) * len(tiers) >= needed:
-            return capacity - len(self._pins) * len(tiers)
-        pinned = self._pins.pinned()
-        return capacity - sum(sum(key in tier for key in pinned) for tier in tiers)
+            tiers = list(range(len(self._tiers)))
+        staged = self._staging.slots if tiers[0] == 0 else 0
+        unpinned = sum(self._tiers[t].capacity - len(self._orders[t].held) for t in tiers)
+        return unpinned - staged
+
+    def _pin_changed(self, key: BlockKey, pinned: bool) -> None:
+        """Take a key that gained its first pin out of every eviction walk, or put one
+        that lost its last back (see :mod:`._held`)."""
+        for tier, order in zip(self._tiers, self._orders, strict=True):
+            if key in tier.index:
+                if pinned:
+                    order.hold(key)
+                else:
+                    order.release(key)
 
     @contextlib.contextmanager
     def _batch(self) -> Iterator[None]:
@@ -103,18 +114,18 @@ class Placement:
         return self._make_room_for(t, 1, protect)
 
     def _make_room_for(self, t: int, count: int, protect: Container[BlockKey]) -> bool:
-        """Free ``count`` slots of tier ``t`` (staged slots count as used), evicting
-        unpinned, unprotected blocks found in one walk of the policy's candidates (one walk
-        per block cost O(pinned) each time: a policy that ranks pinned blocks coldest made
-        a batch O(pinned x batch)). Evicts nothing when it cannot free them all."""
+        """Free ``count`` slots of tier ``t`` (staged slots count as used), evicting the
+        coldest unprotected blocks in one walk of its order (pinned blocks are not in it).
+        Evicts nothing when it cannot free them all."""
         tier = self._tiers[t]
         used = len(tier) + (self._staging.slots if t == 0 else 0)
         need = used + count - tier.capacity
         if need <= 0:
             return True
+        self._pins.expire()
         victims = []
-        for key in tier.policy.candidates():
-            if key not in protect and not self._pins.is_pinned(key):
+        for key in self._orders[t].candidates():
+            if key not in protect:
                 victims.append(key)
                 if len(victims) == need:
                     break
@@ -210,10 +221,10 @@ class Placement:
     def _check_lift_room(self, top: SlotTier, protect: set[BlockKey], lifts: int) -> None:
         """Raise StoreFull unless the top tier can take ``lifts`` more blocks next to the
         ones of ``protect`` it holds: slots of staged puts and pinned blocks stay."""
-        room = top.capacity - self._staging.slots - (len(protect) - lifts)
-        if lifts <= room - len(self._pins):  # a cheap bound first, as in _room
-            return
-        room -= sum(key in top and key not in protect for key in self._pins.pinned())
+        self._pins.expire()
+        held = self._orders[0].held
+        pinned = len(held) - sum(key in held for key in protect)
+        room = top.capacity - self._staging.slots - (len(protect) - lifts) - pinned
         if lifts > room:
             raise StoreFull(
                 f"{lifts} block(s) to copy up but the {top.name} tier can free at most "

@@ -2,23 +2,26 @@
 
 A tier owns its index and its capacity; a policy is told what happened (``insert``,
 ``touch``, ``remove``) and answers one question: which keys to evict first (``candidates``,
-coldest first). The store walks the candidates (``Placement._make_room_for``) and skips the
-ones it cannot evict (pinned, or part of the batch being stored), so a policy never needs
-to know about pins.
+coldest first). The store takes a pinned block out of the walk while it is pinned
+(``hold``, ``release``: it keeps its place in the order), so making room never steps over
+one, and walks the candidates itself (``Placement._make_room_for``).
 
 ``TieredStore`` defaults to ``lru``; the cache server to ``reuse`` (:class:`ReuseLRU`), which
 beats LRU on shared-prefix workloads (figures in ``benches/README.md``).
-Every operation is O(1) (amortised). Add a policy by writing a class with these four methods
-and registering it in :data:`POLICIES`.
+Every operation is O(1) (amortised; see :mod:`._order` for a release). Add a policy by
+writing a class with the methods of :class:`EvictionPolicy` and registering it in
+:data:`POLICIES`.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
 from ._keys import BlockKey
+from ._order import Stamped, StampOrder
 
 
 class EvictionPolicy(Protocol):
@@ -33,46 +36,55 @@ class EvictionPolicy(Protocol):
     def remove(self, key: BlockKey) -> None:
         """``key`` left the tier (evicted, demoted, promoted away or removed)."""
 
+    def hold(self, key: BlockKey) -> None:
+        """``key`` (present) may not be evicted: leave it out of ``candidates`` until
+        ``release``. It keeps its place: uses still count, and ``ranking`` shows it."""
+
+    def release(self, key: BlockKey) -> None:
+        """``key`` may be evicted again (a key not held is ignored)."""
+
     def candidates(self) -> Iterator[BlockKey]:
-        """Keys in eviction order, coldest first. Must not be held across a mutation."""
+        """Keys not held, in eviction order, coldest first. Must not be held across a
+        mutation."""
+
+    def ranking(self) -> Iterator[BlockKey]:
+        """Every key, held ones included, in eviction order (for views, not for eviction)."""
 
 
 class LRU:
     """Least recently used: a hit or a duplicate put moves the key to the hot end."""
 
     def __init__(self) -> None:
-        self._order: OrderedDict[BlockKey, None] = OrderedDict()
+        self._queue = StampOrder()
+        self._stamps = itertools.count()
 
     def insert(self, key: BlockKey) -> None:
-        self._order[key] = None
+        self._queue.stamp(key, next(self._stamps))
 
     def touch(self, key: BlockKey) -> None:
-        self._order.move_to_end(key)
+        self._queue.stamp(key, next(self._stamps))
 
     def remove(self, key: BlockKey) -> None:
-        del self._order[key]
+        self._queue.remove(key)
+
+    def hold(self, key: BlockKey) -> None:
+        self._queue.hold(key)
+
+    def release(self, key: BlockKey) -> None:
+        self._queue.release(key)
 
     def candidates(self) -> Iterator[BlockKey]:
-        return iter(self._order)
+        return (key for _, key in self._queue.walk())
+
+    def ranking(self) -> Iterator[BlockKey]:
+        return (key for _, key in self._queue.everything())
 
 
-class FIFO:
+class FIFO(LRU):
     """First in, first out: the oldest stored block goes first; hits change nothing."""
-
-    def __init__(self) -> None:
-        self._order: dict[BlockKey, None] = {}
-
-    def insert(self, key: BlockKey) -> None:
-        self._order[key] = None
 
     def touch(self, key: BlockKey) -> None:
         pass
-
-    def remove(self, key: BlockKey) -> None:
-        del self._order[key]
-
-    def candidates(self) -> Iterator[BlockKey]:
-        return iter(self._order)
 
 
 class ReuseLRU:
@@ -96,8 +108,8 @@ class ReuseLRU:
     What it gains over LRU on the Mooncake traces, where it loses, and how far an online
     policy could go there: ``benches/README.md`` ("Prefix-cache hit rate by eviction policy").
 
-    All operations are O(1): two ordered dicts and a bounded ghost dict; ``candidates``
-    merges the two queues' heads lazily.
+    All operations are O(1): two stamp-ordered queues and a bounded ghost dict;
+    ``candidates`` merges the two queues' heads lazily.
     """
 
     PROTECT = 8
@@ -110,8 +122,8 @@ class ReuseLRU:
     8x gave the same 3M figures, 8x 0.157 against 0.155 on the synthetic trace at 1M)."""
 
     def __init__(self) -> None:
-        self._new: OrderedDict[BlockKey, int] = OrderedDict()
-        self._reused: OrderedDict[BlockKey, int] = OrderedDict()
+        self._new = StampOrder()
+        self._reused = StampOrder()
         self._ghosts: OrderedDict[BlockKey, None] = OrderedDict()
         self._clock = 0
 
@@ -119,35 +131,55 @@ class ReuseLRU:
         self._clock += 1
         if key in self._ghosts:  # it was here before: a reuse
             del self._ghosts[key]
-            self._reused[key] = self._clock
+            self._reused.stamp(key, self._clock)
         else:
-            self._new[key] = self._clock
+            self._new.stamp(key, self._clock)
 
     def touch(self, key: BlockKey) -> None:
         self._clock += 1
-        if self._new.pop(key, None) is None:
-            del self._reused[key]
-        self._reused[key] = self._clock
+        if key in self._new:  # a first reuse: the key changes queues, held or not
+            held = self._new.is_held(key)
+            self._new.remove(key)
+            self._reused.stamp(key, self._clock)
+            if held:
+                self._reused.hold(key)
+        else:
+            self._reused.stamp(key, self._clock)
 
     def remove(self, key: BlockKey) -> None:
-        if self._new.pop(key, None) is None:
-            del self._reused[key]
+        self._queue_of(key).remove(key)
         self._ghosts[key] = None
         limit = self.GHOSTS * max(len(self._new) + len(self._reused), 1)
         while len(self._ghosts) > limit:
             self._ghosts.popitem(last=False)
 
+    def hold(self, key: BlockKey) -> None:
+        self._queue_of(key).hold(key)
+
+    def release(self, key: BlockKey) -> None:
+        self._queue_of(key).release(key)
+
     def candidates(self) -> Iterator[BlockKey]:
+        return self._interleave(self._new.walk(), self._reused.walk())
+
+    def ranking(self) -> Iterator[BlockKey]:
+        return self._interleave(self._new.everything(), self._reused.everything())
+
+    def _queue_of(self, key: BlockKey) -> StampOrder:
+        return self._new if key in self._new else self._reused
+
+    def _interleave(self, new: Iterator[Stamped], reused: Iterator[Stamped]) -> Iterator[BlockKey]:
+        """The two queues merged: the coldest new block first, unless the coldest reused
+        one has gone ``PROTECT`` x the cache's size in accesses without use."""
         grace = self.PROTECT * (len(self._new) + len(self._reused))
-        new, reused = iter(self._new.items()), iter(self._reused.items())
         n, r = next(new, None), next(reused, None)
         while n is not None or r is not None:
-            if r is None or (n is not None and n[1] <= r[1] + grace):
+            if r is None or (n is not None and n[0] <= r[0] + grace):
                 assert n is not None
-                yield n[0]
+                yield n[1]
                 n = next(new, None)
             else:
-                yield r[0]
+                yield r[1]
                 r = next(reused, None)
 
 
@@ -155,10 +187,17 @@ POLICIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": LRU, "fifo": FIFO, "
 """Policies selectable by name (``TieredStore(policy="lru")``)."""
 
 
+_METHODS = ("insert", "touch", "remove", "hold", "release", "candidates", "ranking")
+
+
 def make_policy(policy: str | Callable[[], EvictionPolicy]) -> EvictionPolicy:
     """Return a fresh policy from a registered name or a zero-argument factory."""
     if callable(policy):
-        return policy()
+        made = policy()
+        lacking = [m for m in _METHODS if not callable(getattr(made, m, None))]
+        if lacking:
+            raise TypeError(f"eviction policy {made!r} lacks {', '.join(lacking)}")
+        return made
     factory = POLICIES.get(policy)
     if factory is None:
         raise ValueError(f"unknown eviction policy {policy!r}; choose one of {sorted(POLICIES)}")

@@ -57,15 +57,13 @@ class RemoteAccess(Placement):
             positions: list[int | None] = [None] * len(checked)
             if not fresh:
                 return 0, positions
-            room = top.capacity - self._staging.slots - len(self._pins)  # at least this
-            if len(fresh) > room:  # count exactly: only pinned keys held by this tier count
-                pinned_here = sum(key in top for key in self._pins.pinned())
-                room = top.capacity - self._staging.slots - pinned_here
+            self._pins.expire()
+            pinned = len(self._orders[0].held)
+            room = top.capacity - self._staging.slots - pinned
             if len(fresh) > room:
                 raise StoreFull(
                     f"{len(fresh)} new block(s) but the {top.name} tier can free at most "
-                    f"{max(room, 0)} slot(s) ({top.capacity - self._staging.slots - room} "
-                    f"pinned, {self._staging.slots} staged)"
+                    f"{max(room, 0)} slot(s) ({pinned} pinned, {self._staging.slots} staged)"
                 )
             slots: list[int] = []
             with self._batch():
@@ -97,7 +95,7 @@ class RemoteAccess(Placement):
                 raise LeaseExpired(f"staged put {lease_id} expired before its commit")
             if self.write_through and self._persistent != 0:
                 fresh = [key for key in dict.fromkeys(staging.keys) if self._locate(key) is None]
-                room = self._room(len(fresh))
+                room = self._room()
                 if len(fresh) > room:
                     self._give_back(staging, [])
                     raise StoreFull(

@@ -26,7 +26,7 @@ def spill(tiers: Sequence[Tier], disk: Tier) -> int:
     for tier in tiers:
         if tier.persistent:
             continue
-        for key in reversed(list(tier.policy.candidates())):
+        for key in reversed(list(tier.policy.ranking())):
             if len(chosen) >= room:
                 break
             if key not in disk:

@@ -40,6 +40,7 @@ from ._errors import (
     StoreError,
     StoreFull,
 )
+from ._held import HeldOrder
 from ._keys import check_keys
 from ._pins import DEFAULT_PIN_TTL_S, Lease, PinTable
 from ._remote import RemoteAccess
@@ -146,7 +147,10 @@ class TieredStore(RemoteAccess, Closing):
         self.promote = promote
         self.pin_ttl = pin_ttl
         self._lock = threading.RLock()
-        self._pins = PinTable(clock)
+        self._pins = PinTable(clock, on_change=self._pin_changed)
+        self._orders = [HeldOrder(tier.policy, self._pins) for tier in tiers]
+        for tier, order in zip(tiers, self._orders, strict=True):
+            tier.policy = order  # the tier tells it what happens; pinned keys leave its walk
         self.clock = clock
         top = tiers[0]
         self._staging = StagingTable(
@@ -225,7 +229,7 @@ class TieredStore(RemoteAccess, Closing):
             fresh = self._fresh(checked)
             if not fresh:
                 return stored
-            room = self._room(len(fresh))
+            room = self._room()
             if len(fresh) > room:
                 raise StoreFull(
                     f"{len(fresh)} new block(s) but the tiers hold at most {room} more "

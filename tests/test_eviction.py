@@ -29,8 +29,9 @@ NAMES = dict(zip(K, "abcdefghijklmnopqrst", strict=True))
 
 
 def order(store: TieredStore) -> dict[str, str]:
-    """Each tier's keys in eviction order, coldest first, as letters ("abc")."""
-    return {tier.name: "".join(NAMES[k] for k in tier.policy.candidates()) for tier in store.tiers}
+    """Each tier's keys in eviction order, coldest first, pinned ones at their places, as
+    letters ("abc")."""
+    return {tier.name: "".join(NAMES[k] for k in tier.policy.ranking()) for tier in store.tiers}
 
 
 def put(store: TieredStore, *ks: bytes) -> list[bool]:

@@ -1,0 +1,171 @@
+"""Pinned blocks leave the eviction order while pinned and come back to their place."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from helpers import FakeClock, key, keys, payloads
+
+from kvbridge.store import POLICIES, BlockKey, StoreFull, TieredStore
+from kvbridge.store._order import StampOrder
+
+BB = 128
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_stamp_order_matches_a_sorted_model(seed: int) -> None:
+    """Random stamps, removals, holds and releases: the walk is always the unheld keys in
+    stamp order, and ``everything`` all of them."""
+    rng = random.Random(seed)
+    order = StampOrder()
+    model: dict[BlockKey, list[Any]] = {}  # key -> [stamp, held]
+    stamp = 0
+    universe = [key(i) for i in range(40)]
+    for _ in range(3000):
+        k, op = rng.choice(universe), rng.random()
+        if op < 0.4:
+            stamp += 1
+            order.stamp(k, stamp)
+            model.setdefault(k, [0, False])[0] = stamp
+        elif k not in model:
+            continue
+        elif op < 0.55:
+            order.remove(k)
+            del model[k]
+        elif op < 0.8:
+            order.hold(k)
+            model[k][1] = True
+        else:
+            order.release(k)
+            model[k][1] = False
+        walk = [k for k, (_, held) in sorted(model.items(), key=lambda kv: kv[1][0]) if not held]
+        assert [k for _, k in order.walk()] == walk
+        assert [k for _, k in order.everything()] == sorted(model, key=lambda k: model[k][0])
+        assert len(order) == len(model) and all(k in order for k in model)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_a_released_key_is_back_at_its_place(name: str) -> None:
+    policy = POLICIES[name]()
+    ks = keys(0, 6)
+    for k in ks:
+        policy.insert(k)
+    policy.touch(ks[1])
+    before = list(policy.ranking())
+    policy.hold(ks[2])
+    policy.hold(ks[4])
+    assert list(policy.candidates()) == [k for k in before if k not in (ks[2], ks[4])]
+    assert list(policy.ranking()) == before
+    policy.insert(key(99))
+    policy.release(ks[2])
+    policy.release(ks[4])
+    policy.release(ks[4])  # a key not held: ignored
+    walk = list(policy.candidates())
+    assert walk == list(policy.ranking()) and [k for k in walk if k != key(99)] == before
+
+
+def test_lru_a_key_used_while_held_comes_back_hot() -> None:
+    policy = POLICIES["lru"]()
+    a, b, c = keys(0, 3)
+    for k in (a, b, c):
+        policy.insert(k)
+    policy.hold(a)
+    policy.touch(a)
+    assert list(policy.candidates()) == [b, c]
+    policy.release(a)
+    assert list(policy.candidates()) == [b, c, a]
+
+
+def test_reuse_a_held_new_block_reused_moves_queues_and_stays_held() -> None:
+    policy = POLICIES["reuse"]()
+    a, b, c = keys(0, 3)
+    for k in (a, b, c):
+        policy.insert(k)
+    policy.hold(a)
+    policy.touch(a)  # now a reused block, still held
+    assert list(policy.candidates()) == [b, c]
+    policy.release(a)
+    assert list(policy.candidates()) == [b, c, a]  # reused blocks go after new ones
+    policy.remove(a)
+    assert list(policy.ranking()) == [b, c]
+
+
+def _counting(store: TieredStore) -> list[int]:
+    """Count the keys the store's walks read from the top tier's order."""
+    order = store.tiers[0].policy
+    walked = [0]
+    candidates = order.candidates
+
+    def counted() -> Iterator[BlockKey]:
+        for k in candidates():
+            walked[0] += 1
+            yield k
+
+    order.candidates = counted  # type: ignore[method-assign]
+    return walked
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_making_room_reads_only_its_victims_however_many_are_pinned(name: str) -> None:
+    with TieredStore(BB, host_capacity=1000 * BB, policy=name) as store:
+        old, new = keys(0, 1000), keys(1000, 1050)
+        store.put(old, payloads(old, BB))
+        lease = store.pin(old[:900])  # the coldest 900
+        walked = _counting(store)
+        store.put(new, payloads(new, BB))
+        assert walked[0] == 50  # the 50 victims, none of the 900 pinned blocks
+        assert store.contains(old[:900]) == [True] * 900
+        assert sum(store.contains(old[900:])) == 50
+        lease.release()
+        lid, slots = store.stage(keys(2000, 2010))
+        assert walked[0] == 60 and None not in slots  # released: the coldest again
+        assert store.contains(old[:10]) == [False] * 10
+        store.abort(lid)
+
+
+def test_an_expired_pin_puts_its_block_back_in_the_walk() -> None:
+    clock = FakeClock()
+    with TieredStore(BB, host_capacity=3 * BB, pin_ttl=5.0, clock=clock) as store:
+        a, b, c, d = keys(0, 4)
+        store.put([a, b, c], payloads([a, b, c], BB))
+        store.pin([a])
+        store.put([d], payloads([d], BB))  # b goes
+        assert store.contains([a, b]) == [True, False]
+        clock.advance(5.0)
+        store.put([key(9)], payloads([key(9)], BB))  # a is unpinned and still the coldest
+        assert store.contains([a, c]) == [False, True]
+
+
+def test_a_block_copied_up_while_pinned_is_pinned_in_its_new_tier(tmp_path: Path) -> None:
+    with TieredStore(BB, host_capacity=2 * BB, disk_path=tmp_path, disk_capacity=8 * BB) as s:
+        a, b, c = keys(0, 3)
+        s.put([a, b, c], payloads([a, b, c], BB))  # a on disk only, b and c in host
+        held = s.pin([a])
+        lease, _ = s.pin_resident([a])  # copied up next to its disk copy
+        lease.release()  # the first lease still pins a, in both tiers
+        with pytest.raises(StoreFull, match="1 pinned"):
+            s.stage(keys(10, 12))
+        held.release()
+        lid, slots = s.stage(keys(10, 12))
+        assert None not in slots
+        s.abort(lid)
+        out = np.zeros((1, BB), np.uint8)
+        s.get([a], out)
+        np.testing.assert_array_equal(out, payloads([a], BB))
+
+
+def test_a_policy_without_hold_is_refused() -> None:
+    class Old:
+        def insert(self, key: BlockKey) -> None: ...
+        def touch(self, key: BlockKey) -> None: ...
+        def remove(self, key: BlockKey) -> None: ...
+        def candidates(self) -> Iterator[BlockKey]:
+            return iter(())
+
+    with pytest.raises(TypeError, match="lacks hold, release, ranking"):
+        TieredStore(BB, host_capacity=2 * BB, policy=Old)  # type: ignore[arg-type]
