@@ -17,7 +17,8 @@ from collections.abc import Iterator
 
 from ._keys import BlockKey
 
-Stamped = tuple[int, BlockKey]
+Stamped = tuple[BlockKey, int]
+"""A key and its stamp."""
 
 
 class StampOrder:
@@ -26,7 +27,7 @@ class StampOrder:
     def __init__(self) -> None:
         self._live: OrderedDict[BlockKey, int] = OrderedDict()
         """Keys in the walk, stamps ascending (a new stamp goes to the end)."""
-        self._back: list[Stamped] = []
+        self._back: list[tuple[int, BlockKey]] = []
         """Keys released behind the newest live one, sorted; an entry is stale unless
         ``_back_at`` has the same stamp for its key."""
         self._back_at: dict[BlockKey, int] = {}
@@ -38,26 +39,47 @@ class StampOrder:
     def __contains__(self, key: object) -> bool:
         return key in self._live or key in self._back_at or key in self._held
 
+    def add(self, key: BlockKey, stamp: int) -> None:
+        """:meth:`stamp` for a key known to be absent (a policy's ``insert``)."""
+        self._live[key] = stamp
+
     def stamp(self, key: BlockKey, stamp: int) -> None:
         """Give ``key`` (new or present) a stamp newer than any before: it goes to the
         newest end, or stays held with its new stamp."""
-        if key in self._held:
+        if not self.restamp(key, stamp):
+            self._live[key] = stamp
+
+    def restamp(self, key: BlockKey, stamp: int) -> bool:
+        """:meth:`stamp` for a key that may be absent: False (and nothing done) if it is."""
+        live = self._live
+        if key in live:  # the common case first: a use of a key in the walk
+            live[key] = stamp
+            live.move_to_end(key)
+        elif key in self._held:
             self._held[key] = stamp
-            return
-        if self._back_at.pop(key, None) is None:
-            self._live.pop(key, None)
-        else:
+        elif self._back_at.pop(key, None) is not None:
+            live[key] = stamp
             self._compact()
-        self._live[key] = stamp
+        else:
+            return False
+        return True
 
     def is_held(self, key: BlockKey) -> bool:
         return key in self._held
 
     def remove(self, key: BlockKey) -> None:
         """Forget ``key`` (present)."""
-        if self._live.pop(key, None) is None and self._back_at.pop(key, None) is None:
-            del self._held[key]
-        self._compact()
+        if not self.discard(key):
+            raise KeyError(key)
+
+    def discard(self, key: BlockKey) -> bool:
+        """Forget ``key`` if present; whether it was."""
+        if self._live.pop(key, None) is not None:
+            return True
+        if self._back_at.pop(key, None) is not None:
+            self._compact()
+            return True
+        return self._held.pop(key, None) is not None
 
     def hold(self, key: BlockKey) -> None:
         """Take ``key`` (present) out of the walk until :meth:`release`."""
@@ -83,20 +105,30 @@ class StampOrder:
                 self._back.insert(at, entry)
             self._back_at[key] = stamp
 
+    def keys(self) -> Iterator[BlockKey]:
+        """Keys not held, oldest first."""
+        if not self._back_at:
+            return iter(self._live)
+        return (key for key, _ in self.walk())
+
     def walk(self) -> Iterator[Stamped]:
         """Keys not held and their stamps, oldest first."""
-        live = ((stamp, key) for key, stamp in self._live.items())
+        live = iter(self._live.items())
         if not self._back_at:
             return live
-        back = ((s, k) for s, k in self._back if self._back_at.get(k) == s)
-        return heapq.merge(live, back)
+        back = ((k, s) for s, k in self._back if self._back_at.get(k) == s)
+        return heapq.merge(live, back, key=_stamp_of)
 
     def everything(self) -> Iterator[Stamped]:
         """Every key, held ones at their places, oldest first."""
-        held = sorted((stamp, key) for key, stamp in self._held.items())
-        return heapq.merge(self.walk(), held)
+        held = sorted(self._held.items(), key=_stamp_of)
+        return heapq.merge(self.walk(), held, key=_stamp_of)
 
     def _compact(self) -> None:
         """Drop stale entries from ``_back`` once they are most of it."""
         if len(self._back) > 2 * len(self._back_at) + 64:
             self._back = [(s, k) for s, k in self._back if self._back_at.get(k) == s]
+
+
+def _stamp_of(entry: Stamped) -> int:
+    return entry[1]

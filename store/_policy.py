@@ -59,10 +59,10 @@ class LRU:
         self._stamps = itertools.count()
 
     def insert(self, key: BlockKey) -> None:
-        self._queue.stamp(key, next(self._stamps))
+        self._queue.add(key, next(self._stamps))
 
     def touch(self, key: BlockKey) -> None:
-        self._queue.stamp(key, next(self._stamps))
+        self._queue.restamp(key, next(self._stamps))
 
     def remove(self, key: BlockKey) -> None:
         self._queue.remove(key)
@@ -74,10 +74,10 @@ class LRU:
         self._queue.release(key)
 
     def candidates(self) -> Iterator[BlockKey]:
-        return (key for _, key in self._queue.walk())
+        return self._queue.keys()
 
     def ranking(self) -> Iterator[BlockKey]:
-        return (key for _, key in self._queue.everything())
+        return (key for key, _ in self._queue.everything())
 
 
 class FIFO(LRU):
@@ -126,30 +126,34 @@ class ReuseLRU:
         self._reused = StampOrder()
         self._ghosts: OrderedDict[BlockKey, None] = OrderedDict()
         self._clock = 0
+        self._size = 0
+        """Keys in both queues (kept here: a StampOrder's len is three)."""
 
     def insert(self, key: BlockKey) -> None:
         self._clock += 1
+        self._size += 1
         if key in self._ghosts:  # it was here before: a reuse
             del self._ghosts[key]
-            self._reused.stamp(key, self._clock)
+            self._reused.add(key, self._clock)
         else:
-            self._new.stamp(key, self._clock)
+            self._new.add(key, self._clock)
 
     def touch(self, key: BlockKey) -> None:
         self._clock += 1
-        if key in self._new:  # a first reuse: the key changes queues, held or not
-            held = self._new.is_held(key)
-            self._new.remove(key)
-            self._reused.stamp(key, self._clock)
-            if held:
-                self._reused.hold(key)
-        else:
-            self._reused.stamp(key, self._clock)
+        if self._reused.restamp(key, self._clock):
+            return
+        held = self._new.is_held(key)  # a first reuse: the key changes queues, held or not
+        self._new.remove(key)
+        self._reused.add(key, self._clock)
+        if held:
+            self._reused.hold(key)
 
     def remove(self, key: BlockKey) -> None:
-        self._queue_of(key).remove(key)
+        if not self._new.discard(key):
+            self._reused.remove(key)
+        self._size -= 1
         self._ghosts[key] = None
-        limit = self.GHOSTS * max(len(self._new) + len(self._reused), 1)
+        limit = self.GHOSTS * max(self._size, 1)
         while len(self._ghosts) > limit:
             self._ghosts.popitem(last=False)
 
@@ -171,15 +175,15 @@ class ReuseLRU:
     def _interleave(self, new: Iterator[Stamped], reused: Iterator[Stamped]) -> Iterator[BlockKey]:
         """The two queues merged: the coldest new block first, unless the coldest reused
         one has gone ``PROTECT`` x the cache's size in accesses without use."""
-        grace = self.PROTECT * (len(self._new) + len(self._reused))
+        grace = self.PROTECT * self._size
         n, r = next(new, None), next(reused, None)
         while n is not None or r is not None:
-            if r is None or (n is not None and n[0] <= r[0] + grace):
+            if r is None or (n is not None and n[1] <= r[1] + grace):
                 assert n is not None
-                yield n[1]
+                yield n[0]
                 n = next(new, None)
             else:
-                yield r[1]
+                yield r[0]
                 r = next(reused, None)
 
 

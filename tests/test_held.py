@@ -44,8 +44,8 @@ def test_stamp_order_matches_a_sorted_model(seed: int) -> None:
             order.release(k)
             model[k][1] = False
         walk = [k for k, (_, held) in sorted(model.items(), key=lambda kv: kv[1][0]) if not held]
-        assert [k for _, k in order.walk()] == walk
-        assert [k for _, k in order.everything()] == sorted(model, key=lambda k: model[k][0])
+        assert [k for k, _ in order.walk()] == walk == list(order.keys())
+        assert [k for k, _ in order.everything()] == sorted(model, key=lambda k: model[k][0])
         assert len(order) == len(model) and all(k in order for k in model)
 
 
