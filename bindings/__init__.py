@@ -1,3 +1,29 @@
-"""kvbridge.bindings (populated by later work)."""
+"""kvbridge.bindings: kvbridge inside serving engines.
 
-__all__: list[str] = []
+- An engine-agnostic connector core (:class:`ConnectorCore`): block keys from token ids
+  in a namespace that names the model, dtype, layout, block size and shard
+  (:class:`Identity`), cached lookups that remember failed keys, pins between a lookup and
+  its load, loads, saves on a thread of its own, and counters (:class:`ConnectorStats`).
+  It keeps blocks in a ``kvbridge serve`` or in a store inside the engine process
+  (:class:`ConnectorConfig`), moving the engine's KV cache as pages (:class:`PagedKV`).
+- ``kvbridge.bindings.vllm``: the vLLM adapter, ``KVBridgeConnector`` (imports vLLM).
+"""
+
+from __future__ import annotations
+
+from ._config import ConnectorConfig
+from ._core import ConnectorCore, Identity
+from ._jobs import SaveJob
+from ._pages import LayoutError, PagedKV, pages_of
+from ._stats import ConnectorStats
+
+__all__ = [
+    "ConnectorConfig",
+    "ConnectorCore",
+    "ConnectorStats",
+    "Identity",
+    "LayoutError",
+    "PagedKV",
+    "SaveJob",
+    "pages_of",
+]

@@ -45,7 +45,9 @@ _TRUSTED_LEASE_FRACTION = 0.5
 """A read that finished within this part of the lease TTL (counted from before the pin
 request left) ran under the pin for sure; later ones ask the server whether it held."""
 
-_Locations = tuple[np.ndarray, np.ndarray]  # per key: local region id, offset in it
+_Locations = tuple[np.ndarray, np.ndarray]
+"""Per key and segment (shape ``(keys, segments)``): the local region id and the offset in
+it of that part of the block (a block is ``segments`` equal parts, one op each)."""
 
 
 class StoreClient(Closing):
@@ -129,6 +131,36 @@ class StoreClient(Closing):
         """``get`` into a registered region: block ``i`` lands at ``offsets[i]``."""
         checked = check_keys(keys)
         self._get(checked, self._locations(region, offsets, len(checked)))
+
+    def put_pages(
+        self, keys: Sequence[bytes], regions: Sequence[Region], offsets: np.ndarray
+    ) -> list[bool]:
+        """``put`` of blocks made of pages spread over registered regions (a KV cache's
+        layers): block ``i`` is ``len(regions)`` equal pages, page ``s`` at ``offsets[i, s]``
+        in ``regions[s]``. The pages go straight to the server's slots, one op each."""
+        checked = check_keys(keys)
+        return self._put(checked, self._pages(regions, offsets, len(checked)))
+
+    def get_pages(
+        self, keys: Sequence[bytes], regions: Sequence[Region], offsets: np.ndarray
+    ) -> None:
+        """``get`` into pages, laid out as for :meth:`put_pages`."""
+        checked = check_keys(keys)
+        self._get(checked, self._pages(regions, offsets, len(checked)))
+
+    def pin(self, keys: Sequence[bytes]) -> int:
+        """Keep the blocks of ``keys`` from eviction for the server's lease TTL (a reader's
+        guard between a lookup and its load); returns the lease for :meth:`release`.
+        Raises :class:`BlockNotFound` when a key is absent."""
+        checked = check_keys(keys)
+        if len(checked) > self._request_keys:
+            raise InvalidBlock(f"{len(checked)} keys; a pin covers at most {self._request_keys}")
+        return int(self._call({"op": "pin", "ns": self._ns, "keys": list(checked)})["lease"])
+
+    def release(self, lease: int) -> None:
+        """End a :meth:`pin` (an expired one is ignored: it is gone already)."""
+        if lease:
+            self._quietly({"op": "release", "ns": self._ns, "lease": lease})
 
     def match_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading keys the server holds (the cache hit of a prefix, in blocks)."""
@@ -269,14 +301,17 @@ class StoreClient(Closing):
         self, where: _Locations, start: int, picked: list[int], slots: list[int]
     ) -> np.ndarray:
         regions, offsets = where
+        segments = regions.shape[1]
+        part = self.block_bytes // segments
         index = np.asarray(picked, dtype=np.int64) + start
-        ops = np.zeros(len(picked), dtype=OP_DTYPE)
+        ops = np.zeros((len(picked), segments), dtype=OP_DTYPE)
         ops["local_region"] = regions[index]
         ops["local_offset"] = offsets[index]
         ops["remote_region"] = self._region
-        ops["remote_offset"] = np.asarray(slots, dtype=np.uint64) * np.uint64(self.block_bytes)
-        ops["length"] = self.block_bytes
-        return ops
+        at = np.asarray(slots, dtype=np.uint64) * np.uint64(self.block_bytes)
+        ops["remote_offset"] = at[:, None] + np.arange(segments, dtype=np.uint64) * np.uint64(part)
+        ops["length"] = part
+        return ops.reshape(-1)
 
     def _quietly(self, body: dict[str, Any]) -> None:
         """Give a lease back after a failure; the lease (or the session) ending does the
@@ -290,7 +325,21 @@ class StoreClient(Closing):
             raise InvalidBlock(f"{count} key(s) but {at.size} offset(s)")
         if (at < 0).any() or (at + self.block_bytes > region.length).any():
             raise InvalidBlock(f"an offset puts a block outside {region!r}")
-        return np.full(count, region.id, dtype=np.uint64), at.astype(np.uint64)
+        return np.full((count, 1), region.id, dtype=np.uint64), at.astype(np.uint64)[:, None]
+
+    def _pages(self, regions: Sequence[Region], offsets: np.ndarray, count: int) -> _Locations:
+        segments = len(regions)
+        if segments == 0 or self.block_bytes % segments:
+            raise InvalidBlock(f"{self.block_bytes}-byte blocks cannot be {segments} equal pages")
+        part = self.block_bytes // segments
+        at = np.asarray(offsets, dtype=np.int64)
+        if at.shape != (count, segments):
+            raise InvalidBlock(f"{count} key(s) x {segments} page(s) but offsets of {at.shape}")
+        lengths = np.array([r.length for r in regions], dtype=np.int64)
+        if (at < 0).any() or (at + part > lengths).any():
+            raise InvalidBlock("an offset puts a page outside its region")
+        ids = np.array([r.id for r in regions], dtype=np.uint64)
+        return np.broadcast_to(ids, (count, segments)), at.astype(np.uint64)
 
 
 class _Registration:
@@ -310,7 +359,7 @@ class _Registration:
         self._regions = [self._engine.register(a, access="none") for a in arrays]
         ids = [r.id for r in self._regions]
         regions = np.array(ids if len(ids) == count else ids * count, dtype=np.uint64)
-        self.where: _Locations = (regions[:count], offsets)
+        self.where: _Locations = (regions[:count, None], offsets[:, None])
 
     def __enter__(self) -> _Locations:
         return self.where

@@ -261,7 +261,7 @@ def load_config(
     secret_file = merged.pop("secret_file", None)
     secret = merged.pop("secret", None)
     if secret_file is not None:
-        secret = _read_secret(secret_file)
+        secret = read_secret(secret_file)
     try:
         return ServerConfig(**merged, secret=secret)
     except ConfigError as exc:
@@ -279,7 +279,7 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
     return found
 
 
-def _read_secret(secret_file: str) -> bytes:
+def read_secret(secret_file: str) -> bytes:
     try:
         secret = Path(secret_file).read_bytes().strip()
     except OSError as exc:

@@ -301,12 +301,7 @@ def test_a_put_whose_lease_expired_is_refused_and_stores_nothing() -> None:
         staged = client._call({"op": "stage", "ns": client._ns, "keys": ks})
         clock.advance(5.0)  # the lease is over, with no sleep
         src = client.register(payloads(ks, BB).reshape(-1), access="r")
-        ops = client._ops(
-            (np.full(2, src.id, np.uint64), np.arange(2, dtype=np.uint64) * BB),
-            0,
-            [0, 1],
-            staged["slots"],
-        )
+        ops = client._ops(client._locations(src, [0, BB], 2), 0, [0, 1], staged["slots"])
         commit = msgpack.packb({"op": "commit", "ns": client._ns, "lease": staged["lease"]})
         with pytest.raises(TransferError, match=r"LeaseExpired|refuses"):
             client.peer.write(ops, notify=commit).wait(5)

@@ -1,0 +1,87 @@
+"""The connector's settings, from an engine's free-form config (vLLM's
+``kv_connector_extra_config``): every key checked, an unknown one named."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from ..store import ConfigError, parse_size
+from ..store._server_config import read_secret
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """Where the blocks live and how long the connector waits for them.
+
+    With ``server`` the blocks live in a ``kvbridge serve`` (shared by every instance that
+    names it); without, in a :class:`~kvbridge.store.TieredStore` inside the engine process
+    (one instance's prefix cache, offloaded to host memory and optionally disk).
+    """
+
+    server: str | None = None
+    """``host:port`` of a ``kvbridge serve``."""
+    secret_file: str | None = None
+    """The server's shared secret (a file, so that it never shows in a command line)."""
+    host_capacity: int = 1 << 30
+    """In-process store: bytes of host memory."""
+    disk_path: str | None = None
+    """In-process store: an LMDB directory (the cache survives restarts)."""
+    disk_capacity: int = 0
+    namespace: str = ""
+    """Mixed into the namespace, to keep deployments of one model apart."""
+    timeout: float = 30.0
+    """Seconds any one store call may take before it counts as failed."""
+    failed_key_ttl: float = 60.0
+    """A key whose load failed is not advertised again for this long (no livelock)."""
+    pd_wait: float = 10.0
+    """Decode side of P/D: how long a request waits for the blocks its prefill announced
+    before it computes what is missing itself."""
+
+    def __post_init__(self) -> None:
+        if (self.disk_path is None) != (self.disk_capacity == 0):
+            raise ConfigError("disk_path and disk_capacity go together")
+        if self.server is not None and (self.disk_path is not None):
+            raise ConfigError("disk_path is for the in-process store; a server has its own")
+        for name in ("timeout", "failed_key_ttl", "pd_wait"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ConfigError(f"{name} must be a positive number of seconds, got {value}")
+
+    @property
+    def secret(self) -> bytes | None:
+        return None if self.secret_file is None else read_secret(self.secret_file)
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        """Parse an engine's extra config. Raises :class:`ConfigError` naming an unknown
+        key or a value of the wrong kind."""
+        given = dict(extra or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(given) - known)
+        if unknown:
+            raise ConfigError(
+                f"unknown kvbridge connector setting(s) {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(known))}"
+            )
+        values: dict[str, Any] = {}
+        for name, value in given.items():
+            values[name] = _convert(name, value)
+        return cls(**values)
+
+
+def _convert(name: str, value: Any) -> Any:
+    if name in ("host_capacity", "disk_capacity"):
+        try:
+            return parse_size(value)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{name}: {exc}", setting=name) from None
+    if name in ("timeout", "failed_key_ttl", "pd_wait"):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{name} must be a number, got {value!r}", setting=name)
+        return float(value)
+    if not isinstance(value, str) or (name != "namespace" and not value):
+        raise ConfigError(f"{name} must be a non-empty string, got {value!r}", setting=name)
+    return value

@@ -1,0 +1,256 @@
+"""The engine-agnostic half of a KV connector: block keys from token ids, lookups that
+remember failures, pins between a lookup and its load, loads, saves off the step, and
+the counters. An engine adapter (``bindings/vllm.py``) maps its engine's calls onto this.
+
+Faults stay local: a store that is unreachable, slow or refuses a call makes the
+connector answer "nothing cached" (the engine computes the tokens) and log a warning; it
+is asked again after ``_RETRY_AFTER_S``. A key whose load failed is not advertised again
+for ``failed_key_ttl`` seconds, so an engine that re-asks after a failure cannot loop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .._closing import Closing
+from ..store import BlockKey, StoreError, prefix_hashes
+from ..transfer import TransferError
+from ._backend import Backend, LocalBackend, ServerBackend
+from ._config import ConnectorConfig
+from ._jobs import SaveJob, Saver
+from ._pages import PagedKV
+from ._stats import ConnectorStats
+
+_log = logging.getLogger("kvbridge.bindings")
+
+_RETRY_AFTER_S = 5.0
+"""After a store fault, calls are skipped (a miss, nothing saved) for this long."""
+
+FAULTS = (StoreError, TransferError, OSError, TimeoutError)
+"""What a store call may raise that is the store's fault, not the engine's."""
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What the bytes of a block mean: two engines share blocks only when all of it is
+    equal (the namespace is derived from it, and the keys from the namespace)."""
+
+    engine: str
+    model: str
+    dtype: str
+    layout: str
+    block_tokens: int
+    block_bytes: int
+    shard: str
+    extra: str = ""
+
+    def namespace(self) -> bytes:
+        """``engine/model/digest``: readable, at most 256 bytes, and different whenever any
+        field is."""
+        text = "|".join(str(v) for v in self.__dict__.values())
+        digest = hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+        model = self.model.rstrip("/").rsplit("/", 1)[-1][:96]
+        return f"{self.engine}/{model}/{digest}".encode()
+
+
+class ConnectorCore(Closing):
+    """One side (lookups, or loads and saves) of a connector over one store."""
+
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        identity: Identity,
+        *,
+        saves: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.identity = identity
+        self.namespace = identity.namespace()
+        self.block_tokens = identity.block_tokens
+        self.stats = ConnectorStats()
+        self._clock = clock
+        self._failed: dict[BlockKey, float] = {}
+        self._down_until = 0.0
+        self._lock = threading.Lock()
+        self._backend = _open(config, self.namespace, identity.block_bytes)
+        self._saver = Saver(self._run_save) if saves else None
+
+    # -- keys and lookups (the scheduler's side) -----------------------------------------
+
+    def keys(self, token_ids: Sequence[int], extra: bytes = b"") -> list[BlockKey]:
+        """One key per full block of ``token_ids``, chained from the first token;
+        ``extra`` (an adapter, a cache salt) is mixed into every one."""
+        return prefix_hashes(token_ids, self.block_tokens, namespace=self.namespace, extra=extra)
+
+    def lookup(self, keys: Sequence[BlockKey]) -> int:
+        """How many leading blocks can be loaded now (0 while the store is unreachable)."""
+        usable = self._usable(keys)
+        if not usable or not self._up():
+            return 0
+        started = time.perf_counter()
+        try:
+            hit = self._backend.lookup(keys[:usable])
+        except FAULTS as exc:
+            self._fault("lookup", exc)
+            return 0
+        self.stats.lookup(usable * self.block_tokens, hit * self.block_tokens, started)
+        return hit
+
+    def pin(self, keys: Sequence[BlockKey]) -> object | None:
+        """Keep the blocks from eviction until :meth:`unpin` (or the store's lease TTL);
+        ``None`` when one of them is gone or the store is unreachable."""
+        if not keys or not self._up():
+            return None
+        try:
+            return self._backend.pin(keys)
+        except FAULTS as exc:
+            self._fault("pin", exc)
+            return None
+
+    def unpin(self, hold: object | None) -> None:
+        if hold is not None:
+            try:
+                self._backend.unpin(hold)
+            except FAULTS as exc:  # the lease ends with its TTL anyway
+                self._fault("unpin", exc)
+
+    def mark_failed(self, keys: Sequence[BlockKey]) -> None:
+        """Stop advertising ``keys`` for ``failed_key_ttl`` seconds."""
+        until = self._clock() + self.config.failed_key_ttl
+        with self._lock:
+            for key in keys:
+                self._failed[key] = until
+
+    # -- loads and saves (the worker's side) ----------------------------------------------
+
+    def attach(self, kv: PagedKV) -> None:
+        """The engine's KV cache; its blocks must be the identity's size."""
+        if kv.block_bytes != self.identity.block_bytes:
+            raise ValueError(
+                f"the KV cache has {kv.block_bytes}-byte blocks ({kv.layers} layers of "
+                f"{kv.page_bytes}), the engine's config says {self.identity.block_bytes}"
+            )
+        self._backend.attach(kv)
+
+    def load(self, keys: Sequence[BlockKey], block_ids: Sequence[int]) -> bool:
+        """Fill the blocks now; False (keys remembered as failed) when they cannot be."""
+        if not keys:
+            return True
+        started = time.perf_counter()
+        try:
+            if not self._up():
+                raise TimeoutError("the store was unreachable a moment ago")
+            self._backend.load(keys, block_ids)
+        except FAULTS as exc:
+            self.mark_failed(keys)
+            self.stats.load_failed(len(keys) * self.block_tokens)
+            self._fault("load", exc)
+            return False
+        self.stats.loaded(
+            len(keys) * self.block_tokens, len(keys) * self.identity.block_bytes, started
+        )
+        return True
+
+    def save_later(self, jobs: Sequence[SaveJob]) -> None:
+        """Queue saves; the engine keeps their source blocks until :meth:`saving` is False."""
+        assert self._saver is not None, "this side of the connector does not save"
+        self._saver.submit(jobs)
+
+    def saving(self, request: str) -> bool:
+        return self._saver is not None and self._saver.busy(request)
+
+    def flush(self, requests: Sequence[str]) -> bool:
+        """Wait until the queued saves of ``requests`` ran (their blocks are about to be
+        overwritten); False if that took longer than the store timeout."""
+        if self._saver is None:
+            return True
+        return self._saver.flush(requests, self.config.timeout)
+
+    def close(self) -> None:
+        if self._saver is not None:
+            self._saver.close()
+        _release(self._backend)
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _run_save(self, job: SaveJob) -> None:
+        if not self._up():
+            self.stats.save_skipped(len(job.keys))
+            return
+        started = time.perf_counter()
+        try:
+            moved = self._backend.save(job.keys, job.block_ids)
+        except FAULTS as exc:
+            self._fault("save", exc)
+            self.stats.save_skipped(len(job.keys))
+            return
+        self.stats.saved(
+            len(job.keys) * self.block_tokens, moved * self.identity.block_bytes, started
+        )
+
+    def _usable(self, keys: Sequence[BlockKey]) -> int:
+        with self._lock:
+            if not self._failed:
+                return len(keys)
+            now = self._clock()
+            for key in [k for k, until in self._failed.items() if until <= now]:
+                del self._failed[key]
+            for i, key in enumerate(keys):
+                if key in self._failed:
+                    return i
+            return len(keys)
+
+    def _up(self) -> bool:
+        return self._clock() >= self._down_until
+
+    def _fault(self, what: str, exc: BaseException) -> None:
+        """Log a store fault (once per pause) and pause store calls for a while."""
+        with self._lock:
+            first = self._clock() >= self._down_until
+            self._down_until = self._clock() + _RETRY_AFTER_S
+        if first:
+            _log.warning(
+                "kvbridge %s failed (%s: %s): computing instead; store calls pause for %.0f s",
+                what,
+                type(exc).__name__,
+                exc,
+                _RETRY_AFTER_S,
+            )
+        self.stats.fault()
+
+
+_shared: dict[bytes, tuple[LocalBackend, int]] = {}
+_shared_lock = threading.Lock()
+
+
+def _open(config: ConnectorConfig, namespace: bytes, block_bytes: int) -> Backend:
+    """A server client per side; an in-process store shared by the sides of one engine
+    (its scheduler must see what its worker saved), closed with the last of them."""
+    if config.server is not None:
+        return ServerBackend(config, namespace, block_bytes)
+    with _shared_lock:
+        backend, users = _shared.get(namespace, (None, 0))
+        if backend is None:
+            backend = LocalBackend(config, namespace, block_bytes)
+        _shared[namespace] = (backend, users + 1)
+        return backend
+
+
+def _release(backend: Backend) -> None:
+    if not isinstance(backend, LocalBackend):
+        backend.close()
+        return
+    with _shared_lock:
+        for namespace, (shared, users) in list(_shared.items()):
+            if shared is backend:
+                if users > 1:
+                    _shared[namespace] = (shared, users - 1)
+                else:
+                    del _shared[namespace]
+                    backend.close()

@@ -1,0 +1,79 @@
+"""The connector's counters: what it looked up, hit, loaded and saved, and how long that
+took. Engines read them per interval (``take``, which resets) and in total (``totals``)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+COUNTERS = (
+    "lookups",
+    "tokens_looked_up",
+    "tokens_hit",
+    "tokens_loaded",
+    "bytes_loaded",
+    "load_failures",
+    "tokens_load_failed",
+    "tokens_saved",
+    "bytes_saved",
+    "blocks_not_saved",
+    "store_faults",
+)
+TIMINGS = ("lookup_seconds", "load_seconds", "save_seconds")
+
+
+class ConnectorStats:
+    """Thread-safe counters (a saver thread and the engine's thread both count)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._interval = _zero()
+        self._total = _zero()
+
+    def lookup(self, asked_tokens: int, hit_tokens: int, started: float) -> None:
+        self._add(
+            lookups=1,
+            tokens_looked_up=asked_tokens,
+            tokens_hit=hit_tokens,
+            lookup_seconds=time.perf_counter() - started,
+        )
+
+    def loaded(self, tokens: int, nbytes: int, started: float) -> None:
+        self._add(
+            tokens_loaded=tokens, bytes_loaded=nbytes, load_seconds=time.perf_counter() - started
+        )
+
+    def load_failed(self, tokens: int) -> None:
+        self._add(load_failures=1, tokens_load_failed=tokens)
+
+    def saved(self, tokens: int, nbytes: int, started: float) -> None:
+        self._add(
+            tokens_saved=tokens, bytes_saved=nbytes, save_seconds=time.perf_counter() - started
+        )
+
+    def save_skipped(self, blocks: int) -> None:
+        self._add(blocks_not_saved=blocks)
+
+    def fault(self) -> None:
+        self._add(store_faults=1)
+
+    def take(self) -> dict[str, Any]:
+        """The counts since the last ``take`` (and reset them)."""
+        with self._lock:
+            interval, self._interval = self._interval, _zero()
+        return interval
+
+    def totals(self) -> dict[str, Any]:
+        with self._lock:
+            return dict(self._total)
+
+    def _add(self, **amounts: float) -> None:
+        with self._lock:
+            for name, amount in amounts.items():
+                self._interval[name] += amount
+                self._total[name] += amount
+
+
+def _zero() -> dict[str, Any]:
+    return {**dict.fromkeys(COUNTERS, 0), **dict.fromkeys(TIMINGS, 0.0)}

@@ -1,0 +1,100 @@
+"""The worker side of the vLLM connector: the KV cache as pages, loads before the forward,
+saves handed to the saver thread after it, and the reports vLLM polls each step.
+
+Source blocks of a save stay valid until it ran: while the request runs, vLLM does not
+rewrite a full block; at its end ``request_finished`` kept them until this side reports
+the request in ``finished_sending``; on preemption ``preempted`` waits for the request's
+saves before vLLM's forward may reuse its blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ._core import ConnectorCore
+from ._jobs import SaveJob
+from ._pages import PagedKV, pages_of
+from ._vllm_meta import KVBridgeStats, StepMeta, WorkerReport
+
+_log = logging.getLogger("kvbridge.bindings")
+
+
+class WorkerSide:
+    def __init__(self, core: ConnectorCore) -> None:
+        self._core = core
+        self._saving: set[str] = set()
+        """Requests any save was sent for: vLLM waits for them after they end."""
+        self._ended: set[str] = set()
+        self._invalid: set[int] = set()
+        self._report = WorkerReport()
+
+    def register(self, kv_caches: dict[str, Any]) -> None:
+        """``register_kv_caches``: every layer's cache, as uint8 pages (no copy)."""
+        pages = tuple(pages_of(_as_bytes(tensor), name) for name, tensor in kv_caches.items())
+        first = next(iter(kv_caches.values()))
+        descriptor = f"{first.dtype}/{tuple(first.shape[1:])}/{first.device.type}"
+        self._core.attach(PagedKV(pages, descriptor))
+
+    def preempted(self, meta: StepMeta | None) -> None:
+        """``handle_preemptions``: before this step's forward may overwrite the blocks of
+        preempted requests, their queued saves must have run."""
+        if meta is not None and meta.preempted and not self._core.flush(meta.preempted):
+            _log.error("saves of preempted requests did not end in time: %s", meta.preempted)
+
+    def load(self, meta: StepMeta | None) -> None:
+        """``start_load_kv``: fill this step's loaded blocks before the forward."""
+        if meta is None or not meta.loads:
+            return
+        for load in meta.loads:
+            if not self._core.load(load.keys, load.block_ids):
+                self._invalid.update(load.block_ids)
+                self._report.failed.update(load.keys)
+
+    def save(self, meta: StepMeta | None) -> None:
+        """``wait_for_save``: queue the blocks that became full in this step. If a load of
+        this step failed, its forward may have used wrong KV: nothing of it is saved."""
+        if meta is None or not meta.saves:
+            return
+        self._saving.update(save.request for save in meta.saves)
+        if self._invalid:
+            self._report.unsaved.update(save.request for save in meta.saves)
+            return
+        self._core.save_later([SaveJob(s.request, s.keys, s.block_ids) for s in meta.saves])
+
+    def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """``get_finished``: ended requests whose saves all ran (sending done)."""
+        self._ended.update(finished_req_ids & self._saving)
+        done = {req for req in self._ended if not self._core.saving(req)}
+        self._ended -= done
+        self._saving -= done
+        return done or None, None
+
+    def load_errors(self) -> set[int]:
+        invalid, self._invalid = self._invalid, set()
+        return invalid
+
+    def report(self) -> WorkerReport | None:
+        report, self._report = self._report, WorkerReport()
+        return report if report.failed or report.unsaved else None
+
+    def stats(self) -> KVBridgeStats | None:
+        data = self._core.stats.take()
+        return KVBridgeStats(data=data) if any(data.values()) else None
+
+
+def _as_bytes(tensor: Any) -> Any:
+    """A layer's cache as a uint8 array over the same memory: numpy for CPU tensors, cupy
+    for CUDA ones (never viewed as its dtype: numpy has no bfloat16)."""
+    raw = tensor.view(_uint8(tensor))
+    if raw.device.type == "cpu":
+        return raw.numpy()
+    import cupy  # noqa: PLC0415  (GPU only)
+
+    return cupy.asarray(raw)
+
+
+def _uint8(tensor: Any) -> Any:
+    import torch  # noqa: PLC0415  (present wherever vLLM is)
+
+    return torch.uint8

@@ -1,0 +1,190 @@
+"""kvbridge as a vLLM KV connector (vLLM 0.32, ``KVConnectorBase_V1``).
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "KVBridgeConnector",
+                           "kv_connector_module_path": "kvbridge.bindings.vllm",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"server": "127.0.0.1:7400",
+                                                         "secret_file": "/etc/kvbridge/secret"}}'
+
+``kv_both`` is a shared prefix cache (load the longest cached prefix, save every full
+prompt block); ``kv_producer`` (a prefill instance) only saves, ``kv_consumer`` (a decode
+instance) only loads. Settings: :class:`kvbridge.bindings.ConnectorConfig`. How it maps
+vLLM's calls: ``docs/VLLM.md``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from ._config import ConnectorConfig
+from ._core import ConnectorCore, Identity
+from ._vllm_meta import KVBridgeStats, StepMeta, WorkerReport
+from ._vllm_scheduler import SchedulerSide
+from ._vllm_worker import WorkerSide
+
+__all__ = ["KVBridgeConnector"]
+
+
+class KVBridgeConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """A vLLM KV connector whose blocks live in kvbridge."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
+        worker = role == KVConnectorRole.WORKER
+        identity = _identity(vllm_config, kv_cache_config, config, rank=_rank() if worker else 0)
+        if config.server is None and vllm_config.parallel_config.world_size > 1:
+            raise ValueError("kvbridge: the in-process cache serves one worker; set 'server'")
+        saves = bool(transfer.is_kv_producer)
+        self._core = ConnectorCore(config, identity, saves=saves and worker)
+        self._scheduler = (
+            None
+            if worker
+            else SchedulerSide(self._core, loads=bool(transfer.is_kv_consumer), saves=saves)
+        )
+        self._worker = WorkerSide(self._core) if worker else None
+
+    # -- scheduler side -----------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._sched().matched(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._sched().allocated(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return self._sched().build(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        report = connector_output.kv_connector_worker_meta
+        self._sched().report(report if isinstance(report, WorkerReport) else None)
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().finished(request)
+
+    # -- worker side ----------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self._work().register(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        self._work().preempted(_meta(kv_connector_metadata))
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._work().load(_meta(self._connector_metadata))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads finished in start_load_kv, before the forward
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return  # whole blocks are saved after the forward, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        self._work().save(_meta(self._connector_metadata))
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._work().finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._work().load_errors()
+
+    def build_connector_worker_meta(self) -> WorkerReport | None:
+        return self._work().report()
+
+    def get_kv_connector_stats(self) -> KVBridgeStats | None:
+        return self._work().stats() if self._worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVBridgeStats:
+        return KVBridgeStats(data=dict(data or {}))
+
+    def shutdown(self) -> None:
+        self._core.close()
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """This side's counters since it started (``kvbridge.bindings.ConnectorStats``)."""
+        return self._core.stats.totals()
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _sched(self) -> SchedulerSide:
+        assert self._scheduler is not None, "a scheduler-side call on a worker connector"
+        return self._scheduler
+
+    def _work(self) -> WorkerSide:
+        assert self._worker is not None, "a worker-side call on a scheduler connector"
+        return self._worker
+
+
+def _meta(meta: Any) -> StepMeta | None:
+    return meta if isinstance(meta, StepMeta) else None
+
+
+def _rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank  # noqa: PLC0415
+
+    return int(get_tensor_model_parallel_rank())
+
+
+def _identity(
+    vllm_config: Any, kv_cache_config: Any, config: ConnectorConfig, rank: int
+) -> Identity:
+    """What the KV bytes mean, from vLLM's configs (equal on the scheduler and workers)."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ValueError(f"kvbridge supports one KV cache group, this model has {len(groups)}")
+    spec, layers = groups[0].kv_cache_spec, len(groups[0].layer_names)
+    parallel, model = vllm_config.parallel_config, vllm_config.model_config
+    from vllm.platforms import current_platform  # noqa: PLC0415
+
+    return Identity(
+        engine="vllm-0.32",
+        model=_model_identity(model.model, model.revision),
+        dtype=str(spec.dtype),
+        layout=f"{current_platform.device_type}/{type(spec).__name__}/"
+        f"{spec.num_kv_heads}x{spec.head_size}/{layers}",
+        block_tokens=int(spec.block_size),
+        block_bytes=int(spec.page_size_bytes) * layers,
+        shard=f"tp{rank}/{parallel.tensor_parallel_size},pp{parallel.pipeline_parallel_size}",
+        extra=config.namespace,
+    )
+
+
+def _model_identity(model: str, revision: str | None) -> str:
+    """A hub id with its revision; a local directory by its name and a digest of its files'
+    names, sizes and first and last 64 KiB (the same on every machine that has a copy, and
+    new weights at the same path make a new namespace)."""
+    path = Path(model)
+    if not path.is_dir():
+        return f"{model}@{revision or ''}"
+    digest = hashlib.blake2b(digest_size=12)
+    for entry in sorted(p for p in path.iterdir() if p.is_file()):
+        size = entry.stat().st_size
+        digest.update(f"{entry.name}:{size}\n".encode())
+        with entry.open("rb") as f:
+            digest.update(f.read(_SAMPLE))
+            if size > _SAMPLE:
+                f.seek(max(size - _SAMPLE, _SAMPLE))
+                digest.update(f.read(_SAMPLE))
+    return f"{path.resolve().name}#{digest.hexdigest()}"
+
+
+_SAMPLE = 64 << 10

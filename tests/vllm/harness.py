@@ -1,0 +1,53 @@
+"""Shared by the vLLM tests: the tiny model, prompts that share prefixes at block and
+non-block boundaries, and engines run in fresh processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip(
+    "vllm", reason="vLLM is not installed in this environment: tests/vllm/run installs it and runs these"
+)
+
+HERE = Path(__file__).parent
+BLOCK = 32
+
+
+def prompts(seed: int = 1) -> list[list[int]]:
+    """Six prompts: a 150-token base; prefixes of it ending on a block boundary (64), inside
+    a block (70, 40) and past the base's full blocks; one sharing nothing."""
+    rng = random.Random(seed)
+    base = [rng.randrange(1, 999) for _ in range(150)]
+    other = [rng.randrange(1, 999) for _ in range(90)]
+    return [base, base[:64] + other[:50], base[:70] + [7] * 30, base[:40], base + other[:20], other]
+
+
+def run_engine(spec: dict[str, Any], *, timeout: float = 300, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run ``engine_run.py`` with ``spec`` in a fresh process; its result (rounds, stats)
+    and its log (``result["log"]``)."""
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "engine_run.py"), json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        check=False,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise AssertionError(f"engine failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
+    result["log"] = proc.stderr
+    return result
+
+
+def tokens(result: dict[str, Any], round_: int = 0) -> list[list[int]]:
+    return [out["tokens"] for out in result["rounds"][round_]]
