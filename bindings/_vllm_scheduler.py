@@ -66,8 +66,9 @@ class SchedulerSide:
         self._clock = clock
         self._block = core.block_tokens
         self._requests: dict[str, _Request] = {}
-        self._loaded_holds: list[object] = []
-        """Pins of loads sent last step: those loads ran, so the pins can go."""
+        self._loaded: dict[str, object] = {}
+        """Pins of loads sent last step, by request: those loads ran, so the pins go at the
+        next step or at the request's end, whichever comes first."""
 
     # -- admission ----------------------------------------------------------------------
 
@@ -103,9 +104,9 @@ class SchedulerSide:
 
     def build(self, out: Any) -> StepMeta:
         """``build_connector_meta``: this step's loads and saves."""
-        for hold in self._loaded_holds:
+        for hold in self._loaded.values():
             self._core.unpin(hold)
-        self._loaded_holds = []
+        self._loaded = {}
         meta = StepMeta(preempted=sorted(out.preempted_req_ids or ()))
         for req_id in meta.preempted:
             state = self._requests.get(req_id)
@@ -141,6 +142,7 @@ class SchedulerSide:
         if state is None:
             return False, None
         self._core.unpin(state.hold)
+        self._core.unpin(self._loaded.pop(request.request_id, None))
         params = {PD_PARAM: state.saved} if self._saves and state.saved else None
         return state.saves, params
 
@@ -206,7 +208,7 @@ class SchedulerSide:
                 _transfer(req_id, state.keys[first:last], state.block_ids[first:last])
             )
             if state.hold is not None:
-                self._loaded_holds.append(state.hold)
+                self._loaded[req_id] = state.hold
                 state.hold = None
         if not self._saves:
             return

@@ -55,9 +55,11 @@ class PinTable:
             heapq.heappush(self._due, (deadline, lease_id))
         for key in pinned:
             leases = self._by_key.setdefault(key, set())
-            if not leases and self._on_change is not None:
-                self._on_change(key, True)
+            if lease_id in leases:
+                continue  # a key named twice in one lease
             leases.add(lease_id)
+            if len(leases) == 1 and self._on_change is not None:
+                self._on_change(key, True)
         return lease_id, deadline
 
     def release(self, lease_id: int, keys: Iterable[BlockKey]) -> None:
@@ -74,6 +76,9 @@ class PinTable:
             if leases:
                 first = min(leases, key=lambda lease_id: self._leases[lease_id][0])
                 self._unpin(first, (key,))
+                _, held = self._leases[first]
+                if not any(first in self._by_key.get(k, ()) for k in held):
+                    del self._leases[first]  # its last key went: the lease is over
 
     def expire(self) -> None:
         """End every lease whose deadline has passed."""

@@ -194,14 +194,18 @@ POLICIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": LRU, "fifo": FIFO, "
 _METHODS = ("insert", "touch", "remove", "hold", "release", "candidates", "ranking")
 
 
+def check_policy(policy: EvictionPolicy) -> EvictionPolicy:
+    """``policy`` if it has every method of :class:`EvictionPolicy`, else ``TypeError``."""
+    lacking = [m for m in _METHODS if not callable(getattr(policy, m, None))]
+    if lacking:
+        raise TypeError(f"eviction policy {policy!r} lacks {', '.join(lacking)}")
+    return policy
+
+
 def make_policy(policy: str | Callable[[], EvictionPolicy]) -> EvictionPolicy:
     """Return a fresh policy from a registered name or a zero-argument factory."""
     if callable(policy):
-        made = policy()
-        lacking = [m for m in _METHODS if not callable(getattr(made, m, None))]
-        if lacking:
-            raise TypeError(f"eviction policy {made!r} lacks {', '.join(lacking)}")
-        return made
+        return check_policy(policy())
     factory = POLICIES.get(policy)
     if factory is None:
         raise ValueError(f"unknown eviction policy {policy!r}; choose one of {sorted(POLICIES)}")

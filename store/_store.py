@@ -43,6 +43,7 @@ from ._errors import (
 from ._held import HeldOrder
 from ._keys import check_keys
 from ._pins import DEFAULT_PIN_TTL_S, Lease, PinTable
+from ._policy import check_policy
 from ._remote import RemoteAccess
 from ._slots import SlotTier
 from ._spill import spill
@@ -148,7 +149,7 @@ class TieredStore(RemoteAccess, Closing):
         self.pin_ttl = pin_ttl
         self._lock = threading.RLock()
         self._pins = PinTable(clock, on_change=self._pin_changed)
-        self._orders = [HeldOrder(tier.policy, self._pins) for tier in tiers]
+        self._orders = [HeldOrder(check_policy(tier.policy), self._pins) for tier in tiers]
         for tier, order in zip(tiers, self._orders, strict=True):
             tier.policy = order  # the tier tells it what happens; pinned keys leave its walk
         self.clock = clock

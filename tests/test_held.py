@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from helpers import FakeClock, key, keys, payloads
 
-from kvbridge.store import POLICIES, BlockKey, StoreFull, TieredStore
+from kvbridge.store import POLICIES, BlockKey, HostSlab, SlotTier, StoreFull, TieredStore
 from kvbridge.store._order import StampOrder
 
 BB = 128
@@ -169,3 +169,40 @@ def test_a_policy_without_hold_is_refused() -> None:
 
     with pytest.raises(TypeError, match="lacks hold, release, ranking"):
         TieredStore(BB, host_capacity=2 * BB, policy=Old)  # type: ignore[arg-type]
+
+
+def test_from_tiers_refuses_a_policy_without_hold(tmp_path: Path) -> None:
+    class Old:
+        def insert(self, key: BlockKey) -> None: ...
+        def touch(self, key: BlockKey) -> None: ...
+        def remove(self, key: BlockKey) -> None: ...
+        def candidates(self) -> Iterator[BlockKey]:
+            return iter(())
+
+    tier = SlotTier("host", HostSlab(2, BB), Old())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="lacks hold, release, ranking"):
+        TieredStore.from_tiers([tier])
+    tier.close()
+
+
+def test_unpin_ends_a_lease_whose_last_key_it_released() -> None:
+    """``unpin`` of every key of an endless pin leaves nothing behind (10,000 cycles)."""
+    with TieredStore(BB, host_capacity=2 * BB) as store:
+        a = key(0)
+        store.put([a], payloads([a], BB))
+        for _ in range(10_000):
+            store.pin([a], ttl=float("inf"))
+            store.unpin([a])
+        assert store.remove([a]) == [True]  # not pinned
+        assert len(store._pins._leases) == 0
+
+
+def test_a_key_named_twice_in_one_pin_is_held_once() -> None:
+    with TieredStore(BB, host_capacity=2 * BB) as store:
+        a, b, c = keys(0, 3)
+        store.put([a, b], payloads([a, b], BB))
+        lease = store.pin([a, a])
+        assert store.tiers[0].policy.held == {a}  # type: ignore[attr-defined]
+        lease.release()
+        store.put([c], payloads([c], BB))  # a is the coldest and no longer held
+        assert store.contains([a, b, c]) == [False, True, True]

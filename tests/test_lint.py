@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -35,8 +36,15 @@ _NUMPY_TYPED = pytest.mark.skipif(
 
 
 def _mypy(*args: str) -> None:
+    env = {**os.environ, "MYPYPATH": str(ROOT / "tests")}  # tests/with_vllm imports tests' helpers
     result = subprocess.run(
-        [*_tool("mypy"), *args], cwd=ROOT, capture_output=True, text=True, check=False, timeout=600
+        [*_tool("mypy"), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+        env=env,
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -46,9 +54,13 @@ def test_mypy_strict_is_clean() -> None:
     _mypy()  # the package, as pyproject's [tool.mypy] says
 
 
-# One run per folder: tests/ and benches/ both have a conftest.py, so one run over both
-# reports a duplicate module.
+# One run per folder: tests/, tests/with_vllm/ and benches/ each have a conftest.py, so one run
+# over them all reports a duplicate module.
 @_NUMPY_TYPED
-@pytest.mark.parametrize("folder", ["tests", "benches"])
-def test_mypy_strict_is_clean_over(folder: str) -> None:
-    _mypy("--strict", folder)
+@pytest.mark.parametrize(
+    "folder",
+    [("tests", "--exclude", "tests/with_vllm/"), ("tests/with_vllm",), ("benches",)],
+    ids=str,
+)
+def test_mypy_strict_is_clean_over(folder: tuple[str, ...]) -> None:
+    _mypy("--strict", *folder)

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
 
 def make_model(path: Path, *, layers: int = 2, hidden: int = 128, vocab: int = 1000) -> Path:
     """Write the model to ``path`` (once) and return it. head_dim 32 (CPU attention
     supports 32, 64, ...), 4 query heads over 2 KV heads."""
     if (path / "config.json").exists():
         return path
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     torch.manual_seed(0)
     config = LlamaConfig(
         hidden_size=hidden,

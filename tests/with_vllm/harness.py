@@ -11,12 +11,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-pytest.importorskip(
-    "vllm", reason="vLLM is not installed in this environment: tests/vllm/run installs it and runs these"
-)
-
 HERE = Path(__file__).parent
 BLOCK = 32
 
@@ -30,7 +24,9 @@ def prompts(seed: int = 1) -> list[list[int]]:
     return [base, base[:64] + other[:50], base[:70] + [7] * 30, base[:40], base + other[:20], other]
 
 
-def run_engine(spec: dict[str, Any], *, timeout: float = 300, env: dict[str, str] | None = None) -> dict[str, Any]:
+def run_engine(
+    spec: dict[str, Any], *, timeout: float = 300, env: dict[str, str] | None = None
+) -> dict[str, Any]:
     """Run ``engine_run.py`` with ``spec`` in a fresh process; its result (rounds, stats)
     and its log (``result["log"]``)."""
     proc = subprocess.run(
@@ -47,6 +43,17 @@ def run_engine(spec: dict[str, Any], *, timeout: float = 300, env: dict[str, str
     result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
     result["log"] = proc.stderr
     return result
+
+
+PROMPTS = prompts()
+LOADABLE = sum(min(len(p) - 1, len(p) // BLOCK * BLOCK) // BLOCK * BLOCK for p in PROMPTS)
+"""Tokens a second instance loads when the first saved every full prompt block: all full
+blocks, less the last one where it would leave no token to compute."""
+
+
+def spec(model: str, connector: dict[str, Any] | None, **more: Any) -> dict[str, Any]:
+    """An engine run over ``PROMPTS`` with ``connector`` (extra config; None: no connector)."""
+    return {"model": model, "prompts": PROMPTS, "connector": connector, **more}
 
 
 def tokens(result: dict[str, Any], round_: int = 0) -> list[list[int]]:

@@ -4,31 +4,8 @@ connector, and a fresh instance loads what an earlier one saved."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
-import pytest
-from harness import BLOCK, prompts, run_engine, tokens
-from tiny import make_model
-
-PROMPTS = prompts()
-LOADABLE = sum(min(len(p) - 1, len(p) // BLOCK * BLOCK) // BLOCK * BLOCK for p in PROMPTS)
-"""Tokens a second instance loads when the first saved every full prompt block: all full
-blocks, less the last one where it would leave no token to compute."""
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(make_model(tmp_path_factory.mktemp("model")))
-
-
-@pytest.fixture(scope="module")
-def baseline(model: str) -> list[list[int]]:
-    """Greedy outputs of the same vLLM without a connector."""
-    return tokens(run_engine({"model": model, "prompts": PROMPTS, "connector": None}))
-
-
-def spec(model: str, connector: dict[str, Any], **more: Any) -> dict[str, Any]:
-    return {"model": model, "prompts": PROMPTS, "connector": connector, **more}
+from harness import LOADABLE, run_engine, spec, tokens
 
 
 def test_in_process_cache_equal_outputs_and_loads(model: str, baseline: list[list[int]]) -> None:
@@ -53,7 +30,9 @@ def test_in_process_cache_survives_a_restart_on_disk(
     assert second["stats"]["tokens_loaded"] == LOADABLE
 
 
-def test_prefix_caching_on_loads_only_past_the_local_hit(model: str, baseline: list[list[int]]) -> None:
+def test_prefix_caching_on_loads_only_past_the_local_hit(
+    model: str, baseline: list[list[int]]
+) -> None:
     """With vLLM's own prefix cache on, a request loads only the blocks past its local hit
     (the earlier ones already hold valid KV) and outputs stay equal."""
     result = run_engine(spec(model, {"host_capacity": "64MiB"}, rounds=2, prefix_caching=True))

@@ -1,0 +1,108 @@
+"""Run one vLLM engine (in this process) over token-id prompts and print what it did as
+one JSON line: ``python engine_run.py SPEC_JSON``. The tests start it as a subprocess, so
+that every engine is a fresh process (as a restarted or second instance is).
+
+SPEC: model, prompts (lists of token ids), rounds, max_tokens, batched (max_num_batched_tokens),
+prefix_caching, blocks (num_gpu_blocks_override), connector (extra config, or null for
+none), role, failure_policy, abort (request index to abort after the first step).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: its stats
+
+from vllm import LLM, SamplingParams
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_transfer_state import (
+    get_kv_transfer_group,
+    has_kv_transfer_group,
+)
+
+from kvbridge.store import StoreClient
+
+
+def _engine(spec: dict[str, Any]) -> Any:
+    transfer = None
+    if spec.get("connector") is not None:
+        faulty = spec.get("faulty_loads", False)
+        transfer = KVTransferConfig(
+            kv_connector="FaultyConnector" if faulty else "KVBridgeConnector",
+            kv_connector_module_path="faulty" if faulty else "kvbridge.bindings.vllm",
+            kv_role=spec.get("role", "kv_both"),
+            kv_connector_extra_config=spec["connector"],
+            kv_load_failure_policy=spec.get("failure_policy", "recompute"),
+        )
+    return LLM(
+        model=spec["model"],
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=512,
+        max_num_seqs=spec.get("seqs", 8),
+        max_num_batched_tokens=spec.get("batched", 64),
+        block_size=32,
+        seed=0,
+        skip_tokenizer_init=True,
+        enable_prefix_caching=spec.get("prefix_caching", False),
+        num_gpu_blocks_override=spec.get("blocks"),
+        kv_transfer_config=transfer,
+    )
+
+
+def _stats() -> dict[str, Any]:
+    return dict(get_kv_transfer_group().stats) if has_kv_transfer_group() else {}
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    llm = _engine(spec)
+    params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0, detokenize=False)
+    rounds: list[list[dict[str, Any]]] = []
+    for number in range(spec.get("rounds", 1)):
+        if spec.get("abort"):
+            _abort_after_first_steps(llm, spec["prompts"], params)
+            rounds.append([])
+            continue
+        inputs = [{"prompt_token_ids": p} for p in spec["prompts"]]
+        outs = [o.outputs[0] for o in llm.generate(inputs, params, use_tqdm=False)]
+        rounds.append([{"tokens": list(o.token_ids), "finish": o.finish_reason} for o in outs])
+        if spec.get("kill_after_round") == number:
+            os.kill(spec["kill_pid"], signal.SIGKILL)  # the server dies between two rounds
+    result: dict[str, Any] = {"rounds": rounds, "stats": _stats()}
+    if spec.get("observe"):  # what the server holds while this engine still runs
+        result["server"] = _server_figures(spec["observe"])
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def _server_figures(address: str) -> dict[str, Any]:
+    time.sleep(1.0)  # the engine's last releases are one-way casts: let them land
+    with StoreClient(address, block_bytes=4096, namespace="observer") as client:
+        stats = client.server_stats()
+    return {"open_leases": stats["server"]["open_leases"]}
+
+
+def _abort_after_first_steps(llm: Any, prompts: list[list[int]], params: Any) -> None:
+    """Add every prompt, run two engine steps, abort them all, and step until idle."""
+    engine = llm.llm_engine
+    ids = [f"abort-{i}" for i in range(len(prompts))]
+    for req_id, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(req_id, {"prompt_token_ids": prompt}, params)
+    for _ in range(2):
+        engine.step()
+    engine.abort_request(ids)
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+
+
+if __name__ == "__main__":
+    main()

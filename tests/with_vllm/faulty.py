@@ -1,0 +1,32 @@
+"""A KVBridgeConnector whose loads fail, for the failure tests: every load of a key in
+the store raises as a broken data path would (the lookup still says the key is there,
+as when a block's bytes are lost but its index entry is not). Loaded by vLLM with
+``kv_connector="FaultyConnector"``, ``kv_connector_module_path="faulty"``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvbridge.bindings.vllm import KVBridgeConnector
+from kvbridge.store import BlockKey
+from kvbridge.transfer import TransferError
+
+
+class _FailingLoads:
+    def __init__(self, backend: Any) -> None:
+        self._backend = backend
+        self.loads = 0
+
+    def load(self, keys: Sequence[BlockKey], block_ids: Sequence[int]) -> None:
+        self.loads += 1
+        raise TransferError("injected: the data path is down")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+
+class FaultyConnector(KVBridgeConnector):
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._core._backend = _FailingLoads(self._core._backend)

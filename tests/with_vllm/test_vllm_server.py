@@ -1,0 +1,102 @@
+"""The connector against a ``kvbridge serve`` on a real vLLM: a second, fresh instance
+loads the prefix the first saved (also after the server restarted on its disk), a server
+killed mid-run costs recomputation only, and aborted requests leave nothing held."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+from harness import LOADABLE, PROMPTS, prompts, run_engine, spec, tokens
+from serve import ServeProcess
+
+from kvbridge.store import StoreClient
+
+
+def _namespaces(server: ServeProcess) -> list[dict[str, Any]]:
+    """Every namespace's figures, as any client of the server sees them."""
+    with StoreClient(server.address, block_bytes=4096, namespace="observer") as client:
+        stats = client.server_stats()
+    return [ns for ns in stats["namespaces"] if ns["hits"] or ns["tiers"][0]["blocks"]]
+
+
+def test_a_fresh_instance_loads_what_another_saved(model: str, baseline: list[list[int]]) -> None:
+    server = ServeProcess("--host-capacity", "64MiB")
+    try:
+        connector = {"server": server.address}
+        first = run_engine(spec(model, connector))
+        assert tokens(first) == baseline and first["stats"]["tokens_saved"] > 0
+        second = run_engine(spec(model, connector))
+        assert tokens(second) == baseline
+        assert second["stats"]["tokens_loaded"] == LOADABLE
+        (ns,) = [n for n in _namespaces(server) if n["hits"]]
+        assert ns["hits"] * 32 >= LOADABLE  # the server counts the same blocks
+    finally:
+        server.kill()
+
+
+def test_the_cache_survives_a_server_restart_on_disk(
+    model: str, baseline: list[list[int]], tmp_path: Path
+) -> None:
+    disk = ("--host-capacity", "16MiB", "--disk-path", str(tmp_path), "--disk-capacity", "64MiB")
+    server = ServeProcess(*disk)
+    try:
+        first = run_engine(spec(model, {"server": server.address}))
+        assert tokens(first) == baseline
+    finally:
+        server.stop(signal.SIGTERM)  # a clean stop spills memory to disk
+    server = ServeProcess(*disk)
+    try:
+        second = run_engine(spec(model, {"server": server.address}))
+        assert tokens(second) == baseline
+        assert second["stats"]["tokens_loaded"] == LOADABLE
+    finally:
+        server.kill()
+
+
+def test_a_server_killed_mid_run_costs_recomputation_only(
+    model: str, baseline: list[list[int]]
+) -> None:
+    server = ServeProcess("--host-capacity", "64MiB")
+    try:
+        run = spec(model, {"server": server.address, "timeout": 5}, rounds=3)
+        run.update(kill_after_round=0, kill_pid=server.proc.pid)
+        result = run_engine(run, timeout=240)
+    finally:
+        server.kill()
+    for round_ in range(3):
+        assert tokens(result, round_) == baseline
+    assert "computing instead" in result["log"]  # one warning per pause, not per call
+    assert "kvbridge lookup failed" in result["log"] or "kvbridge save failed" in result["log"]
+
+
+def test_aborted_requests_leave_no_lease_or_pin(model: str) -> None:
+    server = ServeProcess("--host-capacity", "64MiB")
+    try:
+        connector = {"server": server.address}
+        run_engine(spec(model, connector))  # the prefix is cached: the aborted ones load
+        extra = [p + [11] * 40 for p in PROMPTS]  # cached heads, new tails: loads and saves
+        aborted = run_engine(
+            {**spec(model, connector), "prompts": extra, "abort": True, "observe": server.address}
+        )
+        assert aborted["stats"]["tokens_loaded"] > 0  # they were mid-flight when aborted
+        assert aborted["server"]["open_leases"] == 0  # asked while the engine still runs
+    finally:
+        server.kill()
+
+
+@pytest.mark.parametrize("seed", [2])
+def test_other_prompts_equal_too(model: str, seed: int) -> None:
+    """Prompts of another seed, through a server, against their own baseline."""
+    other = prompts(seed)
+    server = ServeProcess("--host-capacity", "64MiB")
+    try:
+        base = tokens(run_engine({"model": model, "prompts": other, "connector": None}))
+        for _ in range(2):
+            connector = {"server": server.address}
+            result = run_engine({"model": model, "prompts": other, "connector": connector})
+            assert tokens(result) == base
+    finally:
+        server.kill()
