@@ -9,7 +9,7 @@ from typing import NoReturn
 
 from kvbridge import __version__
 
-from . import _bench, _demo, _linkcheck, _plan, _replay, _serve_cmds, _store_cmds
+from . import _bench, _demo, _linkcheck, _plan, _proxy, _replay, _serve_cmds, _store_cmds
 from ._fail import fail, unexpected
 
 INTERRUPTED = 130
@@ -39,6 +39,7 @@ def _parser() -> argparse.ArgumentParser:
     _plan.add_parser(commands)
     _bench.add_parser(commands)
     _linkcheck.add_parser(commands)
+    _proxy.add_parser(commands)
     return parser
 
 
