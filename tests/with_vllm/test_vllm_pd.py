@@ -1,0 +1,127 @@
+"""Prefill/decode disaggregation on two real vLLM OpenAI servers, a ``kvbridge serve`` and
+``kvbridge proxy``: completions through the proxy equal a single instance's, and the
+decode instance computes at most the last block of each prompt itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import ExitStack
+from typing import Any
+
+import pytest
+from harness import BLOCK, PROMPTS
+from serve import ServeProcess
+
+ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1"}
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _vllm(model: str, role: str, server: str, port: int) -> subprocess.Popen[bytes]:
+    transfer = {
+        "kv_connector": "KVBridgeConnector",
+        "kv_connector_module_path": "kvbridge.bindings.vllm",
+        "kv_role": role,
+        "kv_connector_extra_config": {"server": server},
+    }
+    args = [
+        *("--model", model, "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32"),
+        *("--max-model-len", "512", "--block-size", "32", "--max-num-batched-tokens", "64"),
+        *("--seed", "0", "--enforce-eager", "--skip-tokenizer-init"),
+        *("--enable-prompt-tokens-details", "--no-enable-prefix-caching"),
+        *("--kv-transfer-config", json.dumps(transfer)),
+    ]
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args]
+    return subprocess.Popen(command, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _wait(url: str, procs: list[subprocess.Popen[bytes]], timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in procs):
+            raise AssertionError("a server exited while starting")
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            time.sleep(1)
+    raise AssertionError(f"{url} did not come up in {timeout} s")
+
+
+def _post(url: str, body: dict[str, Any]) -> Any:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=120) as answer:
+        return answer.read()
+
+
+@pytest.fixture(scope="module")
+def pd(model: str) -> Iterator[str]:
+    """The whole deployment; yields the proxy's URL."""
+    with ExitStack() as stack:
+        store = ServeProcess("--host-capacity", "64MiB")
+        stack.callback(store.kill)
+        ports = [_port() for _ in range(3)]
+        procs = [
+            _vllm(model, "kv_producer", store.address, ports[0]),
+            _vllm(model, "kv_consumer", store.address, ports[1]),
+        ]
+        proxy = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvbridge",
+                "proxy",
+                "--port",
+                str(ports[2]),
+                "--prefill",
+                f"http://127.0.0.1:{ports[0]}",
+                "--decode",
+                f"http://127.0.0.1:{ports[1]}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        procs.append(proxy)
+        for proc in procs:
+            stack.callback(proc.wait, 30)
+            stack.callback(proc.terminate)
+        for port in ports:
+            _wait(f"http://127.0.0.1:{port}/health", procs)
+        yield f"http://127.0.0.1:{ports[2]}"
+
+
+def test_completions_through_the_proxy_equal_a_single_instance(
+    pd: str, model: str, baseline: list[list[int]]
+) -> None:
+    for prompt, expected in zip(PROMPTS, baseline, strict=True):
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": 8,
+            "temperature": 0,
+            "return_token_ids": True,
+        }
+        answer = json.loads(_post(f"{pd}/v1/completions", body))
+        assert answer["choices"][0]["token_ids"] == expected
+        usage = answer["usage"]
+        computed = usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
+        assert 1 <= computed <= BLOCK, usage  # decode computed at most the last block
+
+
+def test_a_streamed_completion_passes_through(pd: str, model: str) -> None:
+    body = {"model": model, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0, "stream": True}
+    data = _post(f"{pd}/v1/completions", body)
+    assert data.rstrip().endswith(b"data: [DONE]") and data.count(b"data: ") >= 5
