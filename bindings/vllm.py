@@ -29,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ._config import ConnectorConfig
 from ._core import ConnectorCore, Identity
 from ._vllm_meta import KVBridgeStats, StepMeta, WorkerReport
+from ._vllm_metrics import KVBridgePromMetrics
 from ._vllm_scheduler import SchedulerSide
 from ._vllm_worker import WorkerSide
 
@@ -114,6 +115,16 @@ class KVBridgeConnector(KVConnectorBase_V1):  # type: ignore[misc]
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVBridgeStats:
         return KVBridgeStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVBridgePromMetrics:
+        return KVBridgePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         self._core.close()

@@ -13,6 +13,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,6 +27,9 @@ def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+LOGS = Path(os.environ.get("KVBRIDGE_TEST_LOGS", "/tmp"))
 
 
 def _vllm(model: str, role: str, server: str, port: int) -> subprocess.Popen[bytes]:
@@ -43,7 +47,8 @@ def _vllm(model: str, role: str, server: str, port: int) -> subprocess.Popen[byt
         *("--kv-transfer-config", json.dumps(transfer)),
     ]
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args]
-    return subprocess.Popen(command, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = (LOGS / f"kvbridge-test-vllm-{role}.log").open("wb")  # read it when a test fails
+    return subprocess.Popen(command, env=ENV, stdout=log, stderr=subprocess.STDOUT)
 
 
 def _wait(url: str, procs: list[subprocess.Popen[bytes]], timeout: float = 240) -> None:
@@ -68,8 +73,8 @@ def _post(url: str, body: dict[str, Any]) -> Any:
 
 
 @pytest.fixture(scope="module")
-def pd(model: str) -> Iterator[str]:
-    """The whole deployment; yields the proxy's URL."""
+def pd(model: str) -> Iterator[dict[str, str]]:
+    """The whole deployment; yields the URLs of the proxy, prefill and decode."""
     with ExitStack() as stack:
         store = ServeProcess("--host-capacity", "64MiB")
         stack.callback(store.kill)
@@ -91,8 +96,8 @@ def pd(model: str) -> Iterator[str]:
                 "--decode",
                 f"http://127.0.0.1:{ports[1]}",
             ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            stdout=(LOGS / "kvbridge-test-proxy.log").open("wb"),
+            stderr=subprocess.STDOUT,
         )
         procs.append(proxy)
         for proc in procs:
@@ -100,11 +105,12 @@ def pd(model: str) -> Iterator[str]:
             stack.callback(proc.terminate)
         for port in ports:
             _wait(f"http://127.0.0.1:{port}/health", procs)
-        yield f"http://127.0.0.1:{ports[2]}"
+        urls = [f"http://127.0.0.1:{port}" for port in ports]
+        yield dict(zip(("prefill", "decode", "proxy"), urls, strict=True))
 
 
 def test_completions_through_the_proxy_equal_a_single_instance(
-    pd: str, model: str, baseline: list[list[int]]
+    pd: dict[str, str], model: str, baseline: list[list[int]]
 ) -> None:
     for prompt, expected in zip(PROMPTS, baseline, strict=True):
         body = {
@@ -114,14 +120,30 @@ def test_completions_through_the_proxy_equal_a_single_instance(
             "temperature": 0,
             "return_token_ids": True,
         }
-        answer = json.loads(_post(f"{pd}/v1/completions", body))
+        answer = json.loads(_post(f"{pd['proxy']}/v1/completions", body))
         assert answer["choices"][0]["token_ids"] == expected
         usage = answer["usage"]
         computed = usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
         assert 1 <= computed <= BLOCK, usage  # decode computed at most the last block
 
 
-def test_a_streamed_completion_passes_through(pd: str, model: str) -> None:
+def test_a_streamed_completion_passes_through(pd: dict[str, str], model: str) -> None:
     body = {"model": model, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0, "stream": True}
-    data = _post(f"{pd}/v1/completions", body)
+    data = _post(f"{pd['proxy']}/v1/completions", body)
     assert data.rstrip().endswith(b"data: [DONE]") and data.count(b"data: ") >= 5
+
+
+def test_the_counters_are_in_vllms_prometheus_metrics(pd: dict[str, str], model: str) -> None:
+    """After the completions above: decode loaded, prefill saved (vLLM's /metrics)."""
+
+    def counter(url: str, name: str) -> float:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as answer:
+            text = answer.read().decode()
+        lines = [ln for ln in text.splitlines() if ln.startswith(f"vllm:kvbridge_{name}_total")]
+        return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines)
+
+    deadline = time.monotonic() + 30  # vLLM publishes connector stats every few seconds
+    while time.monotonic() < deadline and counter(pd["decode"], "tokens_loaded") == 0:
+        time.sleep(1)
+    assert counter(pd["decode"], "tokens_loaded") > 0
+    assert counter(pd["prefill"], "bytes_saved") > 0
