@@ -1,10 +1,10 @@
-"""Where a connector's blocks live: a ``kvbridge serve`` or a store in this process.
+"""Where a connector's blocks live: a cache server (``kvbridge serve``, or one the engine's
+worker runs for itself, ``_embedded``).
 
-Both answer the same five questions: how many leading keys are present (``lookup``), keep
-these from eviction until loaded (``pin``/``unpin``), and move pages between the engine's
-KV cache and the store (``load``, ``save``). The server moves pages with zero-copy batched
-ops between the registered KV cache and its slots; the local store copies them (it holds
-its own memory).
+A backend answers: how many leading keys are present (``lookup``), keep these from
+eviction until loaded (``pin``/``unpin``), and move pages between the engine's KV cache and
+the store (``load``, ``save``): zero-copy batched ops between the registered KV cache and
+the server's slots, one op per (layer, block) page.
 """
 
 from __future__ import annotations
@@ -16,9 +16,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from .._closing import Closing
-from ..store import BlockKey, StoreClient, TieredStore
+from ..store import BlockKey, StoreClient
 from ..transfer import Region
-from ._config import ConnectorConfig
 from ._pages import LayoutError, PagedKV
 
 
@@ -43,16 +42,13 @@ class Backend(Protocol):
 
 
 class ServerBackend(Closing):
-    """Blocks in a ``kvbridge serve``, one namespace per model layout."""
+    """Blocks in a cache server, one namespace per model layout."""
 
-    def __init__(self, config: ConnectorConfig, namespace: bytes, block_bytes: int) -> None:
-        assert config.server is not None
+    def __init__(
+        self, address: str, secret: bytes | None, namespace: bytes, block_bytes: int, timeout: float
+    ) -> None:
         self._client = StoreClient(
-            config.server,
-            block_bytes=block_bytes,
-            namespace=namespace,
-            secret=config.secret,
-            timeout=config.timeout,
+            address, block_bytes=block_bytes, namespace=namespace, secret=secret, timeout=timeout
         )
         self._lock = threading.Lock()  # one call at a time on the client's control channel
         self._kv: PagedKV | None = None
@@ -63,17 +59,24 @@ class ServerBackend(Closing):
             return self._client.match_prefix(keys)
 
     def pin(self, keys: Sequence[BlockKey]) -> object | None:
-        if not keys:
-            return None
+        """One lease per request-sized chunk (a server bounds what one request pins)."""
+        leases: list[int] = []
         with self._lock:
+            step = self._client.request_keys
             try:
-                return self._client.pin(keys)
+                for start in range(0, len(keys), step):
+                    leases.append(self._client.pin(keys[start : start + step]))
             except LookupError:  # BlockNotFound: evicted since the lookup
+                for lease in leases:
+                    self._client.release(lease)
                 return None
+        return leases or None
 
     def unpin(self, hold: object) -> None:
+        assert isinstance(hold, list)
         with self._lock:
-            self._client.release(int(hold))  # type: ignore[call-overload]
+            for lease in hold:
+                self._client.release(lease)
 
     def attach(self, kv: PagedKV) -> None:
         for layer, page in enumerate(kv.pages):
@@ -105,62 +108,3 @@ class ServerBackend(Closing):
             raise LayoutError("no KV cache attached")
         ids = kv.check(block_ids)
         return np.repeat((ids * kv.page_bytes)[:, None], kv.layers, axis=1)
-
-
-class LocalBackend(Closing):
-    """Blocks in a :class:`TieredStore` of this process (host memory, then disk)."""
-
-    def __init__(self, config: ConnectorConfig, namespace: bytes, block_bytes: int) -> None:
-        self._store = TieredStore(
-            block_bytes,
-            host_capacity=config.host_capacity,
-            disk_path=config.disk_path,
-            disk_capacity=config.disk_capacity,
-            namespace=namespace,
-            policy="reuse",
-        )
-        self._kv: PagedKV | None = None
-
-    def lookup(self, keys: Sequence[BlockKey]) -> int:
-        return self._store.match_prefix(keys)
-
-    def pin(self, keys: Sequence[BlockKey]) -> object | None:
-        if not keys:
-            return None
-        try:
-            return self._store.pin(keys)
-        except LookupError:
-            return None
-
-    def unpin(self, hold: object) -> None:
-        hold.release()  # type: ignore[attr-defined]
-
-    def attach(self, kv: PagedKV) -> None:
-        self._kv = kv
-
-    def load(self, keys: Sequence[BlockKey], block_ids: Sequence[int]) -> None:
-        kv = self._attached()
-        data = np.empty((len(keys), kv.block_bytes), dtype=np.uint8)
-        self._store.get(keys, data)
-        kv.scatter(block_ids, data)
-
-    def save(self, keys: Sequence[BlockKey], block_ids: Sequence[int]) -> int:
-        kv = self._attached()
-        present = self._store.contains(keys)
-        todo = [i for i, p in enumerate(present) if not p]
-        if not todo:
-            return 0
-        data = kv.gather([block_ids[i] for i in todo])
-        return sum(self._store.put([keys[i] for i in todo], data))
-
-    @property
-    def store(self) -> TieredStore:
-        return self._store
-
-    def close(self) -> None:
-        self._store.close()
-
-    def _attached(self) -> PagedKV:
-        if self._kv is None:
-            raise LayoutError("no KV cache attached")
-        return self._kv

@@ -18,10 +18,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .._closing import Closing
-from ..store import BlockKey, StoreError, prefix_hashes
+from ..store import BlockKey, CacheServer, StoreError, prefix_hashes
 from ..transfer import TransferError
-from ._backend import Backend, LocalBackend, ServerBackend
+from ._backend import Backend, ServerBackend
 from ._config import ConnectorConfig
+from ._embedded import embedded_server
 from ._jobs import SaveJob, Saver
 from ._pages import PagedKV
 from ._stats import ConnectorStats
@@ -78,8 +79,32 @@ class ConnectorCore(Closing):
         self._failed: dict[BlockKey, float] = {}
         self._down_until = 0.0
         self._lock = threading.Lock()
-        self._backend = _open(config, self.namespace, identity.block_bytes)
+        self._backend: Backend | None = None
+        self._embedded: CacheServer | None = None
+        if config.server is not None:
+            self.connect(config.server, config.secret)
         self._saver = Saver(self._run_save) if saves else None
+
+    # -- where the blocks are -------------------------------------------------------------
+
+    def connect(self, address: str, secret: bytes | None) -> None:
+        """Use the cache server at ``address`` (the configured one, or the one the engine's
+        worker runs: see :meth:`host`)."""
+        backend = ServerBackend(
+            address, secret, self.namespace, self.identity.block_bytes, self.config.timeout
+        )
+        old, self._backend = self._backend, backend
+        if old is not None:
+            old.close()
+
+    def host(self) -> tuple[str, bytes]:
+        """Run this engine's own cache server (no ``server`` configured: the store lives in
+        the worker's process) and use it; returns its address and the secret that the
+        engine's other side needs to connect (never logged)."""
+        self._embedded = embedded_server(self.config)
+        assert self._embedded.config.secret is not None
+        self.connect(self._embedded.address, self._embedded.config.secret)
+        return self._embedded.address, self._embedded.config.secret
 
     # -- keys and lookups (the scheduler's side) -----------------------------------------
 
@@ -95,7 +120,7 @@ class ConnectorCore(Closing):
             return 0
         started = time.perf_counter()
         try:
-            hit = self._backend.lookup(keys[:usable])
+            hit = self._store().lookup(keys[:usable])
         except FAULTS as exc:
             self._fault("lookup", exc)
             return 0
@@ -108,7 +133,7 @@ class ConnectorCore(Closing):
         if not keys or not self._up():
             return None
         try:
-            return self._backend.pin(keys)
+            return self._store().pin(keys)
         except FAULTS as exc:
             self._fault("pin", exc)
             return None
@@ -116,7 +141,7 @@ class ConnectorCore(Closing):
     def unpin(self, hold: object | None) -> None:
         if hold is not None:
             try:
-                self._backend.unpin(hold)
+                self._store().unpin(hold)
             except FAULTS as exc:  # the lease ends with its TTL anyway
                 self._fault("unpin", exc)
 
@@ -136,6 +161,8 @@ class ConnectorCore(Closing):
                 f"the KV cache has {kv.block_bytes}-byte blocks ({kv.layers} layers of "
                 f"{kv.page_bytes}), the engine's config says {self.identity.block_bytes}"
             )
+        if self._backend is None:
+            raise RuntimeError("no cache server to attach the KV cache to")
         self._backend.attach(kv)
 
     def load(self, keys: Sequence[BlockKey], block_ids: Sequence[int]) -> bool:
@@ -146,7 +173,7 @@ class ConnectorCore(Closing):
         try:
             if not self._up():
                 raise TimeoutError("the store was unreachable a moment ago")
-            self._backend.load(keys, block_ids)
+            self._store().load(keys, block_ids)
         except FAULTS as exc:
             self.mark_failed(keys)
             self.stats.load_failed(len(keys) * self.block_tokens)
@@ -175,7 +202,10 @@ class ConnectorCore(Closing):
     def close(self) -> None:
         if self._saver is not None:
             self._saver.close()
-        _release(self._backend)
+        if self._backend is not None:
+            self._backend.close()
+        if self._embedded is not None:
+            self._embedded.close()
 
     # -- internals --------------------------------------------------------------------------
 
@@ -185,7 +215,7 @@ class ConnectorCore(Closing):
             return
         started = time.perf_counter()
         try:
-            moved = self._backend.save(job.keys, job.block_ids)
+            moved = self._store().save(job.keys, job.block_ids)
         except FAULTS as exc:
             self._fault("save", exc)
             self.stats.save_skipped(len(job.keys))
@@ -207,7 +237,11 @@ class ConnectorCore(Closing):
             return len(keys)
 
     def _up(self) -> bool:
-        return self._clock() >= self._down_until
+        return self._backend is not None and self._clock() >= self._down_until
+
+    def _store(self) -> Backend:
+        assert self._backend is not None, "checked by _up"
+        return self._backend
 
     def _fault(self, what: str, exc: BaseException) -> None:
         """Log a store fault (once per pause) and pause store calls for a while."""
@@ -223,34 +257,3 @@ class ConnectorCore(Closing):
                 _RETRY_AFTER_S,
             )
         self.stats.fault()
-
-
-_shared: dict[bytes, tuple[LocalBackend, int]] = {}
-_shared_lock = threading.Lock()
-
-
-def _open(config: ConnectorConfig, namespace: bytes, block_bytes: int) -> Backend:
-    """A server client per side; an in-process store shared by the sides of one engine
-    (its scheduler must see what its worker saved), closed with the last of them."""
-    if config.server is not None:
-        return ServerBackend(config, namespace, block_bytes)
-    with _shared_lock:
-        backend, users = _shared.get(namespace, (None, 0))
-        if backend is None:
-            backend = LocalBackend(config, namespace, block_bytes)
-        _shared[namespace] = (backend, users + 1)
-        return backend
-
-
-def _release(backend: Backend) -> None:
-    if not isinstance(backend, LocalBackend):
-        backend.close()
-        return
-    with _shared_lock:
-        for namespace, (shared, users) in list(_shared.items()):
-            if shared is backend:
-                if users > 1:
-                    _shared[namespace] = (shared, users - 1)
-                else:
-                    del _shared[namespace]
-                    backend.close()

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
@@ -32,6 +33,17 @@ class StepMeta(KVConnectorMetadata):  # type: ignore[misc]
     """Blocks that became full in this step: saved after its forward."""
     preempted: list[str] = field(default_factory=list)
     """Requests whose blocks this step may overwrite: their saves must end first."""
+
+
+@dataclass
+class Handshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]
+    """Worker to scheduler, once: the cache server the worker runs for this engine."""
+
+    address: str
+    secret: bytes
+
+    def __repr__(self) -> str:
+        return f"Handshake(address={self.address!r})"  # never the secret
 
 
 @dataclass

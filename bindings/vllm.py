@@ -28,7 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ._config import ConnectorConfig
 from ._core import ConnectorCore, Identity
-from ._vllm_meta import KVBridgeStats, StepMeta, WorkerReport
+from ._vllm_meta import Handshake, KVBridgeStats, StepMeta, WorkerReport
 from ._vllm_metrics import KVBridgePromMetrics
 from ._vllm_scheduler import SchedulerSide
 from ._vllm_worker import WorkerSide
@@ -49,6 +49,9 @@ class KVBridgeConnector(KVConnectorBase_V1):  # type: ignore[misc]
             raise ValueError("kvbridge: the in-process cache serves one worker; set 'server'")
         saves = bool(transfer.is_kv_producer)
         self._core = ConnectorCore(config, identity, saves=saves and worker)
+        self._handshake: Handshake | None = None
+        if worker and config.server is None:  # the store lives here; the scheduler connects
+            self._handshake = Handshake(*self._core.host())
         self._scheduler = (
             None
             if worker
@@ -69,6 +72,12 @@ class KVBridgeConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return self._sched().build(scheduler_output)
 
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        """The cache server the worker runs, when no ``server`` is configured."""
+        shake = metadata.get(0)
+        if isinstance(shake, Handshake) and self._core.config.server is None:
+            self._core.connect(shake.address, shake.secret)
+
     def update_connector_output(self, connector_output: Any) -> None:
         report = connector_output.kv_connector_worker_meta
         self._sched().report(report if isinstance(report, WorkerReport) else None)
@@ -79,6 +88,9 @@ class KVBridgeConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return self._sched().finished(request)
 
     # -- worker side ----------------------------------------------------------------------
+
+    def get_handshake_metadata(self) -> Handshake | None:
+        return self._handshake
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self._work().register(kv_caches)

@@ -162,6 +162,12 @@ class StoreClient(Closing):
         if lease:
             self._quietly({"op": "release", "ns": self._ns, "lease": lease})
 
+    @property
+    def request_keys(self) -> int:
+        """The most keys one request stages or pins (the server's bound; ``put`` and
+        ``get`` split larger calls themselves)."""
+        return self._request_keys
+
     def match_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading keys the server holds (the cache hit of a prefix, in blocks)."""
         checked = check_keys(keys)

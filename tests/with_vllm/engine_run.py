@@ -18,16 +18,19 @@ from typing import Any
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: its stats
+# The engine in this process (its worker's counters are readable), unless the spec asks for
+# vLLM's default: scheduler and worker in processes of their own.
+_SPEC = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if _SPEC.get("multiprocessing") else "0"
 
-from vllm import LLM, SamplingParams
-from vllm.config import KVTransferConfig
-from vllm.distributed.kv_transfer.kv_transfer_state import (
+from vllm import LLM, SamplingParams  # noqa: E402  (after the environment vLLM reads)
+from vllm.config import KVTransferConfig  # noqa: E402  (after the environment vLLM reads)
+from vllm.distributed.kv_transfer.kv_transfer_state import (  # noqa: E402
     get_kv_transfer_group,
     has_kv_transfer_group,
 )
 
-from kvbridge.store import StoreClient
+from kvbridge.store import StoreClient  # noqa: E402  (after the environment vLLM reads)
 
 
 def _engine(spec: dict[str, Any]) -> Any:
@@ -72,8 +75,8 @@ def main() -> None:
             rounds.append([])
             continue
         inputs = [{"prompt_token_ids": p} for p in spec["prompts"]]
-        outs = [o.outputs[0] for o in llm.generate(inputs, params, use_tqdm=False)]
-        rounds.append([{"tokens": list(o.token_ids), "finish": o.finish_reason} for o in outs])
+        outs = llm.generate(inputs, params, use_tqdm=False)
+        rounds.append([_output(o) for o in outs])
         if spec.get("kill_after_round") == number:
             os.kill(spec["kill_pid"], signal.SIGKILL)  # the server dies between two rounds
     result: dict[str, Any] = {"rounds": rounds, "stats": _stats()}
@@ -87,6 +90,12 @@ def _server_figures(address: str) -> dict[str, Any]:
     with StoreClient(address, block_bytes=4096, namespace="observer") as client:
         stats = client.server_stats()
     return {"open_leases": stats["server"]["open_leases"]}
+
+
+def _output(out: Any) -> dict[str, Any]:
+    first = out.outputs[0]
+    cached = out.num_cached_tokens or 0  # vLLM's own prefix cache + what the connector loaded
+    return {"tokens": list(first.token_ids), "finish": first.finish_reason, "cached": cached}
 
 
 def _abort_after_first_steps(llm: Any, prompts: list[list[int]], params: Any) -> None:

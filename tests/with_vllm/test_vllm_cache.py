@@ -37,3 +37,13 @@ def test_prefix_caching_on_loads_only_past_the_local_hit(
     (the earlier ones already hold valid KV) and outputs stay equal."""
     result = run_engine(spec(model, {"host_capacity": "64MiB"}, rounds=2, prefix_caching=True))
     assert tokens(result, 0) == baseline and tokens(result, 1) == baseline
+
+
+def test_in_process_cache_with_scheduler_and_worker_in_two_processes(
+    model: str, baseline: list[list[int]]
+) -> None:
+    """vLLM's default (as ``vllm serve`` runs): the worker runs the store's server, the
+    scheduler finds it through vLLM's handshake metadata, and round 2 is served from it."""
+    result = run_engine(spec(model, {"host_capacity": "64MiB"}, rounds=2, multiprocessing=True))
+    assert tokens(result, 0) == baseline and tokens(result, 1) == baseline
+    assert sum(out["cached"] for out in result["rounds"][1]) == LOADABLE

@@ -4,6 +4,7 @@ preemption forced by a small KV cache."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from harness import LOADABLE, prompts, run_engine, spec, tokens
 
@@ -11,9 +12,9 @@ HERE = Path(__file__).parent
 ENV = {"PYTHONPATH": str(HERE)}  # the faulty connector's module, in the engine process
 
 
-def _cached(model: str, tmp_path: Path) -> dict[str, object]:
+def _cached(model: str, tmp_path: Path) -> dict[str, Any]:
     """An in-process store on disk that a first run filled with every prompt's blocks."""
-    store = {"host_capacity": "16MiB", "disk_path": str(tmp_path / "kv"), "disk_capacity": "64MiB"}
+    store: dict[str, Any] = {"host_capacity": "16MiB", "disk_path": str(tmp_path / "kv"), "disk_capacity": "64MiB"}
     run_engine(spec(model, store))
     return store
 
