@@ -14,7 +14,8 @@ ENV = {"PYTHONPATH": str(HERE)}  # the faulty connector's module, in the engine 
 
 def _cached(model: str, tmp_path: Path) -> dict[str, Any]:
     """An in-process store on disk that a first run filled with every prompt's blocks."""
-    store: dict[str, Any] = {"host_capacity": "16MiB", "disk_path": str(tmp_path / "kv"), "disk_capacity": "64MiB"}
+    store: dict[str, Any] = {"host_capacity": "16MiB", "disk_capacity": "64MiB"}
+    store["disk_path"] = str(tmp_path / "kv")
     run_engine(spec(model, store))
     return store
 
