@@ -33,6 +33,7 @@ from ..transfer import (
     TransferEngine,
     TransferError,
 )
+from ..transfer._settings import DEFAULT_CONNECT_TIMEOUT_S
 from ._buffers import as_array, split_blocks
 from ._errors import InvalidBlock, LeaseExpired
 from ._keys import BlockKey, check_keys, namespace_bytes
@@ -78,6 +79,8 @@ class StoreClient(Closing):
             transports=transports,
             secret=secret,
             timeout=timeout,
+            # A dead server must not cost more than one call's timeout to find out.
+            connect_timeout=min(timeout, DEFAULT_CONNECT_TIMEOUT_S),
         )
         self.counters = {"bytes_pushed": 0, "bytes_saved": 0, "bytes_pulled": 0}
         self._timeout = timeout

@@ -1,0 +1,232 @@
+"""The engine-agnostic connector core without an engine: settings, identities, pages, the
+saver, the failure memory, and page-wise puts and gets against a real server process."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import FakeClock, keys
+from serve import ServeProcess
+
+from kvbridge.bindings import (
+    ConnectorConfig,
+    ConnectorCore,
+    Identity,
+    LayoutError,
+    PagedKV,
+    SaveJob,
+    pages_of,
+)
+from kvbridge.bindings._jobs import Saver
+from kvbridge.store import BlockNotFound, ConfigError, InvalidBlock, StoreClient
+
+PAGE = 4096
+LAYERS = 3
+
+
+def _identity(**change: object) -> Identity:
+    fields: dict[str, object] = {
+        "engine": "test",
+        "model": "m",
+        "dtype": "float32",
+        "layout": "cpu/2x64",
+        "block_tokens": 16,
+        "block_bytes": PAGE * LAYERS,
+        "shard": "tp0/1",
+    }
+    fields.update(change)
+    return Identity(**fields)  # type: ignore[arg-type]
+
+
+def _kv(blocks: int = 8, seed: int = 0) -> tuple[list[np.ndarray], PagedKV]:
+    rng = np.random.default_rng(seed)
+    layers = [rng.integers(0, 256, (blocks, 2, PAGE // 2), dtype=np.uint8) for _ in range(LAYERS)]
+    return layers, PagedKV(tuple(pages_of(layer, f"l{i}") for i, layer in enumerate(layers)), "t")
+
+
+# -- settings -------------------------------------------------------------------------------
+
+
+def test_an_unknown_setting_is_named() -> None:
+    with pytest.raises(ConfigError, match=r"unknown kvbridge connector setting.*serverr"):
+        ConnectorConfig.from_extra({"serverr": "x:1", "host_capacity": "1GiB"})
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({"host_capacity": "lots"}, "host_capacity"),
+        ({"timeout": "5"}, "timeout must be a number"),
+        ({"timeout": 0}, "timeout must be a positive"),
+        ({"pd_wait": float("inf")}, "pd_wait"),
+        ({"server": ""}, "server must be a non-empty string"),
+        ({"disk_path": "/tmp/x"}, "go together"),
+        ({"server": "h:1", "disk_path": "/x", "disk_capacity": "1GiB"}, "a server has its own"),
+    ],
+)
+def test_bad_settings_are_config_errors(extra: dict[str, object], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        ConnectorConfig.from_extra(extra)
+
+
+def test_a_missing_secret_file_is_a_config_error(tmp_path: Path) -> None:
+    config = ConnectorConfig.from_extra(
+        {"server": "127.0.0.1:1", "secret_file": str(tmp_path / "no")}
+    )
+    with pytest.raises(ConfigError, match="secret_file"):
+        _ = config.secret
+
+
+# -- identities: a different layout is a different namespace, so different keys -----------
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"model": "m2"},
+        {"dtype": "bfloat16"},
+        {"layout": "cuda/2x64"},
+        {"block_tokens": 32},
+        {"block_bytes": PAGE},
+        {"shard": "tp1/2"},
+        {"extra": "tenant-b"},
+    ],
+)
+def test_any_difference_in_identity_changes_namespace_and_keys(change: dict[str, object]) -> None:
+    a, b = _identity(), _identity(**change)
+    assert a.namespace() != b.namespace() and len(b.namespace()) <= 256
+    config = ConnectorConfig()
+    with ConnectorCore(config, a) as core_a, ConnectorCore(config, b) as core_b:
+        tokens = list(range(64))
+        assert not set(core_a.keys(tokens)) & set(core_b.keys(tokens))
+
+
+def test_extra_inputs_change_keys() -> None:
+    with ConnectorCore(ConnectorConfig(), _identity()) as core:
+        tokens = list(range(64))
+        assert core.keys(tokens) != core.keys(tokens, b"lora=a")
+        assert len(core.keys(tokens[:40])) == 2  # full blocks only
+
+
+# -- pages ------------------------------------------------------------------------------------
+
+
+def test_gather_and_scatter_move_whole_pages_of_every_layer() -> None:
+    layers, kv = _kv()
+    data = kv.gather([5, 1])
+    assert data.shape == (2, PAGE * LAYERS)
+    for i, layer in enumerate(layers):
+        assert data[0, i * PAGE : (i + 1) * PAGE].tobytes() == layer[5].tobytes()
+    kv.scatter([0, 2], data)
+    for layer in layers:
+        assert layer[0].tobytes() == layer[5].tobytes() and layer[2].tobytes() == layer[1].tobytes()
+
+
+def test_layouts_that_are_not_pages_are_refused() -> None:
+    split = np.zeros((2, 8, 64), np.uint8)[:, :, ::2]  # a block is not one run of bytes
+    with pytest.raises(LayoutError, match="not one run of bytes"):
+        pages_of(split, "split")
+    with pytest.raises(LayoutError, match="disagree"):
+        PagedKV((np.zeros((4, 64), np.uint8), np.zeros((4, 128), np.uint8)), "t")
+    _, kv = _kv()
+    with pytest.raises(LayoutError, match="outside"):
+        kv.check([8])
+
+
+# -- the saver --------------------------------------------------------------------------------
+
+
+def test_the_saver_runs_jobs_in_order_and_flush_waits_for_a_request() -> None:
+    ran: list[str] = []
+    gate = threading.Event()
+
+    def save(job: SaveJob) -> None:
+        gate.wait(5)
+        ran.append(job.request)
+
+    with Saver(save) as saver:
+        saver.submit([SaveJob("a", (), ()), SaveJob("b", (), ())])
+        assert saver.busy("a") and not saver.flush(["a"], timeout=0.05)  # still queued
+        gate.set()
+        assert saver.flush(["b"], timeout=5) and ran == ["a", "b"] and saver.idle()
+
+
+def test_a_save_that_raises_is_logged_and_counted_done(caplog: pytest.LogCaptureFixture) -> None:
+    def save(job: SaveJob) -> None:
+        raise RuntimeError("boom")
+
+    with Saver(save) as saver:
+        saver.submit([SaveJob("a", (), ())])
+        assert saver.flush(["a"], timeout=5)
+    assert "a save of 0 block(s) failed" in caplog.text
+
+
+# -- against a real server --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server() -> ServeProcess:
+    proc = ServeProcess("--host-capacity", "16MiB", "--lease-ttl", "30")
+    yield proc  # type: ignore[misc]
+    proc.kill()
+
+
+def test_pages_round_trip_through_a_server_byte_for_byte(server: ServeProcess) -> None:
+    ident = _identity(extra="round-trip")
+    with ConnectorCore(ConnectorConfig(server=server.address), ident, saves=True) as core:
+        layers, kv = _kv(seed=1)
+        core.attach(kv)
+        ks = core.keys(list(range(16 * 4)))
+        expected = kv.gather([3, 6, 0, 7])
+        core.save_later([SaveJob("r", tuple(ks), (3, 6, 0, 7))])
+        assert core.flush(["r"]) and core.lookup(ks) == 4
+        for layer in layers:
+            layer[:] = 0
+        assert core.load(ks, [1, 2, 4, 5])
+        assert np.array_equal(kv.gather([1, 2, 4, 5]), expected)
+        assert kv.gather([0])[0].any() == 0  # nothing else was written
+        totals = core.stats.totals()
+        assert totals["tokens_loaded"] == 64 and totals["bytes_saved"] == 4 * PAGE * LAYERS
+
+
+def test_a_failed_load_is_not_offered_again_until_its_ttl(server: ServeProcess) -> None:
+    clock = FakeClock()
+    config = ConnectorConfig(server=server.address, failed_key_ttl=30)
+    with ConnectorCore(config, _identity(extra="failures"), saves=True, clock=clock) as core:
+        _, kv = _kv(seed=2)
+        core.attach(kv)
+        ks = core.keys(list(range(16 * 3)))
+        core.save_later([SaveJob("r", tuple(ks), (0, 1, 2))])
+        assert core.flush(["r"]) and core.lookup(ks) == 3
+        core.mark_failed(ks[1:2])
+        assert core.lookup(ks) == 1  # stops before the failed key
+        clock.advance(30)
+        assert core.lookup(ks) == 3
+
+
+def test_an_unreachable_server_is_a_miss_and_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    gone = ServeProcess("--host-capacity", "4MiB")
+    config = ConnectorConfig(server=gone.address, timeout=2)
+    with ConnectorCore(config, _identity(extra="gone")) as core:
+        gone.kill()
+        assert core.lookup(core.keys(list(range(32)))) == 0
+        assert core.lookup(core.keys(list(range(32)))) == 0  # paused: not asked again
+        assert core.stats.totals()["store_faults"] == 1
+    assert caplog.text.count("computing instead") == 1
+
+
+def test_put_pages_and_get_pages_check_their_offsets(server: ServeProcess) -> None:
+    with StoreClient(server.address, block_bytes=PAGE * LAYERS, namespace="pages") as client:
+        _, kv = _kv(seed=3)
+        regions = [client.register(page) for page in kv.pages]
+        ks = keys(0, 2)
+        with pytest.raises(InvalidBlock, match="offsets of"):
+            client.put_pages(ks, regions, np.zeros((2, LAYERS - 1), np.int64))
+        with pytest.raises(InvalidBlock, match="outside its region"):
+            client.put_pages(ks, regions, np.full((2, LAYERS), 8 * PAGE, np.int64))
+        assert client.contains(ks) == [False, False]  # refused: nothing stored
+        with pytest.raises(BlockNotFound):
+            client.pin(ks)
