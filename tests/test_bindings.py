@@ -4,6 +4,7 @@ saver, the failure memory, and page-wise puts and gets against a real server pro
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -168,9 +169,9 @@ def test_a_save_that_raises_is_logged_and_counted_done(caplog: pytest.LogCapture
 
 
 @pytest.fixture(scope="module")
-def server() -> ServeProcess:
+def server() -> Iterator[ServeProcess]:
     proc = ServeProcess("--host-capacity", "16MiB", "--lease-ttl", "30")
-    yield proc  # type: ignore[misc]
+    yield proc
     proc.kill()
 
 
