@@ -36,7 +36,8 @@ _NUMPY_TYPED = pytest.mark.skipif(
 
 
 def _mypy(*args: str) -> None:
-    env = {**os.environ, "MYPYPATH": str(ROOT / "tests")}  # tests/with_vllm imports tests' helpers
+    helpers = os.pathsep.join(str(ROOT / d) for d in ("tests", "tests/with_vllm"))
+    env = {**os.environ, "MYPYPATH": helpers}  # benches and tests/with_vllm import helpers
     result = subprocess.run(
         [*_tool("mypy"), *args],
         cwd=ROOT,

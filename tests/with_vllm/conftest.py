@@ -13,7 +13,11 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 if importlib.util.find_spec("vllm") is None:
-    collect_ignore_glob = ["test_vllm_[!p]*.py"]
+    collect_ignore = [
+        path.name
+        for path in Path(__file__).parent.glob("test_*.py")
+        if path.name != "test_vllm_present.py"
+    ]
 else:
     from harness import PROMPTS, run_engine, tokens
     from tiny import make_model
