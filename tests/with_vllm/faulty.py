@@ -29,4 +29,5 @@ class _FailingLoads:
 class FaultyConnector(KVBridgeConnector):
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        self._core._backend = _FailingLoads(self._core._backend)
+        if self._core._backend is not None:  # the worker's (the scheduler's comes later)
+            self._core._backend = _FailingLoads(self._core._backend)
