@@ -66,10 +66,12 @@ class ServerBackend(Closing):
             try:
                 for start in range(0, len(keys), step):
                     leases.append(self._client.pin(keys[start : start + step]))
-            except LookupError:  # BlockNotFound: evicted since the lookup
-                for lease in leases:
+            except BaseException as exc:
+                for lease in leases:  # all or nothing
                     self._client.release(lease)
-                return None
+                if isinstance(exc, LookupError):  # BlockNotFound: evicted since the lookup
+                    return None
+                raise
         return leases or None
 
     def unpin(self, hold: object) -> None:

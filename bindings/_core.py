@@ -78,6 +78,8 @@ class ConnectorCore(Closing):
         self._clock = clock
         self._failed: dict[BlockKey, float] = {}
         self._down_until = 0.0
+        self._quiet_until = 0.0
+        """Until then, faults are counted but not logged again."""
         self._lock = threading.Lock()
         self._backend: Backend | None = None
         self._embedded: CacheServer | None = None
@@ -194,10 +196,11 @@ class ConnectorCore(Closing):
 
     def flush(self, requests: Sequence[str]) -> bool:
         """Wait until the queued saves of ``requests`` ran (their blocks are about to be
-        overwritten); False if that took longer than the store timeout."""
+        overwritten). Bounded: each store call has its timeout, and after a fault the
+        remaining jobs skip the store."""
         if self._saver is None:
             return True
-        return self._saver.flush(requests, self.config.timeout)
+        return self._saver.flush(requests)
 
     def close(self) -> None:
         if self._saver is not None:
@@ -244,16 +247,24 @@ class ConnectorCore(Closing):
         return self._backend
 
     def _fault(self, what: str, exc: BaseException) -> None:
-        """Log a store fault (once per pause) and pause store calls for a while."""
+        """Log a store fault (once per pause). One the store answered (full, too many
+        requests, a block gone) concerns that call only; one it did not answer (down,
+        unreachable, timed out) pauses store calls for a while."""
+        unanswered = not isinstance(exc, StoreError)
         with self._lock:
-            first = self._clock() >= self._down_until
-            self._down_until = self._clock() + _RETRY_AFTER_S
+            now = self._clock()
+            first = now >= self._quiet_until
+            self._quiet_until = (
+                max(self._quiet_until, now + _RETRY_AFTER_S) if first else self._quiet_until
+            )
+            if unanswered:
+                self._down_until = now + _RETRY_AFTER_S
         if first:
             _log.warning(
-                "kvbridge %s failed (%s: %s): computing instead; store calls pause for %.0f s",
+                "kvbridge %s failed (%s: %s): computing instead%s",
                 what,
                 type(exc).__name__,
                 exc,
-                _RETRY_AFTER_S,
+                f"; store calls pause for {_RETRY_AFTER_S:.0f} s" if unanswered else "",
             )
         self.stats.fault()

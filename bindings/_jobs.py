@@ -58,13 +58,15 @@ class Saver(Closing):
         with self._changed:
             return not self._pending
 
-    def flush(self, requests: Sequence[str], timeout: float) -> bool:
-        """Wait until no job of ``requests`` is queued or running; False on timeout."""
-        deadline = time.monotonic() + timeout
+    def flush(self, requests: Sequence[str], timeout: float | None = None) -> bool:
+        """Wait until no job of ``requests`` is queued or running; False on timeout (with
+        ``None``, wait for as long as they run: a job must never read blocks the engine
+        has given to another request)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._changed:
             while any(self._pending[r] for r in requests):
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._thread.is_alive():
+                left = None if deadline is None else deadline - time.monotonic()
+                if (left is not None and left <= 0) or not self._thread.is_alive():
                     return False
                 self._changed.wait(left)
             return True

@@ -29,8 +29,8 @@ class PagedKV:
 
     pages: tuple[Any, ...]
     descriptor: str
-    """What the bytes of a page mean (dtype, page shape, layout): part of the namespace,
-    so that a peer with another layout never loads these bytes."""
+    """What the bytes of a page mean (dtype, page shape, device), for messages and logs;
+    the namespace is the engine adapter's :class:`~kvbridge.bindings.Identity`."""
 
     def __post_init__(self) -> None:
         if not self.pages:

@@ -29,6 +29,9 @@ blocks it saved. The decode instance waits (up to ``pd_wait``) until it can load
 
 _RELOOK_S = 0.01
 """While a decode request waits for its prefill's blocks, look again at most this often."""
+_REPIN_S = 15.0
+"""A request that waits longer for admission looks (and pins) again: its pin is a server
+lease (60 s by default) and must still hold when the load runs."""
 
 
 @dataclass
@@ -58,6 +61,7 @@ class SchedulerSide:
         *,
         loads: bool,
         saves: bool,
+        steps_in_flight: int = 1,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._core = core
@@ -66,9 +70,10 @@ class SchedulerSide:
         self._clock = clock
         self._block = core.block_tokens
         self._requests: dict[str, _Request] = {}
-        self._loaded: dict[str, object] = {}
-        """Pins of loads sent last step, by request: those loads ran, so the pins go at the
-        next step or at the request's end, whichever comes first."""
+        self._loaded: list[dict[str, object]] = [{} for _ in range(max(1, steps_in_flight))]
+        """Pins of the loads sent in the last ``steps_in_flight`` steps, by request: a load
+        has run once vLLM plans that many steps after it (one, or two with async
+        scheduling), so its pin goes then, or at the request's end."""
 
     # -- admission ----------------------------------------------------------------------
 
@@ -79,7 +84,8 @@ class SchedulerSide:
         if state is None or not self._loads:
             return 0, False
         cap = min(len(state.keys), (request.num_tokens - 1) // self._block)
-        if state.hit is None or state.local != num_computed or self._waiting(state, cap):
+        stale = self._clock() - state.looked_at > _REPIN_S
+        if state.hit is None or state.local != num_computed or stale or self._waiting(state, cap):
             self._look(state, cap, num_computed)
         if self._waiting(state, cap):
             return None, False  # the prefill's blocks are on their way
@@ -104,9 +110,9 @@ class SchedulerSide:
 
     def build(self, out: Any) -> StepMeta:
         """``build_connector_meta``: this step's loads and saves."""
-        for hold in self._loaded.values():
+        for hold in self._loaded.pop(0).values():
             self._core.unpin(hold)
-        self._loaded = {}
+        self._loaded.append({})
         meta = StepMeta(preempted=sorted(out.preempted_req_ids or ()))
         for req_id in meta.preempted:
             state = self._requests.get(req_id)
@@ -142,7 +148,8 @@ class SchedulerSide:
         if state is None:
             return False, None
         self._core.unpin(state.hold)
-        self._core.unpin(self._loaded.pop(request.request_id, None))
+        for loaded in self._loaded:
+            self._core.unpin(loaded.pop(request.request_id, None))
         params = {PD_PARAM: state.saved} if self._saves and state.saved else None
         return state.saves, params
 
@@ -152,7 +159,11 @@ class SchedulerSide:
         state = self._requests.get(request.request_id)
         if state is None:
             tokens = request.prompt_token_ids
-            if tokens is None or request.mm_features:
+            if (
+                tokens is None
+                or request.mm_features
+                or getattr(request, "prompt_embeds", None) is not None
+            ):
                 return None  # what the KV is does not follow from token ids alone
             keys = self._core.keys(tokens, _extra(request))
             state = self._requests[request.request_id] = _Request(keys)
@@ -208,7 +219,7 @@ class SchedulerSide:
                 _transfer(req_id, state.keys[first:last], state.block_ids[first:last])
             )
             if state.hold is not None:
-                self._loaded[req_id] = state.hold
+                self._loaded[-1][req_id] = state.hold
                 state.hold = None
         if not self._saves:
             return

@@ -21,8 +21,13 @@ _log = logging.getLogger("kvbridge.bindings")
 
 
 class WorkerSide:
-    def __init__(self, core: ConnectorCore) -> None:
+    def __init__(self, core: ConnectorCore, steps_in_flight: int = 1) -> None:
+        """``steps_in_flight``: how many steps vLLM plans before it learns how the
+        earlier ones ended (``max_concurrent_batches``: 2 with async scheduling)."""
         self._core = core
+        self._window = max(1, steps_in_flight)
+        self._poisoned = 0
+        """Steps whose saves are still dropped after a failed load."""
         self._saving: set[str] = set()
         """Requests any save was sent for: vLLM waits for them after they end."""
         self._ended: set[str] = set()
@@ -33,14 +38,18 @@ class WorkerSide:
         """``register_kv_caches``: every layer's cache, as uint8 pages (no copy)."""
         pages = tuple(pages_of(_as_bytes(tensor), name) for name, tensor in kv_caches.items())
         first = next(iter(kv_caches.values()))
+        expected = self._core.identity.dtype
+        if str(first.dtype) != expected:
+            raise ValueError(f"kvbridge: the KV cache is {first.dtype}, the config said {expected}")
         descriptor = f"{first.dtype}/{tuple(first.shape[1:])}/{first.device.type}"
         self._core.attach(PagedKV(pages, descriptor))
 
     def preempted(self, meta: StepMeta | None) -> None:
         """``handle_preemptions``: before this step's forward may overwrite the blocks of
-        preempted requests, their queued saves must have run."""
-        if meta is not None and meta.preempted and not self._core.flush(meta.preempted):
-            _log.error("saves of preempted requests did not end in time: %s", meta.preempted)
+        preempted requests, their saves must have run (each ends within the store's
+        timeouts, and a store that failed a moment ago is not asked: this wait is bounded)."""
+        if meta is not None and meta.preempted:
+            self._core.flush(meta.preempted)
 
     def load(self, meta: StepMeta | None) -> None:
         """``start_load_kv``: fill this step's loaded blocks before the forward."""
@@ -50,14 +59,18 @@ class WorkerSide:
             if not self._core.load(load.keys, load.block_ids):
                 self._invalid.update(load.block_ids)
                 self._report.failed.update(load.keys)
+                self._poisoned = self._window
 
     def save(self, meta: StepMeta | None) -> None:
-        """``wait_for_save``: queue the blocks that became full in this step. If a load of
-        this step failed, its forward may have used wrong KV: nothing of it is saved."""
+        """``wait_for_save``: queue the blocks that became full in this step. If a load
+        failed in this step or in one vLLM planned before learning of it, the step's
+        forward may have read wrong KV (any request may share the failed blocks through
+        vLLM's prefix cache): nothing of it is saved, and its requests save again later."""
+        poisoned, self._poisoned = self._poisoned > 0, max(0, self._poisoned - 1)
         if meta is None or not meta.saves:
             return
         self._saving.update(save.request for save in meta.saves)
-        if self._invalid:
+        if poisoned:
             self._report.unsaved.update(save.request for save in meta.saves)
             return
         self._core.save_later([SaveJob(s.request, s.keys, s.block_ids) for s in meta.saves])

@@ -45,7 +45,10 @@ class KVBridgeConnector(KVConnectorBase_V1):  # type: ignore[misc]
         config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
         worker = role == KVConnectorRole.WORKER
         identity = _identity(vllm_config, kv_cache_config, config, rank=_rank() if worker else 0)
-        if config.server is None and vllm_config.parallel_config.world_size > 1:
+        parallel = vllm_config.parallel_config
+        if parallel.pipeline_parallel_size > 1:
+            raise ValueError("kvbridge: pipeline parallelism is not supported (its stages' keys)")
+        if config.server is None and parallel.world_size > 1:
             raise ValueError("kvbridge: the in-process cache serves one worker; set 'server'")
         saves = bool(transfer.is_kv_producer)
         self._core = ConnectorCore(config, identity, saves=saves and worker)
@@ -57,7 +60,8 @@ class KVBridgeConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if worker
             else SchedulerSide(self._core, loads=bool(transfer.is_kv_consumer), saves=saves)
         )
-        self._worker = WorkerSide(self._core) if worker else None
+        in_flight = int(getattr(vllm_config, "max_concurrent_batches", 1) or 1)
+        self._worker = WorkerSide(self._core, in_flight) if worker else None
 
     # -- scheduler side -----------------------------------------------------------------
 

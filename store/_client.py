@@ -296,6 +296,11 @@ class StoreClient(Closing):
             try:
                 ops = self._ops(where, start, list(range(len(chunk))), slots)
                 self.peer.read(ops).wait(self._timeout)
+            except TimeoutError:
+                # The read may still be landing: close the streams (joined) so that no byte
+                # arrives after the caller reused its buffer; the session and its pin end.
+                self.peer.close("a read did not finish in time")
+                raise
             except BaseException:
                 self._quietly({"op": "release", "ns": self._ns, "lease": lease})
                 raise
