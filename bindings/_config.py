@@ -36,6 +36,9 @@ class ConnectorConfig:
     """Seconds any one store call may take before it counts as failed."""
     failed_key_ttl: float = 60.0
     """A key whose load failed is not advertised again for this long (no livelock)."""
+    async_load: bool = False
+    """Load on a worker thread while the engine runs other requests (the request waits in
+    ``WAITING_FOR_REMOTE_KVS``) instead of before the forward of its next step."""
     pd_wait: float = 10.0
     """Decode side of P/D: how long a request waits for the blocks its prefill announced
     before it computes what is missing itself."""
@@ -78,6 +81,10 @@ def _convert(name: str, value: Any) -> Any:
             return parse_size(value)
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"{name}: {exc}", setting=name) from None
+    if name == "async_load":
+        if not isinstance(value, bool):
+            raise ConfigError(f"async_load must be true or false, got {value!r}", setting=name)
+        return value
     if name in ("timeout", "failed_key_ttl", "pd_wait"):
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{name} must be a number, got {value!r}", setting=name)

@@ -29,6 +29,9 @@ class Transfer:
 class StepMeta(KVConnectorMetadata):  # type: ignore[misc]
     loads: list[Transfer] = field(default_factory=list)
     """Run before this step's forward (their tokens are not computed by it)."""
+    async_loads: list[Transfer] = field(default_factory=list)
+    """Run on the worker's loader thread; the request waits (``WAITING_FOR_REMOTE_KVS``)
+    until the worker reports it in ``finished_recving``."""
     saves: list[Transfer] = field(default_factory=list)
     """Blocks that became full in this step: saved after its forward."""
     preempted: list[str] = field(default_factory=list)

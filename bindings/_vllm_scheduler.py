@@ -62,12 +62,16 @@ class SchedulerSide:
         loads: bool,
         saves: bool,
         steps_in_flight: int = 1,
+        async_loads: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._core = core
         self._loads = loads
         self._saves = saves
         self._clock = clock
+        self._async = async_loads
+        self._waiting_loads: dict[str, Transfer] = {}
+        """Async loads vLLM allocated blocks for, to send with the next step."""
         self._block = core.block_tokens
         self._requests: dict[str, _Request] = {}
         self._loaded: list[dict[str, object]] = [{} for _ in range(max(1, steps_in_flight))]
@@ -91,16 +95,19 @@ class SchedulerSide:
             return None, False  # the prefill's blocks are on their way
         assert state.hit is not None
         extra = state.hit - num_computed // self._block
-        return (extra * self._block, False) if extra > 0 else (0, False)
+        return (extra * self._block, self._async) if extra > 0 else (0, False)
 
-    def allocated(self, request: Any, num_external_tokens: int) -> None:
-        """``update_state_after_alloc``: the load range, once vLLM gave it blocks."""
+    def allocated(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """``update_state_after_alloc``: the load range, once vLLM gave it blocks (an async
+        load goes out with the next step: the request is not scheduled until it ends)."""
         state = self._requests.get(request.request_id)
         if state is None:
             return
         if num_external_tokens > 0:
             first = state.local // self._block
             state.load = (first, first + num_external_tokens // self._block)
+            if self._async:
+                self._plan_async(request.request_id, state, blocks)
         else:
             self._core.unpin(state.hold)
             state.hold = None
@@ -114,6 +121,12 @@ class SchedulerSide:
             self._core.unpin(hold)
         self._loaded.append({})
         meta = StepMeta(preempted=sorted(out.preempted_req_ids or ()))
+        for req_id, load in self._waiting_loads.items():
+            meta.async_loads.append(load)
+            state = self._requests.get(req_id)
+            if state is not None and state.hold is not None:
+                self._loaded[-1][req_id], state.hold = state.hold, None
+        self._waiting_loads = {}
         for req_id in meta.preempted:
             state = self._requests.get(req_id)
             if state is not None:
@@ -148,6 +161,7 @@ class SchedulerSide:
         if state is None:
             return False, None
         self._core.unpin(state.hold)
+        self._waiting_loads.pop(request.request_id, None)
         for loaded in self._loaded:
             self._core.unpin(loaded.pop(request.request_id, None))
         params = {PD_PARAM: state.saved} if self._saves and state.saved else None
@@ -191,6 +205,16 @@ class SchedulerSide:
             if state.hold is None:  # gone between the two calls: load nothing
                 hit = 0
         state.hit = hit
+
+    def _plan_async(self, req_id: str, state: _Request, blocks: Any) -> None:
+        """The blocks vLLM gave the loaded tokens: the whole list when it covers them,
+        else the new (unhashed) ones, which are exactly those."""
+        assert state.load is not None
+        first, last = state.load
+        state.load = None
+        ids = list(blocks.get_block_ids()[0])
+        ids = ids[first:last] if len(ids) >= last else list(blocks.get_unhashed_block_ids())
+        self._waiting_loads[req_id] = _transfer(req_id, state.keys[first:last], ids[: last - first])
 
     def _waiting(self, state: _Request, cap: int) -> bool:
         wanted = min(state.expect, cap)

@@ -10,10 +10,11 @@ saves before vLLM's forward may reuse its blocks.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 from ._core import ConnectorCore
-from ._jobs import SaveJob
+from ._jobs import SaveJob, Saver
 from ._pages import PagedKV, pages_of
 from ._vllm_meta import KVBridgeStats, StepMeta, WorkerReport
 
@@ -21,10 +22,18 @@ _log = logging.getLogger("kvbridge.bindings")
 
 
 class WorkerSide:
-    def __init__(self, core: ConnectorCore, steps_in_flight: int = 1) -> None:
+    def __init__(
+        self, core: ConnectorCore, steps_in_flight: int = 1, *, loader: bool = False
+    ) -> None:
         """``steps_in_flight``: how many steps vLLM plans before it learns how the
-        earlier ones ended (``max_concurrent_batches``: 2 with async scheduling)."""
+        earlier ones ended (``max_concurrent_batches``: 2 with async scheduling);
+        ``loader``: run async loads on a thread of this side's (joined by ``close``)."""
         self._core = core
+        self._loader = Saver(self._run_load, name="kvbridge-loader") if loader else None
+        self._loading: set[str] = set()
+        self._lock = threading.Lock()
+        self._failed_loads: list[SaveJob] = []
+        """Async loads that failed, for the engine thread to report (loader thread writes)."""
         self._window = max(1, steps_in_flight)
         self._poisoned = 0
         """Steps whose saves are still dropped after a failed load."""
@@ -52,8 +61,15 @@ class WorkerSide:
             self._core.flush(meta.preempted)
 
     def load(self, meta: StepMeta | None) -> None:
-        """``start_load_kv``: fill this step's loaded blocks before the forward."""
-        if meta is None or not meta.loads:
+        """``start_load_kv``: fill this step's loaded blocks before the forward; hand async
+        loads to the loader thread."""
+        if meta is None:
+            return
+        if meta.async_loads:
+            assert self._loader is not None, "async loads need the loader (async_load)"
+            self._loading.update(load.request for load in meta.async_loads)
+            self._loader.submit(SaveJob(t.request, t.keys, t.block_ids) for t in meta.async_loads)
+        if not meta.loads:
             return
         for load in meta.loads:
             if not self._core.load(load.keys, load.block_ids):
@@ -76,12 +92,30 @@ class WorkerSide:
         self._core.save_later([SaveJob(s.request, s.keys, s.block_ids) for s in meta.saves])
 
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """``get_finished``: ended requests whose saves all ran (sending done)."""
+        """``get_finished``: ended requests whose saves all ran (sending done), and
+        requests whose async load ended, well or not (receiving done; a failed one's
+        blocks go to ``load_errors`` in this same step)."""
         self._ended.update(finished_req_ids & self._saving)
         done = {req for req in self._ended if not self._core.saving(req)}
         self._ended -= done
         self._saving -= done
-        return done or None, None
+        received = {req for req in self._loading if self._loader and not self._loader.busy(req)}
+        self._loading -= received
+        with self._lock:
+            failed, self._failed_loads = self._failed_loads, []
+        for job in failed:
+            self._invalid.update(job.block_ids)
+            self._report.failed.update(job.keys)
+        return done or None, received or None
+
+    def close(self) -> None:
+        if self._loader is not None:
+            self._loader.close()
+
+    def _run_load(self, job: SaveJob) -> None:
+        if not self._core.load(job.keys, job.block_ids):
+            with self._lock:
+                self._failed_loads.append(job)
 
     def load_errors(self) -> set[int]:
         invalid, self._invalid = self._invalid, set()

@@ -55,13 +55,19 @@ class KVBridgeConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._handshake: Handshake | None = None
         if worker and config.server is None:  # the store lives here; the scheduler connects
             self._handshake = Handshake(*self._core.host())
-        self._scheduler = (
-            None
-            if worker
-            else SchedulerSide(self._core, loads=bool(transfer.is_kv_consumer), saves=saves)
-        )
         in_flight = int(getattr(vllm_config, "max_concurrent_batches", 1) or 1)
-        self._worker = WorkerSide(self._core, in_flight) if worker else None
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if worker:
+            self._worker = WorkerSide(self._core, in_flight, loader=config.async_load)
+        else:
+            self._scheduler = SchedulerSide(
+                self._core,
+                loads=bool(transfer.is_kv_consumer),
+                saves=saves,
+                steps_in_flight=in_flight,
+                async_loads=config.async_load,
+            )
 
     # -- scheduler side -----------------------------------------------------------------
 
@@ -71,7 +77,7 @@ class KVBridgeConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return self._sched().matched(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        self._sched().allocated(request, num_external_tokens)
+        self._sched().allocated(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return self._sched().build(scheduler_output)
@@ -143,6 +149,8 @@ class KVBridgeConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return KVBridgePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
         self._core.close()
 
     @property

@@ -47,3 +47,13 @@ def test_in_process_cache_with_scheduler_and_worker_in_two_processes(
     result = run_engine(spec(model, {"host_capacity": "64MiB"}, rounds=2, multiprocessing=True))
     assert tokens(result, 0) == baseline and tokens(result, 1) == baseline
     assert sum(out["cached"] for out in result["rounds"][1]) == LOADABLE
+
+
+def test_async_loads_off_the_step_equal_outputs(model: str, baseline: list[list[int]]) -> None:
+    """``async_load``: the request waits for its load (WAITING_FOR_REMOTE_KVS) while the
+    engine runs; round 2 loads every loadable block, outputs equal."""
+    store = {"host_capacity": "64MiB", "async_load": True}
+    result = run_engine(spec(model, store, rounds=2))
+    assert tokens(result, 0) == baseline and tokens(result, 1) == baseline
+    assert sum(out["cached"] for out in result["rounds"][1]) == LOADABLE
+    assert result["stats"]["load_failures"] == 0

@@ -60,3 +60,16 @@ def test_preemption_keeps_outputs_equal(model: str) -> None:
     assert tokens(result) == expected
     assert result["stats"]["tokens_loaded"] > 0  # resumed requests loaded their prefix
     assert "preempt" in result["log"].lower() or result["stats"]["tokens_loaded"] > 0
+
+
+def test_failed_async_loads_under_recompute_do_not_livelock(
+    model: str, baseline: list[list[int]], tmp_path: Path
+) -> None:
+    """The case vLLM's own tests saw livelock: a persistent async load failure under
+    recompute. The failed keys are not offered again, so each request fails once."""
+    store = {**_cached(model, tmp_path), "async_load": True}
+    run = spec(model, store, faulty_loads=True, failure_policy="recompute", rounds=2)
+    result = run_engine(run, env=ENV, timeout=240)
+    assert tokens(result, 0) == baseline and tokens(result, 1) == baseline
+    assert result["stats"]["load_failures"] >= 1 and result["stats"]["tokens_loaded"] == 0
+    assert result["stats"]["tokens_load_failed"] <= LOADABLE

@@ -95,7 +95,7 @@ def test_a_loads_pin_lasts_until_every_step_in_flight_ran() -> None:
     side = SchedulerSide(core, loads=True, saves=False, steps_in_flight=2)  # type: ignore[arg-type]
     request = _request("r", 100)
     assert side.matched(request, 0) == (96, False)  # 3 full blocks; tokens 96-99 computed
-    side.allocated(request, 96)
+    side.allocated(request, None, 96)
     new = SimpleNamespace(req_id="r", block_ids=([7, 8, 9, 10],), num_computed_tokens=96)
     meta = side.build(_output([new]))
     assert [t.block_ids for t in meta.loads] == [(7, 8, 9)]
