@@ -64,6 +64,7 @@ def test_an_unknown_setting_is_named() -> None:
         ({"timeout": 0}, "timeout must be a positive"),
         ({"pd_wait": float("inf")}, "pd_wait"),
         ({"server": ""}, "server must be a non-empty string"),
+        ({"async_load": "yes"}, "async_load must be true or false"),
         ({"disk_path": "/tmp/x"}, "go together"),
         ({"server": "h:1", "disk_path": "/x", "disk_capacity": "1GiB"}, "a server has its own"),
     ],
