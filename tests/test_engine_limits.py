@@ -12,6 +12,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -218,3 +219,28 @@ def test_frame_deadlines_leave_one_watchdog_entry_per_stream(
         peer.write([(src, 0, dst.id, 0, 4 * KiB)]).wait(10)
     assert len(b._watchdog._heap) <= 2 * a.settings.streams
     peer.close()
+
+
+def test_a_stream_pushed_out_before_its_greeting_is_opened_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The server closes the first two streams it accepts before reading their greeting
+    (as a burst of silent connections pushing them out would): the dial opens them again
+    with fresh greetings and the write goes through."""
+    accept = served_module.ServedStreams.accept
+    dropped: list[Any] = []
+
+    def drop_first_two(self: served_module.ServedStreams, pipe: Any) -> None:
+        if len(dropped) < 2:
+            dropped.append(pipe)
+            pipe.close()
+            return
+        accept(self, pipe)
+
+    monkeypatch.setattr(served_module.ServedStreams, "accept", drop_first_two)
+    with (
+        TransferEngine("a", connect_timeout=1.0, timeout=2.0) as a,
+        TransferEngine("b", connect_timeout=1.0, timeout=2.0) as b,
+    ):
+        _write_once(a, b)
+    assert len(dropped) == 2

@@ -23,6 +23,10 @@ from ._settings import TransferSettings
 from ._streams import InitiatorStream, Pending
 from ._watchdog import Watchdog
 
+GREETING_TRIES = 3
+"""Times a data stream is opened before its peer counts as refusing it (see
+:meth:`Peer._open_stream`)."""
+
 
 @dataclass(frozen=True)
 class EngineSide:
@@ -128,10 +132,7 @@ class Peer:
         streams: list[InitiatorStream] = []
         try:
             for index in range(settings.streams):
-                pipe = self._transport.open(address, settings.connect_timeout)
-                stream = InitiatorStream(pipe, index, self._broken)
-                streams.append(stream)
-                stream.handshake(credentials.hello(index), settings.connect_timeout)
+                streams.append(self._open_stream(address, index, credentials))
         except BaseException:
             for stream in streams:
                 stream.close("connect failed")
@@ -142,6 +143,23 @@ class Peer:
         with self._lock:
             self._streams = streams
             self._error = None
+
+    def _open_stream(self, address: Any, index: int, credentials: Credentials) -> InitiatorStream:
+        """One greeted data stream. A stream the peer closes before answering its greeting
+        is opened again (a fresh greeting each time), up to :data:`GREETING_TRIES` times:
+        a burst of silent connections may push a new stream out before its greeting is
+        read (``_served``), and a peer that refuses the greeting refuses every try."""
+        timeout = self._engine.settings.connect_timeout
+        for attempt in range(GREETING_TRIES):
+            stream = InitiatorStream(self._transport.open(address, timeout), index, self._broken)
+            try:
+                stream.handshake(credentials.hello(index), timeout)
+                return stream
+            except PeerClosed:
+                stream.close("greeting not answered")
+                if attempt + 1 == GREETING_TRIES:
+                    raise
+        raise AssertionError("unreachable")
 
     def refresh(self) -> dict[int, RegionInfo]:
         """Fetch the peer's current regions over the control plane."""
