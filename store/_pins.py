@@ -13,6 +13,7 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from .._closing import Closing
 from ._keys import BlockKey
@@ -27,11 +28,21 @@ PinChange = Callable[[BlockKey, bool], None]
 its last one (released or expired)."""
 
 
+@dataclass
+class _Pinned:
+    """One lease: its deadline, its keys, and how many of them it still pins."""
+
+    deadline: float
+    keys: tuple[BlockKey, ...]
+    left: int
+
+
 class PinTable:
     """Which keys are pinned, by which lease, until when.
 
     Expired leases are swept by :meth:`expire` (a heap of deadlines: O(log n) per lease),
     which every query calls first, so that a pin is gone the moment its deadline passes.
+    A lease ends when its last key is unpinned (released, expired, or ``release_one``).
     """
 
     def __init__(
@@ -40,7 +51,7 @@ class PinTable:
         self.clock = clock
         self._on_change = on_change
         self._by_key: dict[BlockKey, set[int]] = {}
-        self._leases: dict[int, tuple[float, tuple[BlockKey, ...]]] = {}
+        self._leases: dict[int, _Pinned] = {}
         self._due: list[tuple[float, int]] = []
         """Finite deadlines, a heap; an entry whose lease is gone is stale."""
         self._ids = itertools.count(1)
@@ -49,23 +60,27 @@ class PinTable:
         """Pin each key once; return the lease id and its deadline."""
         lease_id = next(self._ids)
         deadline = self.clock() + ttl if ttl != math.inf else math.inf
-        pinned = tuple(keys)
-        self._leases[lease_id] = (deadline, pinned)
+        lease = _Pinned(deadline, tuple(keys), 0)
+        self._leases[lease_id] = lease
         if deadline != math.inf:
             heapq.heappush(self._due, (deadline, lease_id))
-        for key in pinned:
+        for key in lease.keys:
             leases = self._by_key.setdefault(key, set())
             if lease_id in leases:
                 continue  # a key named twice in one lease
             leases.add(lease_id)
+            lease.left += 1
             if len(leases) == 1 and self._on_change is not None:
                 self._on_change(key, True)
+        if not lease.left:
+            del self._leases[lease_id]  # pins nothing
         return lease_id, deadline
 
     def release(self, lease_id: int, keys: Iterable[BlockKey]) -> None:
         """End a lease (a released or unknown one is ignored)."""
-        if self._leases.pop(lease_id, None) is not None:
-            self._unpin(lease_id, keys)
+        lease = self._leases.get(lease_id)
+        if lease is not None:
+            self._unpin(lease_id, lease.keys)
             self._compact()
 
     def release_one(self, keys: Iterable[BlockKey]) -> None:
@@ -74,11 +89,9 @@ class PinTable:
         for key in keys:
             leases = self._by_key.get(key)
             if leases:
-                first = min(leases, key=lambda lease_id: self._leases[lease_id][0])
+                first = min(leases, key=lambda lease_id: self._leases[lease_id].deadline)
                 self._unpin(first, (key,))
-                _, held = self._leases[first]
-                if not any(first in self._by_key.get(k, ()) for k in held):
-                    del self._leases[first]  # its last key went: the lease is over
+        self._compact()
 
     def expire(self) -> None:
         """End every lease whose deadline has passed."""
@@ -87,9 +100,9 @@ class PinTable:
         now = self.clock()
         while self._due and self._due[0][0] <= now:
             _, lease_id = heapq.heappop(self._due)
-            lease = self._leases.pop(lease_id, None)
+            lease = self._leases.get(lease_id)
             if lease is not None:
-                self._unpin(lease_id, lease[1])
+                self._unpin(lease_id, lease.keys)
 
     def __contains__(self, key: object) -> bool:
         """Whether ``key`` has a pin, as of the last :meth:`expire`."""
@@ -105,19 +118,25 @@ class PinTable:
         return list(self._by_key)
 
     def _unpin(self, lease_id: int, keys: Iterable[BlockKey]) -> None:
+        """Take ``lease_id``'s pin off ``keys``; the lease ends with its last key."""
         for key in keys:
             leases = self._by_key.get(key)
-            if leases is not None and lease_id in leases:
-                leases.discard(lease_id)
-                if not leases:
-                    del self._by_key[key]
-                    if self._on_change is not None:
-                        self._on_change(key, False)
+            if leases is None or lease_id not in leases:
+                continue
+            leases.discard(lease_id)
+            if not leases:
+                del self._by_key[key]
+                if self._on_change is not None:
+                    self._on_change(key, False)
+            lease = self._leases[lease_id]
+            lease.left -= 1
+            if not lease.left:
+                del self._leases[lease_id]
 
     def _compact(self) -> None:
         """Rebuild the deadline heap once released leases are most of it."""
         if len(self._due) > 2 * len(self._leases) + 64:
-            self._due = [(d, i) for i, (d, _) in self._leases.items() if d != math.inf]
+            self._due = [(p.deadline, i) for i, p in self._leases.items() if p.deadline != math.inf]
             heapq.heapify(self._due)
 
 

@@ -63,15 +63,17 @@ class Placement:
     def _room(self) -> int:
         """How many new blocks fit: every slot not held by a pin or a staged put can be
         freed (exact, and O(tiers): pinned blocks are counted per tier as they come)."""
-        self._pins.expire()
         if self.write_through:
             assert self._persistent is not None
-            tiers = [self._persistent]
-        else:
-            tiers = list(range(len(self._tiers)))
-        staged = self._staging.slots if tiers[0] == 0 else 0
-        unpinned = sum(self._tiers[t].capacity - len(self._orders[t].held) for t in tiers)
-        return unpinned - staged
+            return self._freeable(self._persistent)
+        return sum(self._freeable(t) for t in range(len(self._tiers)))
+
+    def _freeable(self, t: int) -> int:
+        """Slots of tier ``t`` that are not pinned nor staged (the top tier's staged puts
+        hold slots): the most it can hold after evicting everything it may."""
+        self._pins.expire()
+        staged = self._staging.slots if t == 0 else 0
+        return self._tiers[t].capacity - len(self._orders[t].held) - staged
 
     def _pin_changed(self, key: BlockKey, pinned: bool) -> None:
         """Take a key that gained its first pin out of every eviction walk, or put one
@@ -221,10 +223,8 @@ class Placement:
     def _check_lift_room(self, top: SlotTier, protect: set[BlockKey], lifts: int) -> None:
         """Raise StoreFull unless the top tier can take ``lifts`` more blocks next to the
         ones of ``protect`` it holds: slots of staged puts and pinned blocks stay."""
-        self._pins.expire()
-        held = self._orders[0].held
-        pinned = len(held) - sum(key in held for key in protect)
-        room = top.capacity - self._staging.slots - (len(protect) - lifts) - pinned
+        room = self._freeable(0) - (len(protect) - lifts)
+        room += sum(key in self._orders[0].held for key in protect)  # counted once, as kept
         if lifts > room:
             raise StoreFull(
                 f"{lifts} block(s) to copy up but the {top.name} tier can free at most "

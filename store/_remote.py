@@ -57,13 +57,12 @@ class RemoteAccess(Placement):
             positions: list[int | None] = [None] * len(checked)
             if not fresh:
                 return 0, positions
-            self._pins.expire()
-            pinned = len(self._orders[0].held)
-            room = top.capacity - self._staging.slots - pinned
+            room = self._freeable(0)
             if len(fresh) > room:
                 raise StoreFull(
                     f"{len(fresh)} new block(s) but the {top.name} tier can free at most "
-                    f"{max(room, 0)} slot(s) ({pinned} pinned, {self._staging.slots} staged)"
+                    f"{max(room, 0)} slot(s) ({len(self._orders[0].held)} pinned, "
+                    f"{self._staging.slots} staged)"
                 )
             slots: list[int] = []
             with self._batch():
