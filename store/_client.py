@@ -337,9 +337,7 @@ class StoreClient(Closing):
         at = np.asarray(offsets, dtype=np.int64)
         if at.shape != (count,):
             raise InvalidBlock(f"{count} key(s) but {at.size} offset(s)")
-        if (at < 0).any() or (at + self.block_bytes > region.length).any():
-            raise InvalidBlock(f"an offset puts a block outside {region!r}")
-        return np.full((count, 1), region.id, dtype=np.uint64), at.astype(np.uint64)[:, None]
+        return self._pages([region], at[:, None], count)  # a block is one page of itself
 
     def _pages(self, regions: Sequence[Region], offsets: np.ndarray, count: int) -> _Locations:
         segments = len(regions)
@@ -351,7 +349,7 @@ class StoreClient(Closing):
             raise InvalidBlock(f"{count} key(s) x {segments} page(s) but offsets of {at.shape}")
         lengths = np.array([r.length for r in regions], dtype=np.int64)
         if (at < 0).any() or (at + part > lengths).any():
-            raise InvalidBlock("an offset puts a page outside its region")
+            raise InvalidBlock("an offset puts a block or page outside its region")
         ids = np.array([r.id for r in regions], dtype=np.uint64)
         return np.broadcast_to(ids, (count, segments)), at.astype(np.uint64)
 
