@@ -58,6 +58,8 @@ def test_demo_moves_kv_between_prefill_and_decode_processes(tmp_path: Path) -> N
     assert verified == checked and int(checked.replace(",", "")) > 100
     assert summary["evicted too soon"].startswith("0 blocks")
     assert "of the" in summary["throughput"] and "p99" in summary["move one request"]
+    assert "2 streams between two processes" in result.stdout
+    assert "Traceback" not in result.stderr and "Exception" not in result.stderr
     if "--plot" in args:
         assert plot.stat().st_size > 1000
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import time
@@ -13,6 +15,8 @@ import time
 import pytest
 
 from kvbridge.tools import _netns
+from kvbridge.tools._bench import RawLink
+from kvbridge.tools._link import link_speed
 
 reason = _netns.available()
 needs_netns = pytest.mark.skipif(reason is not None, reason=f"cannot make namespaces: {reason}")
@@ -125,3 +129,20 @@ def test_bench_command_reports_rows_with_baselines() -> None:
         assert row["gbps"] > 0 and row["raw_gbps"] > 0
         assert row["ratio"] == pytest.approx(row["gbps"] / row["raw_gbps"])
         assert row["p99_ms"] >= row["p50_ms"] > 0
+
+
+def test_link_speed_measures_two_processes_and_a_dropped_sink_is_an_error(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    assert link_speed(2, seconds=0.2) > 1e7
+    sink = socket.create_server(("127.0.0.1", 0))
+    link = RawLink(sink.getsockname()[1], 2, memoryview(bytearray(256 << 20)))
+    accepted = [sink.accept()[0] for _ in range(2)]
+    for conn in accepted:  # the sink goes away with unread data: the sender sees a reset
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        conn.close()
+    with pytest.raises(OSError):
+        link.send(1 << 20, 64, 1)
+    link.close()
+    sink.close()
+    assert "Traceback" not in capfd.readouterr().err

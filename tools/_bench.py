@@ -201,11 +201,21 @@ class RawLink:
             for i in range(streams):  # a stream with no block still gets its header
                 stream(i)
             return
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(streams)]
+        errors: list[OSError] = []
+
+        def guarded(i: int) -> None:  # a dropped link is the caller's error, not a traceback
+            try:
+                stream(i)
+            except OSError as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=guarded, args=(i,)) for i in range(streams)]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
+        if errors:
+            raise errors[0]
 
     def close(self) -> None:
         for conn in self.conns:
