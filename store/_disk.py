@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Container, Iterator
+from collections.abc import Container, Iterator, Sequence
 from typing import Any
 
 import lmdb
@@ -43,6 +43,7 @@ import xxhash
 from ._buffers import BlockArray, to_host
 from ._disk_faults import CheckReport, lmdb_error, purge
 from ._disk_meta import SUM, check_meta, list_orphans, read_sums
+from ._disk_reads import DiskReads, ReadGate, Version
 from ._disk_space import INITIAL_MAP_BYTES, DiskSpace
 from ._errors import StoreClosed, StoreError
 from ._keys import BlockKey
@@ -109,6 +110,10 @@ class DiskTier:
         self._deleted: list[BlockKey] = []  # deleted by the open transaction
         self._purge: set[BlockKey] = set()  # forgotten; records to delete on their own
         self._env: Any = None
+        self._gate = ReadGate()
+        self._reads = DiskReads(
+            lambda: (self._environment(), self._blocks, self._sums), block_bytes, self._gate
+        )
         os.makedirs(self.path, exist_ok=True)
         try:
             self._open()
@@ -138,7 +143,7 @@ class DiskTier:
         self._pid = os.getpid()
         largest = _map_size(self.capacity, self.block_bytes)  # a txn flushes past 64 MiB:
         self._space = DiskSpace.attach(
-            self._env, self.path, largest, TXN_FLUSH_BYTES + self.block_bytes
+            self._env, self.path, largest, TXN_FLUSH_BYTES + self.block_bytes, self._gate
         )
 
     def _environment(self) -> Any:
@@ -155,9 +160,10 @@ class DiskTier:
         return self._env
 
     def _close_env(self) -> None:
-        env, self._env = self._env, None
-        if env is not None:
-            env.close()
+        with self._gate.exclusive():  # no prefetch reads the map it unmaps
+            env, self._env = self._env, None
+            if env is not None:
+                env.close()
         space = getattr(self, "_space", None)
         if space is not None:
             space.close()
@@ -333,43 +339,16 @@ class DiskTier:
 
     # -- reads -------------------------------------------------------------------------
 
-    def _verified(self, txn: Any, key: BlockKey) -> BlockArray | None:
-        """The block's payload if it matches its checksum (raises ``lmdb.Error`` when
-        LMDB cannot read the pages on the way)."""
-        payload = txn.get(key, db=self._blocks)
-        meta = txn.get(key, db=self._sums)
-        if payload is None or meta is None or len(payload) != self.block_bytes:
-            return None
-        if len(meta) != SUM.size or xxhash.xxh3_64_intdigest(payload) != SUM.unpack(meta)[0]:
-            return None
-        return np.frombuffer(payload, dtype=np.uint8)
+    def reading(self) -> contextlib.AbstractContextManager[BlockReader]:
+        """Verified, zero-copy views into the map (see ``DiskReads.reading``)."""
+        return self._reads.reading()
 
-    @contextlib.contextmanager
-    def reading(self) -> Iterator[BlockReader]:
-        """Yield a reader of verified, zero-copy views into the map, valid only inside this
-        context; a block LMDB cannot read (a damaged page) is a miss, like a bad checksum."""
-        env = self._environment()
-        txns: list[Any] = []
-        stale = True
+    def copies(self, keys: Sequence[BlockKey]) -> dict[BlockKey, tuple[Version, np.ndarray]]:
+        """Verified copies read without the store's lock (see ``DiskReads.copies``)."""
+        return self._reads.copies(keys)
 
-        def read(key: BlockKey) -> BlockArray | None:
-            nonlocal stale
-            try:
-                if stale:
-                    txns.append(env.begin(buffers=True))
-                    stale = False
-                return self._verified(txns[-1], key)
-            except lmdb.Error:
-                # LMDB may have failed the transaction: the next read gets a fresh one.
-                # Earlier views stay valid: old ones stay open until the context ends.
-                stale = True
-                return None
-
-        try:
-            yield read
-        finally:
-            for txn in txns:
-                txn.abort()
+    def version(self, key: BlockKey) -> Version | None:
+        return self._reads.version(key)
 
     def check(self, *, repair: bool = False) -> CheckReport:
         """Verify every block against its checksum; with ``repair``, drop the bad ones and

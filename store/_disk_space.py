@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ._disk_reads import ReadGate
 from ._errors import StoreFull
 
 INITIAL_MAP_BYTES = 256 << 10
@@ -38,19 +39,20 @@ _FS_SLACK_BYTES = 64 << 10
 class DiskSpace:
     """The map size of one LMDB environment and the disk blocks behind it."""
 
-    def __init__(self, path: str, largest: int, txn_bytes: int) -> None:
+    def __init__(self, path: str, largest: int, txn_bytes: int, gate: ReadGate) -> None:
         self._path = path
+        self._gate = gate  # set_mapsize waits for prefetch reads
         self._largest = largest
         self._txn_room = txn_bytes + txn_bytes // 8 + TXN_SLACK_BYTES
         self._fd = -1
         self.map_bytes = 0
 
     @classmethod
-    def attach(cls, env: Any, path: str, largest: int, txn_bytes: int) -> DiskSpace:
+    def attach(cls, env: Any, path: str, largest: int, txn_bytes: int, gate: ReadGate) -> DiskSpace:
         """For an environment just opened: allocate every block of its file, and grow the
         map for a first transaction (``largest`` bounds the map; ``txn_bytes`` is the most
         payload one transaction writes)."""
-        space = cls(path, largest, txn_bytes)
+        space = cls(path, largest, txn_bytes, gate)
         space._fd = os.open(os.path.join(path, "data.mdb"), os.O_RDWR | os.O_CLOEXEC)
         space.map_bytes = int(env.info()["map_size"])
         try:
@@ -78,7 +80,8 @@ class DiskSpace:
                 os.posix_fallocate(self._fd, self.map_bytes, size - self.map_bytes)
             except OSError:
                 continue  # no room for that much: try less
-            env.set_mapsize(size)
+            with self._gate.exclusive():
+                env.set_mapsize(size)
             self.map_bytes = size
             return
 

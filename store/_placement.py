@@ -15,6 +15,9 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Container, Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
 
 from ._buffers import BlockArray
 from ._errors import (
@@ -231,22 +234,32 @@ class Placement:
                 f"{max(room, 0)} slot(s) (the others are pinned or staged)"
             )
 
-    def _lift(self, t: int, key: BlockKey, protect: set[BlockKey]) -> bool:
+    def _lift(
+        self, t: int, key: BlockKey, protect: set[BlockKey], early: Prefetched | None = None
+    ) -> bool:
         """Copy ``key`` from tier ``t`` into the top tier (moving it out of a memory tier);
-        False when it is found bad (it is dropped, and nothing was moved for it)."""
+        False when it is found bad (it is dropped, and nothing was moved for it). A copy in
+        ``early`` stands in for the read if it is still of the block's current version."""
         source = self._tiers[t]
-        with source.reading() as read:
-            data = read(key)
-            if data is None:
-                self._drop_corrupt([key])
-                return False
-            if not self._make_room(0, protect):  # unreachable: pin_resident checked
-                raise StoreFull(f"the {self._tiers[0].name} tier has no unpinned slot")
-            self._tiers[0].store(key, data)
+        data = early.get(source, key) if early is not None else None
+        if data is not None:
+            self._store_lifted(key, data, protect)
+        else:
+            with source.reading() as read:
+                data = read(key)
+                if data is None:
+                    self._drop_corrupt([key])
+                    return False
+                self._store_lifted(key, data, protect)
         if not source.persistent:
             source.delete(key)
         self._stats.promotions += 1
         return True
+
+    def _store_lifted(self, key: BlockKey, data: BlockArray, protect: set[BlockKey]) -> None:
+        if not self._make_room(0, protect):  # unreachable: pin_resident checked
+            raise StoreFull(f"the {self._tiers[0].name} tier has no unpinned slot")
+        self._tiers[0].store(key, data)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -261,3 +274,22 @@ class Placement:
     def _release(self, lease: Lease) -> None:
         with self._lock:
             self._pins.release(lease.id, lease.keys)
+
+
+class Prefetched:
+    """Copies of disk blocks read ahead of a lift, each with the version it was read at."""
+
+    def __init__(self, copies: dict[Any, dict[BlockKey, tuple[bytes, np.ndarray]]]) -> None:
+        self._copies = copies  # tier -> key -> (version, bytes)
+
+    def __len__(self) -> int:
+        return sum(len(found) for found in self._copies.values())
+
+    def get(self, tier: Tier, key: BlockKey) -> np.ndarray | None:
+        """The copy of ``key`` read from ``tier``, if the tier still holds that version of it
+        (caller holds the store's lock)."""
+        found = self._copies.get(tier, {}).get(key)
+        version = getattr(tier, "version", None)
+        if found is None or version is None or version(key) != found[0]:
+            return None
+        return found[1]

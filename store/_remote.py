@@ -16,6 +16,7 @@ from typing import cast
 
 import numpy as np
 
+from ._disk import DiskTier
 from ._errors import (
     BlockNotFound,
     LeaseExpired,
@@ -24,7 +25,7 @@ from ._errors import (
 )
 from ._keys import BlockKey, check_keys
 from ._pins import Lease
-from ._placement import Placement
+from ._placement import Placement, Prefetched
 from ._slots import SlotTier
 from ._staging import NO_OWNER, Staging
 
@@ -163,8 +164,25 @@ class RemoteAccess(Placement):
         with self._lock:
             return self._staging.busy(lease_id)
 
+    def prefetch(self, keys: Sequence[bytes]) -> Prefetched:
+        """Read the blocks of ``keys`` that only a disk tier holds, holding the store's lock
+        only to look them up: pass the result to :meth:`pin_resident`, which then lifts
+        them without reading the disk under the lock (so other callers are not held up by
+        it). Changes nothing; a block rewritten or dropped in between is read again."""
+        checked = check_keys(keys)
+        wanted: dict[DiskTier, list[BlockKey]] = {}
+        with self._lock:
+            self._check_open()
+            top = self._slot_top()
+            for key in dict.fromkeys(checked):
+                t = self._locate(key)
+                tier = self._tiers[t] if t is not None and key not in top else None
+                if isinstance(tier, DiskTier):
+                    wanted.setdefault(tier, []).append(key)
+        return Prefetched({tier: tier.copies(keys) for tier, keys in wanted.items()})
+
     def pin_resident(
-        self, keys: Sequence[bytes], *, ttl: float | None = None
+        self, keys: Sequence[bytes], *, ttl: float | None = None, early: Prefetched | None = None
     ) -> tuple[Lease, list[int]]:
         """Pin blocks in the top memory tier, copying up those held lower; return the lease
         and each key's slot there, for someone else to read. Counts as a hit on every key.
@@ -173,7 +191,7 @@ class RemoteAccess(Placement):
         every block found bad on the way (dropped for good; the others copied up stay
         there, and blocks moved to make room stay where they went), and
         :class:`StoreFull`, before anything moves, when the top tier cannot free enough
-        unpinned slots.
+        unpinned slots. ``early`` is what :meth:`prefetch` read of these keys.
         """
         checked = check_keys(keys)
         lifetime = self._lifetime(ttl)
@@ -198,7 +216,7 @@ class RemoteAccess(Placement):
                         top.touch(key)
                         continue
                     assert t is not None
-                    if not self._lift(t, key, protect):
+                    if not self._lift(t, key, protect, early):
                         corrupt.append(key)
             if corrupt:
                 raise BlockNotFound(corrupt)

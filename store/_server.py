@@ -1,8 +1,10 @@
 """CacheServer: tiered stores, one per namespace, behind a transfer engine.
 
 Clients reach the server's engine (``StoreClient`` dials ``host:port``); their control
-requests ride the engine's authenticated, signed ``call`` channel and run on its control
-thread, one at a time, each a few store operations under the server's state lock. Bytes
+requests ride the engine's authenticated, signed ``call`` channel and run on its call
+threads (each session's in order, sessions side by side), each a few store operations under
+the server's state lock. A pin first reads the blocks that only the disk holds without that
+lock (``prefetch``), so a client lifting from disk does not hold up the others. Bytes
 never pass through the control path: a client writes blocks straight into staged slots of
 the namespace's host slab, and reads pinned slots straight out of it, with the engine.
 
@@ -28,6 +30,7 @@ block, and a restart on the same ``disk_path`` serves them again.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -42,6 +45,7 @@ from ._handoff import hand_off, restore, take
 from ._metrics import ServerMetrics, metrics_token
 from ._namespace_table import NamespaceTable
 from ._namespaces import Namespace
+from ._placement import Prefetched
 from ._server_config import ServerConfig
 from ._stats import StoreStats
 from ._wire import (
@@ -136,6 +140,8 @@ class CacheServer:
         try:
             if handler is None:
                 raise BadRequest(f"unknown op {op!r}; known: {sorted(self._ops)}")
+            if op == "pin":  # disk reads first, outside the lock every other request needs
+                handler = functools.partial(self._pin, early=self._prefetch(caller, body))
             with self._state:
                 # Checked under the state lock: a session that ends after this is cleaned
                 # up after this request (_end_session waits for the lock), never before.
@@ -263,13 +269,26 @@ class CacheServer:
             ns.store.abort(lease)
         return {}
 
-    def _pin(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
+    def _prefetch(self, caller: Caller, body: dict[str, Any]) -> Prefetched | None:
+        """A pin's blocks that only the disk holds, read without the state lock (a hint:
+        ``None`` when the request is bad, the locked pin then says why)."""
+        try:
+            with self._state:
+                ns = self._namespace(caller, body)
+                keys = keys_field(body)
+            return ns.store.prefetch(keys) if len(keys) <= ns.request_blocks else None
+        except StoreError:
+            return None
+
+    def _pin(
+        self, caller: Caller, body: dict[str, Any], early: Prefetched | None = None
+    ) -> dict[str, Any]:
         ns = self._namespace(caller, body)
         keys = keys_field(body)
         if not keys:
             return {"lease": 0, "slots": []}  # nothing to read: no lease to count
         self._room(caller, ns, len(keys))
-        lease, slots = ns.store.pin_resident(keys, ttl=self.config.lease_ttl)
+        lease, slots = ns.store.pin_resident(keys, ttl=self.config.lease_ttl, early=early)
         ns.book.add_pin(caller.session, lease, slots)
         take(ns, keys)  # their first read: the handoff holds have done their job
         return {"lease": lease.id, "slots": slots}

@@ -204,7 +204,8 @@ def test_thousands_of_handshakes_and_a_hello_flood_log_nobody_out(server: ServeP
     the thousand: a long-lived client keeps its session, and new clients still get in."""
     import zmq  # noqa: PLC0415
 
-    from kvbridge.transfer._control import CONTROL_VERSION, ControlClient  # noqa: PLC0415
+    from kvbridge.transfer._control import CONTROL_VERSION  # noqa: PLC0415
+    from kvbridge.transfer._control_client import ControlClient  # noqa: PLC0415
 
     with client_of(server) as client:
         ks = keys(0, 2)

@@ -27,7 +27,6 @@ carry a numeric ``code`` (:class:`ControlCode`) as well as a message for people.
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import hmac
 import logging
@@ -42,8 +41,9 @@ from typing import Any
 import msgpack
 import zmq
 
-from ._errors import AuthenticationError, PeerClosed, RemoteInternalError, RemoteProtocolError
-from ._sessions import Caller, Credentials, SessionsFull, SessionTable, mac, session_key
+from ._calls import CallPool
+from ._errors import AuthenticationError, RemoteProtocolError
+from ._sessions import Caller, SessionsFull, SessionTable, mac, session_key
 
 CONTROL_VERSION = 2
 MAX_CONTROL_MESSAGE = 1 << 20
@@ -70,7 +70,7 @@ class ControlCode(enum.IntEnum):
     INTERNAL = 4
 
 
-def _proof(secret: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
+def proof_of(secret: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
     return mac(secret, b"kvbridge-" + role, first, second)
 
 
@@ -124,10 +124,15 @@ class ControlServer:
             self._wake_tx = context.socket(zmq.PAIR)
             sockets.append(self._wake_tx)
             self._wake_tx.connect(waker)
+            answers = f"inproc://kvbridge-answers-{secrets.token_hex(8)}"
+            self._answers = context.socket(zmq.PULL)
+            sockets.append(self._answers)
+            self._answers.bind(answers)
         except BaseException:  # an open socket would make Context.term() wait for ever
             for sock in sockets:
                 sock.close(linger=0)
             raise
+        self._calls = CallPool(context, answers)
         self._thread = threading.Thread(target=self._run, name="kvbridge-control", daemon=True)
         self._thread.start()
 
@@ -139,6 +144,7 @@ class ControlServer:
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._answers, zmq.POLLIN)
         poller.register(self._wake_rx, zmq.POLLIN)
         swept = time.monotonic()
         try:
@@ -149,11 +155,16 @@ class ControlServer:
                 if time.monotonic() - swept >= _SWEEP_S:  # a walk of every session: not often
                     self.sessions.sweep()
                     swept = time.monotonic()
+                if self._answers in ready:  # calls answered by the pool's threads
+                    while self._answers.poll(0):
+                        self._socket.send_multipart(self._answers.recv_multipart())
                 if self._socket in ready:
                     self._serve_one()
         finally:
+            self._calls.close()  # joined before the sockets they answer through close
             self._socket.close()
             self._wake_rx.close()
+            self._answers.close()
 
     def _serve_one(self) -> None:
         frames = self._socket.recv_multipart()
@@ -164,19 +175,14 @@ class ControlServer:
         try:
             message = unpack(body)
             rid = message.get("rid")
-            answer = self._answer(message)
+            answer = self._answer(message, identity, rid)
+            if answer is None:
+                return  # a call: queued, answered by the pool
         except Exception as exc:  # every bad request gets an answer; the loop goes on
             answer = _refusal(exc)
-        if isinstance(rid, int) and not isinstance(rid, bool):
-            answer["rid"] = rid  # lets a client tell this answer from a late one
-        try:
-            reply = pack(answer)
-        except Exception:
-            _log.exception("control: an answer could not be packed")
-            reply = pack({"ok": False, "code": ControlCode.INTERNAL, "error": "unpackable"})
-        self._socket.send_multipart([identity, b"", reply])
+        self._socket.send_multipart(_frames(identity, rid, answer))
 
-    def _answer(self, message: dict[str, Any]) -> dict[str, Any]:
+    def _answer(self, message: dict[str, Any], identity: bytes, rid: Any) -> dict[str, Any] | None:
         op = message.get("op")
         if op == "hello":
             return self._hello(message)
@@ -184,38 +190,42 @@ class ControlServer:
             return self._auth(message)
         if op in ("call", "metadata", "bye"):
             caller = self.sessions.verify_call(
-                _bytes(message.get("session"), 16),
+                check_bytes(message.get("session"), 16),
                 op,
                 _int(message.get("seq")),
-                _blob(message.get("body")),
-                _bytes(message.get("mac"), 32),
+                check_blob(message.get("body")),
+                check_bytes(message.get("mac"), 32),
             )
             if op == "metadata":
                 return {"ok": True, "metadata": self._metadata()}
             if op == "bye":
                 self.sessions.end(message["session"])
                 return {"ok": True}
-            return {"ok": True, "body": self._call(caller, message["body"])}
+            body = message["body"]
+            self._calls.submit(
+                message["session"], lambda: _frames(identity, rid, self._call(caller, body))
+            )
+            return None
         raise RemoteProtocolError(f"unknown control op {op!r}")
 
     def _hello(self, message: dict[str, Any]) -> dict[str, Any]:
         if message.get("v") != CONTROL_VERSION:
             raise RemoteProtocolError(f"control version {message.get('v')!r} is not supported")
-        their_nonce = _bytes(message.get("nonce"), 16)
+        their_nonce = check_bytes(message.get("nonce"), 16)
         name = _name(message.get("name"))
         nonce = _STAMP.pack(int(time.monotonic() * 1000)) + secrets.token_bytes(8)
         ticket = mac(self._ticket_key, b"ticket", their_nonce, nonce, name.encode())
         proof = b""
         if self._secret is not None:
-            proof = _proof(self._secret, b"responder", their_nonce, nonce)
+            proof = proof_of(self._secret, b"responder", their_nonce, nonce)
         secured = self._secret is not None
         return {"ok": True, "nonce": nonce, "ticket": ticket, "proof": proof, "secured": secured}
 
     def _auth(self, message: dict[str, Any]) -> dict[str, Any]:
-        their_nonce = _bytes(message.get("nonce"), 16)
-        nonce = _bytes(message.get("server_nonce"), 16)
+        their_nonce = check_bytes(message.get("nonce"), 16)
+        nonce = check_bytes(message.get("server_nonce"), 16)
         name = _name(message.get("name"))
-        ticket = _bytes(message.get("ticket"), 32)
+        ticket = check_bytes(message.get("ticket"), 32)
         expected_ticket = mac(self._ticket_key, b"ticket", their_nonce, nonce, name.encode())
         issued = _STAMP.unpack(nonce[:8])[0] / 1000
         now = time.monotonic()
@@ -227,8 +237,8 @@ class ControlServer:
         self._take_ticket(ticket, issued + TICKET_TTL_S, now)
         expected = b""
         if self._secret is not None:
-            expected = _proof(self._secret, b"initiator", nonce, their_nonce)
-        if not hmac.compare_digest(expected, _bytes(message.get("proof"), len(expected))):
+            expected = proof_of(self._secret, b"initiator", nonce, their_nonce)
+        if not hmac.compare_digest(expected, check_bytes(message.get("proof"), len(expected))):
             raise AuthenticationError("wrong shared secret")
         session = self.sessions.open(session_key(self._secret, their_nonce, nonce), name)
         _log.debug("control: session %d opened for %r", session.caller.session, name)
@@ -242,10 +252,27 @@ class ControlServer:
         self._used[ticket] = expiry
 
     def _call(self, caller: Caller, packed: bytes) -> dict[str, Any]:
-        body = unpack(packed)
-        if self.handler is None:
-            raise RemoteProtocolError("this engine answers no calls")
-        return self.handler(caller, body)
+        """Run on a pool thread: the handler's answer, or the refusal it raised."""
+        try:
+            body = unpack(packed)
+            if self.handler is None:
+                raise RemoteProtocolError("this engine answers no calls")
+            return {"ok": True, "body": self.handler(caller, body)}
+        except Exception as exc:
+            return _refusal(exc)
+
+
+def _frames(identity: bytes, rid: Any, answer: dict[str, Any]) -> list[bytes]:
+    """The ROUTER frames of an answer, tagged with the request's ``rid`` (so that a client
+    can tell it from a late answer to an earlier request)."""
+    if isinstance(rid, int) and not isinstance(rid, bool):
+        answer["rid"] = rid
+    try:
+        reply = pack(answer)
+    except Exception:
+        _log.exception("control: an answer could not be packed")
+        reply = pack({"ok": False, "code": ControlCode.INTERNAL, "error": "unpackable"})
+    return [identity, b"", reply]
 
 
 def _refusal(exc: Exception) -> dict[str, Any]:
@@ -263,13 +290,13 @@ def _refusal(exc: Exception) -> dict[str, Any]:
     return {"ok": False, "code": int(code), "error": str(exc)}
 
 
-def _bytes(value: Any, size: int) -> bytes:
+def check_bytes(value: Any, size: int) -> bytes:
     if not isinstance(value, bytes) or len(value) != size:
         raise RemoteProtocolError(f"expected {size} bytes")
     return value
 
 
-def _blob(value: Any) -> bytes:
+def check_blob(value: Any) -> bytes:
     if not isinstance(value, bytes):
         raise RemoteProtocolError("expected bytes")
     return value
@@ -285,102 +312,3 @@ def _name(value: Any) -> str:
     if not isinstance(value, str) or len(value) > 256:
         raise RemoteProtocolError("a peer name is a string of at most 256 characters")
     return value
-
-
-_RAISES: dict[int, type[Exception]] = {
-    ControlCode.AUTHENTICATION: AuthenticationError,
-    ControlCode.SESSIONS_FULL: SessionsFull,
-    ControlCode.INTERNAL: RemoteInternalError,
-}
-
-
-class ControlClient:
-    """A DEALER to one engine's control socket."""
-
-    def __init__(self, context: zmq.Context[Any], endpoint: str, timeout: float) -> None:
-        self._socket = context.socket(zmq.DEALER)
-        try:
-            self._socket.setsockopt(zmq.LINGER, 0)
-            self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)
-            self._socket.connect(endpoint)
-        except BaseException:
-            self._socket.close(linger=0)
-            raise
-        self._endpoint = endpoint
-        self.timeout = timeout
-        self._rid = 0
-
-    def send(self, message: dict[str, Any]) -> None:
-        """Send without waiting: the answer is skipped by the next :meth:`request`."""
-        self._rid += 1
-        self._socket.send_multipart([b"", pack({**message, "rid": self._rid})])
-
-    def request(self, message: dict[str, Any]) -> dict[str, Any]:
-        self.send(message)
-        rid = self._rid
-        deadline = time.monotonic() + self.timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self._socket.poll(int(left * 1000) + 1):
-                raise PeerClosed(f"no answer from {self._endpoint} within {self.timeout} s")
-            frames = self._socket.recv_multipart()
-            if len(frames) != 2 or frames[0] != b"":
-                continue
-            reply = unpack(frames[1])
-            if reply.get("rid") == rid:
-                break  # earlier answers (to sends, or to timed-out requests) are skipped
-        if not reply.get("ok"):
-            code = reply.get("code")
-            error = _RAISES.get(code, RemoteProtocolError) if isinstance(code, int) else None
-            raise (error or RemoteProtocolError)(f"{self._endpoint}: {reply.get('error')}")
-        return reply
-
-    def handshake(self, name: str, secret: bytes | None) -> tuple[Credentials, bytes]:
-        """Authenticate; return the session's credentials and the peer's metadata."""
-        nonce = secrets.token_bytes(16)
-        reply = self.request({"op": "hello", "v": CONTROL_VERSION, "name": name, "nonce": nonce})
-        their_nonce = _bytes(reply.get("nonce"), 16)
-        proof = b""
-        if secret is not None:
-            if not reply.get("secured"):
-                raise AuthenticationError(f"{self._endpoint} has no shared secret")
-            expected = _proof(secret, b"responder", nonce, their_nonce)
-            if not hmac.compare_digest(expected, _bytes(reply.get("proof"), len(expected))):
-                raise AuthenticationError(f"{self._endpoint} does not know the shared secret")
-            proof = _proof(secret, b"initiator", their_nonce, nonce)
-        elif reply.get("secured"):
-            raise AuthenticationError(f"{self._endpoint} requires a shared secret")
-        auth = {
-            "op": "auth",
-            "name": name,
-            "nonce": nonce,
-            "server_nonce": their_nonce,
-            "ticket": reply.get("ticket"),
-            "proof": proof,
-        }
-        reply = self.request(auth)
-        credentials = Credentials(
-            _bytes(reply.get("session"), 16), session_key(secret, nonce, their_nonce)
-        )
-        return credentials, _blob(reply.get("metadata"))
-
-    def metadata(self, credentials: Credentials) -> bytes:
-        return _blob(self.request(credentials.sign("metadata", b"")).get("metadata"))
-
-    def bye(self, credentials: Credentials) -> None:
-        """End the session (its streams, if any, stay up until they close)."""
-        with contextlib.suppress(PeerClosed, AuthenticationError):
-            self.request(credentials.sign("bye", b""))
-
-    def cast(self, credentials: Credentials, body: dict[str, Any]) -> None:
-        """A call whose answer nobody waits for."""
-        self.send(credentials.sign("call", pack(body)))
-
-    def call(self, credentials: Credentials, body: dict[str, Any]) -> dict[str, Any]:
-        reply = self.request(credentials.sign("call", pack(body))).get("body")
-        if not isinstance(reply, dict):
-            raise RemoteProtocolError(f"{self._endpoint}: a call reply must be a map")
-        return reply
-
-    def close(self) -> None:
-        self._socket.close()

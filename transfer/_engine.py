@@ -28,7 +28,8 @@ import zmq
 
 from .._closing import Closing
 from ._address import tcp_endpoint
-from ._control import ControlClient, ControlServer, RequestHandler
+from ._control import ControlServer, RequestHandler
+from ._control_client import ControlClient
 from ._device import is_device
 from ._errors import EngineClosed, LocalProtocolError
 from ._handle import TransferHandle

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from ._control import ControlClient
+from ._control_client import ControlClient
 from ._errors import LocalProtocolError, PeerClosed, TransferError
 from ._handle import TransferHandle
 from ._metadata import EngineInfo

@@ -1,0 +1,122 @@
+"""The client end of the control plane: a DEALER to one engine's ROUTER (see ``_control``)."""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import secrets
+import time
+from typing import Any
+
+import zmq
+
+from ._control import (
+    CONTROL_VERSION,
+    MAX_CONTROL_MESSAGE,
+    ControlCode,
+    check_blob,
+    check_bytes,
+    pack,
+    proof_of,
+    unpack,
+)
+from ._errors import AuthenticationError, PeerClosed, RemoteInternalError, RemoteProtocolError
+from ._sessions import Credentials, SessionsFull, session_key
+
+_RAISES: dict[int, type[Exception]] = {
+    ControlCode.AUTHENTICATION: AuthenticationError,
+    ControlCode.SESSIONS_FULL: SessionsFull,
+    ControlCode.INTERNAL: RemoteInternalError,
+}
+
+
+class ControlClient:
+    """A DEALER to one engine's control socket."""
+
+    def __init__(self, context: zmq.Context[Any], endpoint: str, timeout: float) -> None:
+        self._socket = context.socket(zmq.DEALER)
+        try:
+            self._socket.setsockopt(zmq.LINGER, 0)
+            self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)
+            self._socket.connect(endpoint)
+        except BaseException:
+            self._socket.close(linger=0)
+            raise
+        self._endpoint = endpoint
+        self.timeout = timeout
+        self._rid = 0
+
+    def send(self, message: dict[str, Any]) -> None:
+        """Send without waiting: the answer is skipped by the next :meth:`request`."""
+        self._rid += 1
+        self._socket.send_multipart([b"", pack({**message, "rid": self._rid})])
+
+    def request(self, message: dict[str, Any]) -> dict[str, Any]:
+        self.send(message)
+        rid = self._rid
+        deadline = time.monotonic() + self.timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._socket.poll(int(left * 1000) + 1):
+                raise PeerClosed(f"no answer from {self._endpoint} within {self.timeout} s")
+            frames = self._socket.recv_multipart()
+            if len(frames) != 2 or frames[0] != b"":
+                continue
+            reply = unpack(frames[1])
+            if reply.get("rid") == rid:
+                break  # earlier answers (to sends, or to timed-out requests) are skipped
+        if not reply.get("ok"):
+            code = reply.get("code")
+            error = _RAISES.get(code, RemoteProtocolError) if isinstance(code, int) else None
+            raise (error or RemoteProtocolError)(f"{self._endpoint}: {reply.get('error')}")
+        return reply
+
+    def handshake(self, name: str, secret: bytes | None) -> tuple[Credentials, bytes]:
+        """Authenticate; return the session's credentials and the peer's metadata."""
+        nonce = secrets.token_bytes(16)
+        reply = self.request({"op": "hello", "v": CONTROL_VERSION, "name": name, "nonce": nonce})
+        their_nonce = check_bytes(reply.get("nonce"), 16)
+        proof = b""
+        if secret is not None:
+            if not reply.get("secured"):
+                raise AuthenticationError(f"{self._endpoint} has no shared secret")
+            expected = proof_of(secret, b"responder", nonce, their_nonce)
+            if not hmac.compare_digest(expected, check_bytes(reply.get("proof"), len(expected))):
+                raise AuthenticationError(f"{self._endpoint} does not know the shared secret")
+            proof = proof_of(secret, b"initiator", their_nonce, nonce)
+        elif reply.get("secured"):
+            raise AuthenticationError(f"{self._endpoint} requires a shared secret")
+        auth = {
+            "op": "auth",
+            "name": name,
+            "nonce": nonce,
+            "server_nonce": their_nonce,
+            "ticket": reply.get("ticket"),
+            "proof": proof,
+        }
+        reply = self.request(auth)
+        credentials = Credentials(
+            check_bytes(reply.get("session"), 16), session_key(secret, nonce, their_nonce)
+        )
+        return credentials, check_blob(reply.get("metadata"))
+
+    def metadata(self, credentials: Credentials) -> bytes:
+        return check_blob(self.request(credentials.sign("metadata", b"")).get("metadata"))
+
+    def bye(self, credentials: Credentials) -> None:
+        """End the session (its streams, if any, stay up until they close)."""
+        with contextlib.suppress(PeerClosed, AuthenticationError):
+            self.request(credentials.sign("bye", b""))
+
+    def cast(self, credentials: Credentials, body: dict[str, Any]) -> None:
+        """A call whose answer nobody waits for."""
+        self.send(credentials.sign("call", pack(body)))
+
+    def call(self, credentials: Credentials, body: dict[str, Any]) -> dict[str, Any]:
+        reply = self.request(credentials.sign("call", pack(body))).get("body")
+        if not isinstance(reply, dict):
+            raise RemoteProtocolError(f"{self._endpoint}: a call reply must be a map")
+        return reply
+
+    def close(self) -> None:
+        self._socket.close()
