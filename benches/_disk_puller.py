@@ -1,7 +1,8 @@
 """A client that pulls blocks only the server's disk holds, for ``bench_fairness``.
 
-``python _disk_puller.py ADDRESS BLOCK_BYTES FIRST COUNT PER_REQUEST``: keys ``FIRST`` ..
-``FIRST + COUNT`` (stored by the benchmark). Commands on stdin: ``start`` begins pulling
+``python _disk_puller.py ADDRESS BLOCK_BYTES FIRST COUNT PER_REQUEST PAUSE_S``: keys
+``FIRST`` .. ``FIRST + COUNT`` (stored by the benchmark), a pause of ``PAUSE_S`` after each
+request (so that the puller need not take every core). Commands on stdin: ``start`` begins pulling
 requests of ``PER_REQUEST`` keys in a loop on a thread; ``stop`` ends it and answers the
 number of requests pulled.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 
 import numpy as np
 
@@ -17,7 +19,7 @@ from kvbridge.store import StoreClient
 
 
 def main() -> None:
-    address, block_bytes, first, count, per = sys.argv[1:6]
+    address, block_bytes, first, count, per, pause = sys.argv[1:7]
     bb, n, k = int(block_bytes), int(count), int(per)
     keys = [(int(first) + i).to_bytes(32, "little") for i in range(n)]
     out = np.zeros((k, bb), np.uint8)
@@ -31,6 +33,7 @@ def main() -> None:
                 picked = rng.choice(n, k, replace=False)
                 client.get([keys[i] for i in picked], out)
                 pulled[0] += 1
+                time.sleep(float(pause))
 
         print("ready", flush=True)
         thread: threading.Thread | None = None

@@ -58,7 +58,7 @@ class _Rig:
         self.puller = subprocess.Popen(
             [
                 *(sys.executable, str(HERE / "_disk_puller.py"), self.address),
-                *(str(BB), "0", str(COLD), "8"),
+                *(str(BB), "0", str(COLD), "8", os.environ.get("KVB_PULL_PAUSE", "0.005")),
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
