@@ -126,17 +126,26 @@ def test_tcp_throughput(
             conn.close()
 
 
-def test_latency_64k_write(
-    target: tuple[bytes, int], engine: tuple[TransferEngine, Any, int, np.ndarray]
+@pytest.mark.parametrize("block", [8 << 10, 64 << 10], ids=["8KiB", "64KiB"])
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_latency_one_op(
+    target: tuple[bytes, int],
+    engine: tuple[TransferEngine, Any, int, np.ndarray],
+    op: str,
+    block: int,
 ) -> None:
+    """One op in flight at a time, against a raw ping-pong carrying the block one way."""
     _, (peer, region), remote, local = engine
-    block, rounds = 64 << 10, 2000
+    rounds = 2000
     ops = np.zeros(1, OP_DTYPE)
     ops["local_region"], ops["remote_region"], ops["length"] = region.id, remote, block
+    move = peer.write if op == "write" else peer.read
+    for _ in range(50):
+        move(ops).wait(10)
     ours = []
     for _ in range(rounds):
         start = time.perf_counter()
-        peer.write(ops).wait(10)
+        move(ops).wait(10)
         ours.append(time.perf_counter() - start)
     conn = socket.create_connection(("127.0.0.1", target[1]))
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -154,7 +163,8 @@ def test_latency_64k_write(
         return sorted(xs)[int(p * (len(xs) - 1))] * 1e6
 
     line = (
-        f"64 KiB write latency p50 {pct(ours, 0.5):.0f} us p99 {pct(ours, 0.99):.0f} us  vs raw "
+        f"{block >> 10} KiB {op} latency p50 {pct(ours, 0.5):.0f} us p99 {pct(ours, 0.99):.0f} us"
+        f"  vs raw "
         f"ping-pong p50 {pct(raw, 0.5):.0f} us p99 {pct(raw, 0.99):.0f} us  "
         f"ratio(p50) {statistics.median(raw) / statistics.median(ours):.2f}"
     )

@@ -17,8 +17,9 @@ import numpy as np
 import zmq
 
 from kvbridge.store import StoreClient
+from kvbridge.transfer._events import Event
 from kvbridge.transfer._pipes import SocketPipe
-from kvbridge.transfer._protocol import DESCRIPTOR, Connection, Event, Role
+from kvbridge.transfer._protocol import DESCRIPTOR, Connection, Role
 from kvbridge.transfer._streams import next_event
 
 _IDS = itertools.count(1 << 40)

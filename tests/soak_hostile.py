@@ -32,7 +32,8 @@ from kvbridge.store import (
     TooManyRequests,
 )
 from kvbridge.transfer._control import CONTROL_VERSION
-from kvbridge.transfer._protocol import Ack, Connection, Role
+from kvbridge.transfer._events import Ack
+from kvbridge.transfer._protocol import Connection, Role
 from kvbridge.transfer._sessions import HELLO_BYTES
 
 # -- the hostile neighbour (threads of the test process) ---------------------------------

@@ -8,21 +8,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbridge.transfer import LocalProtocolError, RemoteProtocolError
+from kvbridge.transfer._events import Ack, Data, Error, Hello, Notify, Read, Write
 from kvbridge.transfer._protocol import (
     DESCRIPTOR,
     HEADER,
     MAX_OPS_PER_FRAME,
     VERSION,
-    Ack,
     Connection,
-    Data,
-    Error,
     ErrorCode,
-    Hello,
-    Notify,
-    Read,
     Role,
-    Write,
 )
 
 TOKEN = bytes(range(64))  # a HELLO body: session id, nonce, MAC

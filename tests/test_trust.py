@@ -22,7 +22,8 @@ from serve import BLOCK, SLOTS, ServeProcess, client_of, small_server
 
 from kvbridge.store import LeaseExpired, StoreClient
 from kvbridge.transfer import RegionInfo, TransferEngine, TransferError
-from kvbridge.transfer._protocol import Ack, Data, Error, ErrorCode
+from kvbridge.transfer._events import Ack, Data, Error
+from kvbridge.transfer._protocol import ErrorCode
 
 BB = BLOCK
 

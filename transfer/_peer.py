@@ -8,7 +8,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import zmq
 
 from ._control_client import ControlClient
@@ -20,6 +19,7 @@ from ._protocol import MAX_CONTROL_BYTES
 from ._regions import Region, RegionInfo, RegionTable
 from ._sessions import Credentials
 from ._settings import TransferSettings
+from ._small import plan_small, small_rows
 from ._streams import InitiatorStream, Pending
 from ._watchdog import Watchdog
 
@@ -54,13 +54,13 @@ class _Batch:
     def __init__(
         self,
         peer: Peer,
-        ops: np.ndarray,
+        ops: Any,
         handle: TransferHandle,
         notify: bytes | None,
         frames: int,
     ) -> None:
         self.peer = peer
-        self.ops = ops
+        self.ops = ops  # as the caller gave them: normalised only to describe a failed op
         self.handle = handle
         self.notify = notify
         self._writes_left = frames
@@ -79,7 +79,7 @@ class _Batch:
     def fail(self, error: TransferError) -> None:
         index = error.op_index
         if index is not None and 0 <= index < len(self.ops):
-            op = self.ops[index]
+            op = normalize(self.ops)[index]
             error = type(error)(
                 f"op {index} (local region {op['local_region']} +{op['local_offset']}, "
                 f"remote region {op['remote_region']} +{op['remote_offset']}, "
@@ -263,22 +263,7 @@ class Peer:
     def _submit(self, ops: Any, access: str, notify: bytes | None) -> TransferHandle:
         engine = self._engine
         engine.check_open()
-        batch_ops = normalize(ops)
-        local = check(
-            batch_ops,
-            engine.regions,
-            self.regions,
-            access,
-            device_ok=self._transport.device_memory,
-        )
-        frames = plan(
-            batch_ops,
-            engine.regions,
-            self.regions,
-            slice_bytes=engine.settings.slice_bytes,
-            frame_bytes=max(engine.settings.frame_bytes, self._transport.frame_bytes),
-            streams=engine.settings.streams,
-        )
+        local, frames = self._plan(ops, access)
         with self._lock:
             if self._error is not None:
                 raise PeerClosed(f"peer {self.name} is closed: {self._error}")
@@ -292,7 +277,7 @@ class Peer:
             len(frames) + (1 if notify is not None else 0),
             on_settle=lambda settled: engine.settled(settled, access, local),
         )
-        batch = _Batch(self, batch_ops, handle, notify, len(frames))
+        batch = _Batch(self, ops, handle, notify, len(frames))
         if handle.done:
             return handle
         if not frames:  # a notification alone
@@ -304,6 +289,34 @@ class Peer:
         for i, frame in enumerate(frames):
             self._send_frame(streams[(first + i) % len(streams)], frame, access, batch)
         return handle
+
+    def _plan(self, ops: Any, access: str) -> tuple[list[Region], list[FramePlan]]:
+        """Check the batch and plan its frames (a small one on the scalar fast path)."""
+        engine = self._engine
+        device_ok = self._transport.device_memory
+        rows = small_rows(ops)
+        if rows is not None:
+            small = plan_small(
+                rows,
+                engine.regions,
+                self.regions,
+                access,
+                device_ok=device_ok,
+                slice_bytes=engine.settings.slice_bytes,
+            )
+            if small is not None:
+                return small
+        batch_ops = normalize(ops)
+        local = check(batch_ops, engine.regions, self.regions, access, device_ok=device_ok)
+        frames = plan(
+            batch_ops,
+            engine.regions,
+            self.regions,
+            slice_bytes=engine.settings.slice_bytes,
+            frame_bytes=max(engine.settings.frame_bytes, self._transport.frame_bytes),
+            streams=engine.settings.streams,
+        )
+        return local, frames
 
     def _send_frame(
         self, stream: InitiatorStream, frame: FramePlan, access: str, batch: _Batch

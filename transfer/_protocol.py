@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ._errors import LocalProtocolError, RemoteProtocolError
+from ._events import Ack, Data, Error, Event, Hello, Notify, Read, Write
 
 MAGIC = b"KV"
 VERSION = 2
@@ -48,6 +49,9 @@ NO_OP = 0xFFFFFFFF
 DESCRIPTOR = np.dtype(
     [("region", "<u4"), ("flags", "<u4"), ("key", "<u8"), ("offset", "<u8"), ("length", "<u8")]
 )
+
+_SMALL = 8
+"""Frames of up to this many ops are checked with plain integers (see ``_small``)."""
 
 MAX_OPS_PER_FRAME = 1024
 """Linux's IOV_MAX: one sendmsg/recvmsg_into call can then carry every payload of a frame."""
@@ -107,53 +111,6 @@ class _State(enum.Enum):
     CONTROL = "control"
     PAYLOAD = "payload"
     FAILED = "failed"
-
-
-@dataclass(frozen=True)
-class Hello:
-    token: bytes
-    stream: int
-
-
-@dataclass(frozen=True)
-class Write:
-    request_id: int
-    ops: np.ndarray
-    payload_bytes: int
-
-
-@dataclass(frozen=True)
-class Read:
-    request_id: int
-    ops: np.ndarray
-
-
-@dataclass(frozen=True)
-class Notify:
-    request_id: int
-    message: bytes
-
-
-@dataclass(frozen=True)
-class Ack:
-    request_id: int
-
-
-@dataclass(frozen=True)
-class Data:
-    request_id: int
-    payload_bytes: int
-
-
-@dataclass(frozen=True)
-class Error:
-    request_id: int
-    op_index: int | None
-    code: int
-    message: str
-
-
-Event = Hello | Write | Read | Notify | Ack | Data | Error
 
 
 @dataclass
@@ -275,10 +232,7 @@ class Connection:
         assert self._header is not None
         frame, count, request_id, body = self._header
         ops = np.frombuffer(data, dtype=DESCRIPTOR, count=count)
-        lengths = ops["length"]
-        if (lengths == 0).any() or (lengths > MAX_PAYLOAD_BYTES).any():
-            raise RemoteProtocolError(f"{frame.name} with an empty or oversized op")
-        payload = int(ops["length"].sum(dtype=np.uint64))
+        payload = _payload(ops, RemoteProtocolError(f"{frame.name} with an empty or oversized op"))
         if frame is Frame.READ:
             if payload > MAX_PAYLOAD_BYTES:
                 raise RemoteProtocolError(f"READ of {payload} bytes exceeds the limit")
@@ -391,9 +345,20 @@ class Connection:
             raise LocalProtocolError("ops must be a 1-D array of DESCRIPTOR")
         if not 0 < len(ops) <= MAX_OPS_PER_FRAME:
             raise LocalProtocolError(f"a frame carries 1 to {MAX_OPS_PER_FRAME} ops")
-        if (ops["length"] == 0).any() or (ops["length"] > MAX_PAYLOAD_BYTES).any():
-            raise LocalProtocolError("an op of length 0 or over the frame limit")
-        payload = int(ops["length"].sum(dtype=np.uint64))
+        payload = _payload(ops, LocalProtocolError("an op of length 0 or over the frame limit"))
         if payload > MAX_PAYLOAD_BYTES:
             raise LocalProtocolError(f"a frame carries at most {MAX_PAYLOAD_BYTES} bytes")
         return payload
+
+
+def _payload(ops: np.ndarray, error: Exception) -> int:
+    """The payload bytes of a frame's ops; ``error`` if an op is empty or over the limit.
+    A few ops are checked as plain integers (numpy calls cost more than the loop)."""
+    if len(ops) <= _SMALL:
+        lengths = ops["length"].tolist()
+        if not all(0 < n <= MAX_PAYLOAD_BYTES for n in lengths):
+            raise error
+        return sum(lengths)
+    if (ops["length"] == 0).any() or (ops["length"] > MAX_PAYLOAD_BYTES).any():
+        raise error
+    return int(ops["length"].sum(dtype=np.uint64))

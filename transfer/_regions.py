@@ -49,6 +49,10 @@ class Use:
     holds: list[Callable[[], None]] = field(default_factory=list)
 
 
+_SMALL = 8
+"""Frames of up to this many ops are checked with plain integers (numpy calls cost more)."""
+
+
 def distinct(values: np.ndarray) -> list[int]:
     """The distinct values of a small integer array, sorted.
 
@@ -208,6 +212,7 @@ class RegionTable:
         which may take its owner's locks) run outside it and the serving threads do not
         queue behind each other's checks."""
         regions: dict[int, Region] = {}
+        rows = ops.tolist() if len(ops) <= _SMALL else None  # plain integers: see _check
         with self._lock:
             for region_id in distinct(ops["region"]):
                 region = self._regions.get(region_id)
@@ -220,7 +225,10 @@ class RegionTable:
         use = Use(list(regions.values()))
         try:
             for region_id, region in regions.items():
-                _check(ops, region_id, region, access, device_ok)
+                if rows is not None:
+                    _check_rows(rows, region_id, region, access, device_ok)
+                else:
+                    _check(ops, region_id, region, access, device_ok)
             for region_id, region in regions.items():
                 if region.guard is not None:
                     use.holds.append(_admit(ops, region_id, region, access, caller))
@@ -264,6 +272,31 @@ def _check(ops: np.ndarray, region_id: int, region: Region, access: str, device_
     if bad.any():
         index = int(np.argmax(bad))
         raise AccessDenied(f"op {index}: {reason}", op_index=index)
+
+
+def _check_rows(
+    rows: list[tuple[int, int, int, int, int]],
+    region_id: int,
+    region: Region,
+    access: str,
+    device_ok: bool,
+) -> None:
+    """:func:`_check` for a few ops, as plain integers (``(region, flags, key, offset,
+    length)`` rows): the same checks in the same order, the same first bad op."""
+    mine = [i for i, row in enumerate(rows) if row[0] == region_id]
+    bad = [i for i in mine if rows[i][2] != region.key]
+    reason = "wrong access key"
+    if not bad and access not in _PERMITS[region.access]:
+        bad, reason = mine, f"region {region_id} does not allow '{access}'"
+    if not bad and access == "w" and region.readonly:
+        bad, reason = mine, f"region {region_id} is read-only memory"
+    if not bad and region.device and not device_ok:
+        bad, reason = mine, f"region {region_id} is GPU memory: it moves over ucx only"
+    if not bad:
+        bad = [i for i in mine if rows[i][3] + rows[i][4] > region.length]
+        reason = f"bytes outside region {region_id} ({region.length} bytes)"
+    if bad:
+        raise AccessDenied(f"op {bad[0]}: {reason}", op_index=bad[0])
 
 
 def _admit(

@@ -29,21 +29,10 @@ from ._errors import (
     RemoteProtocolError,
     TransferError,
 )
+from ._events import Ack, Data, Error, Event, Hello, Notify, Read, Write
 from ._frame_clock import FrameClock
 from ._pipes import Pipe
-from ._protocol import (
-    Ack,
-    Connection,
-    Data,
-    Error,
-    ErrorCode,
-    Event,
-    Hello,
-    Notify,
-    Read,
-    Role,
-    Write,
-)
+from ._protocol import Connection, ErrorCode, Role
 from ._regions import RegionTable, Use
 from ._sessions import Caller, SessionTable
 
