@@ -147,6 +147,31 @@ def copy_blocks(
         start = end
 
 
+def fill_slots(
+    slab: np.ndarray,
+    block_bytes: int,
+    slots: Sequence[int],
+    srcs: Sequence[BlockArray],
+    src_at: Positions,
+) -> None:
+    """Copy ``srcs[i]`` into slot ``slots[i]`` of a host slab (flat bytes), one copy per
+    run of blocks adjacent on both sides (``src_at``: their places in the one buffer they
+    came from), without making a view per slot."""
+    count = len(slots)
+    if src_at is None or count < 2 or not isinstance(srcs[0], np.ndarray):
+        runs = np.arange(count + 1)
+    else:
+        at = np.fromiter((-1 if a is None else a for a in src_at), np.int64, count)
+        where = np.asarray(slots, dtype=np.int64)
+        joined = (np.diff(where) == 1) & (np.diff(at) == 1) & (at[1:] >= 0) & (at[:-1] >= 0)
+        runs = np.concatenate(([0], np.flatnonzero(~joined) + 1, [count]))
+    for start, end in zip(runs[:-1].tolist(), runs[1:].tolist(), strict=True):
+        first = slots[start] * block_bytes
+        length = (end - start) * block_bytes
+        source = _extend(srcs[start], length) if end - start > 1 else srcs[start]
+        copy_into(slab[first : first + length], source)
+
+
 def _extend(first: np.ndarray, length: int) -> np.ndarray:
     """A view of ``length`` bytes from ``first``'s start. The caller checked that the bytes
     are adjacent blocks of the buffer that ``first`` views."""

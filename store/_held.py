@@ -11,7 +11,7 @@ that arrives in a tier while pinned (a copy up, a write-through) is held on arri
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterator
+from collections.abc import Container, Iterator, Sequence
 
 from ._keys import BlockKey
 from ._policy import EvictionPolicy
@@ -30,6 +30,19 @@ class HeldOrder:
         self.policy.insert(key)
         if key in self._pinned:
             self.hold(key)
+
+    def insert_many(self, keys: Sequence[BlockKey]) -> None:
+        """:meth:`insert` of each key, in one call where the policy has ``insert_many``."""
+        bulk = getattr(self.policy, "insert_many", None)
+        if bulk is None:
+            for key in keys:
+                self.policy.insert(key)
+        else:
+            bulk(keys)
+        pinned = self._pinned
+        if len(pinned):  # type: ignore[arg-type]  # a PinTable, or any sized container
+            for key in [key for key in keys if key in pinned]:
+                self.hold(key)
 
     def touch(self, key: BlockKey) -> None:
         self.policy.touch(key)

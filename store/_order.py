@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from ._keys import BlockKey
 
@@ -42,6 +42,10 @@ class StampOrder:
     def add(self, key: BlockKey, stamp: int) -> None:
         """:meth:`stamp` for a key known to be absent (a policy's ``insert``)."""
         self._live[key] = stamp
+
+    def add_many(self, stamped: Iterable[Stamped]) -> None:
+        """:meth:`add` for keys known to be absent, stamps ascending."""
+        self._live.update(stamped)
 
     def stamp(self, key: BlockKey, stamp: int) -> None:
         """Give ``key`` (new or present) a stamp newer than any before: it goes to the

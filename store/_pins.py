@@ -108,6 +108,10 @@ class PinTable:
         """Whether ``key`` has a pin, as of the last :meth:`expire`."""
         return key in self._by_key
 
+    def __len__(self) -> int:
+        """Keys with a pin, as of the last :meth:`expire`."""
+        return len(self._by_key)
+
     def is_pinned(self, key: BlockKey) -> bool:
         self.expire()
         return key in self._by_key

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ._buffers import BlockArray
+from ._buffers import BlockArray, Positions, copy_blocks, fill_slots
 from ._errors import (
     StoreClosed,
     StoreError,
@@ -28,6 +28,7 @@ from ._errors import (
 from ._held import HeldOrder
 from ._keys import BlockKey
 from ._pins import Lease, PinTable
+from ._slab import HostSlab
 from ._slots import SlotTier
 from ._staging import StagingTable
 from ._stats import StoreStats
@@ -94,6 +95,49 @@ class Placement:
             for tier in self._tiers:
                 scopes.enter_context(tier.batch())
             yield
+
+    def _place_all(
+        self, fresh: dict[BlockKey, int], sources: Sequence[BlockArray], source_at: Positions
+    ) -> bool:
+        """Put every new block of a batch in the top tier at once, when it is host memory
+        with a free slot for each: one index update, one copy per run of adjacent slots
+        (a block at a time cost ~6 us of Python each). False, doing nothing, otherwise."""
+        top = self._tiers[0]
+        if (
+            not isinstance(top, SlotTier)
+            or not isinstance(top.memory, HostSlab)
+            or top.free_count() < len(fresh)
+        ):
+            return False
+        index = list(fresh.values())
+        slots = top.adopt_many(list(fresh))
+        at = None if source_at is None else [source_at[i] for i in index]
+        fill_slots(top.memory.array, top.block_bytes, slots, [sources[i] for i in index], at)
+        if self.write_through:
+            for key, i in fresh.items():
+                self._write_through(key, sources[i], fresh.keys())
+        return True
+
+    def _place_each(
+        self, fresh: dict[BlockKey, int], sources: Sequence[BlockArray], source_at: Positions
+    ) -> None:
+        """Put each new block in the highest tier with room, one by one."""
+        protect = fresh.keys()
+        slots: list[BlockArray] = []  # memory slots to fill, and what goes in them
+        slot_at: list[int | None] = []
+        filling: list[BlockArray] = []
+        filling_at: list[int | None] = []
+        for key, i in fresh.items():
+            placed, slot = self._place(key, sources[i], protect)
+            if slot is not None:
+                slots.append(slot)
+                slot_at.append(self._tiers[placed].position(key))
+                filling.append(sources[i])
+                filling_at.append(None if source_at is None else source_at[i])
+            if self.write_through and placed != self._persistent:
+                self._write_through(key, sources[i], protect)
+        # New blocks are protected from eviction, so nothing read their slots yet.
+        copy_blocks(slots, filling, slot_at, filling_at)
 
     def _place(
         self, key: BlockKey, src: BlockArray, protect: Container[BlockKey]
@@ -189,14 +233,17 @@ class Placement:
         """The keys not stored yet, each with its first index; present keys count as used
         and repeats as duplicates."""
         fresh: dict[BlockKey, int] = {}
-        for i, key in enumerate(keys):
-            if key in fresh:
+        top, lower = self._tiers[0], len(self._tiers) > 1
+        top_index = top.index
+        for i, key in enumerate(keys):  # per key: the top tier and the batch asked inline
+            if key in top_index:
+                top.touch(key)
+            elif key in fresh:
                 continue
-            where = self._locate(key)
-            if where is None:
-                fresh[key] = i
+            elif lower and (t := self._locate(key)) is not None:
+                self._tiers[t].touch(key)
             else:
-                self._tiers[where].touch(key)
+                fresh[key] = i
         self._stats.duplicates += len(keys) - len(fresh)
         return fresh
 

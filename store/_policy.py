@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 from ._keys import BlockKey
@@ -60,6 +60,10 @@ class LRU:
 
     def insert(self, key: BlockKey) -> None:
         self._queue.add(key, next(self._stamps))
+
+    def insert_many(self, keys: Sequence[BlockKey]) -> None:
+        """:meth:`insert` of each key in order (a batch of new blocks)."""
+        self._queue.add_many(zip(keys, self._stamps, strict=False))  # stamps never end
 
     def touch(self, key: BlockKey) -> None:
         self._queue.restamp(key, next(self._stamps))

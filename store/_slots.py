@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from collections.abc import Container, Iterator
+from collections.abc import Container, Iterator, Sequence
 
 from ._buffers import BlockArray, copy_into
 from ._keys import BlockKey
@@ -74,6 +74,24 @@ class SlotTier:
         """Index ``key`` in ``slot`` (taken with :meth:`take_slot`, already filled)."""
         self._slot_of[key] = slot
         self.policy.insert(key)
+
+    def free_count(self) -> int:
+        """Slots neither indexed nor taken."""
+        return len(self._free)
+
+    def adopt_many(self, keys: Sequence[BlockKey]) -> list[int]:
+        """Take a free slot for each key and index it there (the caller fills the slots
+        before anything reads them); ``free_count()`` must cover them."""
+        free = self._free
+        slots = [free.popleft() for _ in keys]
+        self._slot_of.update(zip(keys, slots, strict=True))
+        insert_many = getattr(self.policy, "insert_many", None)
+        if insert_many is not None:
+            insert_many(keys)
+        else:
+            for key in keys:
+                self.policy.insert(key)
+        return slots
 
     def delete(self, key: BlockKey) -> None:
         self._free.append(self.disown(key))

@@ -237,31 +237,19 @@ class TieredStore(RemoteAccess, Closing):
                     f"({len(self._pins.pinned())} pinned block(s) cannot be evicted)"
                 )
             protect = fresh.keys()
-            slots: list[BlockArray] = []  # memory slots to fill, and what goes in them
-            slot_at: list[int | None] = []
-            filling: list[BlockArray] = []
-            filling_at: list[int | None] = []
             try:
                 with self._batch():
                     # One walk frees the top tier for the whole batch when it can (else each
                     # block finds its tier below); per-block walks past pinned blocks were
                     # O(pinned x batch).
                     self._make_room_for(0, len(fresh), protect)
-                    for key, i in fresh.items():
-                        placed, slot = self._place(key, sources[i], protect)
-                        if slot is not None:
-                            slots.append(slot)
-                            slot_at.append(self._tiers[placed].position(key))
-                            filling.append(sources[i])
-                            filling_at.append(None if source_at is None else source_at[i])
-                        if self.write_through and placed != self._persistent:
-                            self._write_through(key, sources[i], protect)
-                        stored[i] = True
-                    # New blocks are protected from eviction, so nothing read their slots yet.
-                    copy_blocks(slots, filling, slot_at, filling_at)
+                    if not self._place_all(fresh, sources, source_at):
+                        self._place_each(fresh, sources, source_at)
             except BaseException:
                 self._withdraw(fresh)  # blocks moved to make room stay where they went
                 raise
+            for i in fresh.values():
+                stored[i] = True
             self._stats.puts += len(fresh)
             self._stats.bytes_in += len(fresh) * self.block_bytes
             return stored
