@@ -165,7 +165,7 @@ def test_latency_one_op(
     for _ in range(rounds):
         start = time.perf_counter()
         conn.sendall(source)
-        conn.recv(1)
+        assert conn.recv(1) == b"k"
         raw.append(time.perf_counter() - start)
     conn.close()
 

@@ -134,6 +134,9 @@ class SocketPipe:
     def send(self, buffers: Sequence[bytes | memoryview]) -> None:
         """Small buffers go out together with ``sendmsg`` (gather), each big one with its own
         ``sendall``: one huge sendmsg of a 16 MiB frame measured 5% slower on loopback."""
+        if len(buffers) == 1 and type(buffers[0]) is bytes:  # a header alone (an ACK)
+            self.sock.sendall(buffers[0])
+            return
         pending = byte_views(buffers)
         first = 0
         sock = self.sock

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import secrets
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -213,8 +213,9 @@ class RegionTable:
         queue behind each other's checks."""
         regions: dict[int, Region] = {}
         rows = ops.tolist() if len(ops) <= _SMALL else None  # plain integers: see _check
+        ids = sorted({row[0] for row in rows}) if rows is not None else distinct(ops["region"])
         with self._lock:
-            for region_id in distinct(ops["region"]):
+            for region_id in ids:
                 region = self._regions.get(region_id)
                 if region is None:
                     index = int(np.argmax(ops["region"] == region_id))
@@ -232,15 +233,17 @@ class RegionTable:
             for region_id, region in regions.items():
                 if region.guard is not None:
                     use.holds.append(_admit(ops, region_id, region, access, caller))
-            views = [
-                regions[r].view[o : o + n]
-                for r, o, n in zip(
+            spans: Iterable[tuple[int, int, int]] = (
+                ((r, o, n) for r, _, _, o, n in rows)
+                if rows is not None
+                else zip(
                     ops["region"].tolist(),
                     ops["offset"].tolist(),
                     ops["length"].tolist(),
                     strict=True,
                 )
-            ]
+            )
+            views = [regions[r].view[o : o + n] for r, o, n in spans]
         except BaseException:
             self.finish(use)
             raise
