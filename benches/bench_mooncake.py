@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _transfer_target import TOTAL, read_ready, shuffled_offsets
+from conftest import _EXTRA_LINES
 
 from kvbridge.transfer import OP_DTYPE, TransferEngine
 
@@ -114,3 +116,47 @@ def test_mooncake_tcp_write(
             warmup=1,
         )
     engine.unregister_memory(local.ctypes.data)
+
+
+@pytest.mark.parametrize("block", [8 << 10, 64 << 10], ids=["8KiB", "64KiB"])
+def test_one_op_latency_against_mooncake(
+    mooncake_target: tuple[str, int], kvbridge_target: bytes, block: int
+) -> None:
+    """One write in flight at a time: Mooncake's ``transfer_sync_write`` against kvbridge's
+    ``write(...).wait()`` of the same block, 1,000 each, alternated in rounds of 100."""
+    session, remote_base = mooncake_target
+    local = np.random.default_rng(0).integers(0, 256, TOTAL, dtype=np.uint8)
+    engine = mooncake.TransferEngine()
+    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    assert engine.register_memory(local.ctypes.data, TOTAL) == 0
+    theirs: list[float] = []
+    ours: list[float] = []
+    with TransferEngine("bench", streams=2) as kvb:
+        region = kvb.register(local)
+        peer = kvb.connect(kvbridge_target)
+        ops = np.zeros(1, OP_DTYPE)
+        ops["local_region"], ops["remote_region"] = region.id, next(iter(peer.regions))
+        ops["length"] = block
+        for _ in range(50):  # warm-up, both
+            assert engine.transfer_sync_write(session, local.ctypes.data, remote_base, block) == 0
+            peer.write(ops).wait(10)
+        for _ in range(10):
+            for _ in range(100):
+                start = time.perf_counter()
+                status = engine.transfer_sync_write(session, local.ctypes.data, remote_base, block)
+                theirs.append(time.perf_counter() - start)
+                assert status == 0
+            for _ in range(100):
+                start = time.perf_counter()
+                peer.write(ops).wait(10)
+                ours.append(time.perf_counter() - start)
+    engine.unregister_memory(local.ctypes.data)
+    a, b = np.array(ours) * 1e6, np.array(theirs) * 1e6
+    line = (
+        f"one {block >> 10} KiB write: kvbridge p50 {np.percentile(a, 50):.0f} us p99 "
+        f"{np.percentile(a, 99):.0f} us, Mooncake transfer_sync_write p50 "
+        f"{np.percentile(b, 50):.0f} us p99 {np.percentile(b, 99):.0f} us "
+        f"(ratio of p50s {np.percentile(b, 50) / np.percentile(a, 50):.2f})"
+    )
+    _EXTRA_LINES.append(line)
+    print(line)
