@@ -29,7 +29,7 @@ import numpy as np
 from kvbridge.store import parse_size
 from kvbridge.transfer import OP_DTYPE, Peer, TransferEngine, ucx_available
 
-from ._bench_wire import RAW_HEADER, TOTAL, read_ready, shuffled_offsets
+from ._bench_wire import RAW_HEADER, TOTAL, read_ready, shuffled_offsets, stop_target, target_argv
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def bench(
     progress: bool = True,
 ) -> list[BenchRow]:
     target = subprocess.Popen(
-        [sys.executable, "-m", "kvbridge.tools._bench_target", "2", ",".join(transports)],
+        target_argv("2", ",".join(transports)),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -130,9 +130,7 @@ def bench(
                 finally:
                     raw.close()
     finally:
-        assert target.stdin is not None
-        target.stdin.close()
-        target.wait(60)
+        stop_target(target)
     return rows
 
 

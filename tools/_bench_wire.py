@@ -4,6 +4,8 @@ raw-socket baseline's header."""
 from __future__ import annotations
 
 import struct
+import subprocess
+import sys
 from typing import IO
 
 import numpy as np
@@ -35,3 +37,19 @@ def read_ready(stdout: IO[str]) -> tuple[str, int]:
             _, metadata_hex, port = line.split()
             return metadata_hex, int(port)
     raise RuntimeError("the bench target exited before it was ready")
+
+
+def target_argv(*args: str) -> list[str]:
+    """The command line of a target process (``kvbridge.tools._bench_target ARGS``)."""
+    return [sys.executable, "-m", "kvbridge.tools._bench_target", *args]
+
+
+def stop_target(target: subprocess.Popen[str]) -> None:
+    """Close the target's stdin (its signal to stop) and wait for it; kill it if stuck."""
+    if target.stdin is not None:
+        target.stdin.close()
+    try:
+        target.wait(30)
+    except subprocess.TimeoutExpired:
+        target.kill()
+        target.wait()

@@ -4,7 +4,6 @@ many streams as the transfer engine opens to a peer, ``sendall`` of 1 MiB blocks
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 
 import numpy as np
@@ -12,7 +11,7 @@ import numpy as np
 from kvbridge.transfer import TransferSettings
 
 from ._bench import RawLink
-from ._bench_wire import TOTAL, read_ready
+from ._bench_wire import TOTAL, read_ready, stop_target, target_argv
 
 _BLOCK = 1 << 20
 _BATCH = 64
@@ -27,7 +26,7 @@ def link_speed(streams: int | None = None, seconds: float = 1.0) -> float:
     """
     streams = TransferSettings().streams if streams is None else streams
     sink = subprocess.Popen(
-        [sys.executable, "-m", "kvbridge.tools._bench_target", str(streams), "tcp"],
+        target_argv(str(streams), "tcp"),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
@@ -44,7 +43,7 @@ def link_speed(streams: int | None = None, seconds: float = 1.0) -> float:
         finally:
             link.close()
     finally:
-        _stop(sink)
+        stop_target(sink)
 
 
 def _rate(link: RawLink, seconds: float) -> float:
@@ -56,13 +55,3 @@ def _rate(link: RawLink, seconds: float) -> float:
         elapsed = time.perf_counter() - start
         if elapsed >= seconds and seed > 3:
             return moved / elapsed
-
-
-def _stop(sink: subprocess.Popen[str]) -> None:
-    if sink.stdin is not None:
-        sink.stdin.close()
-    try:
-        sink.wait(10)
-    except subprocess.TimeoutExpired:
-        sink.kill()
-        sink.wait()

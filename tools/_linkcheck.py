@@ -19,7 +19,7 @@ import subprocess
 import sys
 from typing import Any
 
-from ._bench_wire import read_ready
+from ._bench_wire import read_ready, stop_target, target_argv
 from ._models import PRESETS
 from ._netns import NetnsUnavailable, ShapedLink, available, remove_stale
 
@@ -90,9 +90,9 @@ def _measure(
     link: ShapedLink | None,
 ) -> dict[str, Any]:
     host = link.addresses[1] if link else "127.0.0.1"
-    target_argv = [sys.executable, "-m", "kvbridge.tools._bench_target", "2", "tcp", host]
+    argv = target_argv("2", "tcp", host)
     target = subprocess.Popen(
-        link.command(1, target_argv) if link else target_argv,
+        link.command(1, argv) if link else argv,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -117,13 +117,7 @@ def _measure(
         line = next(x for x in done.stdout.splitlines() if x.startswith("{"))
         measured = json.loads(line)
     finally:
-        assert target.stdin is not None
-        target.stdin.close()
-        try:
-            target.wait(30)
-        except subprocess.TimeoutExpired:
-            target.kill()
-            target.wait()
+        stop_target(target)
     rate_bytes = rate_gbps * 1e9 / 8 if rate_gbps else None
     request_s = statistics.median(measured["request_s"])
     return {
