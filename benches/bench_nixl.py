@@ -5,7 +5,9 @@ path never imports). Two pairings, each against its own target processes on loop
 
 - ``tcp``: kvbridge's TCP transport (2 streams) against NIXL with ``UCX_TLS=tcp``;
 - ``sm``: kvbridge's UCX transport against NIXL, both with ``UCX_TLS=sm,self`` (shared
-  memory: UCX moves the bytes with ``process_vm_writev``/``readv``, one copy).
+  memory, ``cma`` included: NIXL's RMA on ordinary host memory needs it, with
+  ``posix,sysv,self`` alone it moved 0.14 GB/s; kvbridge's own default leaves ``cma`` out,
+  ``sm,self`` measured no slower for it here).
 
 Throughput: 256 MiB per round as 4 KiB, 64 KiB, 1 MiB and 16 MiB ops over a 256 MiB
 buffer in shuffled order (no two ops of a batch adjacent, so neither side merges them),
@@ -14,9 +16,9 @@ submitted before the first is waited for. kvbridge: ``peer.write(ops)``/``peer.r
 per batch. NIXL: its fast path as vLLM drives it, the descriptor lists of every block slot
 prepared once (``prep_xfer_dlist``, untimed), then per batch ``make_prepped_xfer`` (by
 index), ``transfer``, ``check_xfer_state`` until done, ``release``. Baseline: NIXL, so a
-ratio above 1 means kvbridge is faster. Also the latency of one 8 KiB op in flight, 1,000
-in a row, interleaved, p50 and p99 (NIXL both with a new request per op and with one
-request re-posted).
+ratio above 1 means kvbridge is faster. Also the latency of one 8 KiB op in flight, p50
+and p99 of 1,000 ops each, kvbridge and NIXL interleaved in chunks of 100 (NIXL both with a
+new request per op and with one request re-posted).
 
 NIXL runs as its Python API sets it up by default except two things: UCX error handling is
 off (``ucx_error_handling_mode=none``; UCX's shared-memory transports have no peer failure
@@ -25,13 +27,15 @@ progress thread (``check_xfer_state`` progresses it, as NIXL does without one). 
 agent keeps NIXL's default progress thread, which busy-polls a core (the Python API sets
 its delay to 0); on a 2-core machine that core would be taken from kvbridge's rounds, so
 the NIXL target is paused (SIGSTOP) outside NIXL's own rounds and resumed (SIGCONT) at the
-start of each, inside NIXL's timing.
+end of each kvbridge round (after its last wait), so that NIXL's round finds it running.
+kvbridge's target processes block when idle (no core taken from NIXL's rounds).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import signal
 import subprocess
@@ -54,13 +58,13 @@ from kvbridge.transfer import OP_DTYPE, TransferEngine, ucx_available
 try:
     api = nixl_api()
 except ImportError:
-    pytest.skip(
-        "NIXL is not installed (pip install --no-deps nixl-cu12)", allow_module_level=True
-    )
+    pytest.skip("NIXL is not installed (pip install --no-deps nixl-cu12)", allow_module_level=True)
 
+logging.getLogger("nixl").setLevel(logging.WARNING)  # NIXL logs each agent at INFO, to stdout
 HERE = Path(__file__).parent
 UCX_TLS = {"tcp": "tcp", "sm": "sm,self"}
 KVBRIDGE_TRANSPORT = {"tcp": "tcp", "sm": "ucx"}
+LABEL = {"tcp": "tcp", "sm": "ucx/sm"}
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20]
 BATCH = 128
 BIG_BATCH = 16
@@ -140,6 +144,7 @@ class _Rig:
 
     def __init__(self, mode: str, stack: contextlib.ExitStack) -> None:
         self.mode, tls, transport = mode, UCX_TLS[mode], KVBRIDGE_TRANSPORT[mode]
+        self.label = LABEL[mode]
         kv_target = _spawn(stack, "_transfer_target.py", "2", transport, tls=tls)
         self.target = _spawn(stack, "_nixl_target.py", tls=tls)
         metadata_hex, _ = read_ready(kv_target.stdout)
@@ -160,6 +165,7 @@ class _Rig:
         self.remote_name = self.agent.add_remote_agent(bytes.fromhex(nixl_metadata))
         stack.callback(self.agent.remove_remote_agent, self.remote_name)
         self.bases = base, remote_base
+        self.running = True
         self.prepped: dict[int, tuple[Any, Any]] = {}
         stack.callback(self._release_prepped)
         stack.callback(self.resume)  # runs first: the target answers while NIXL tears down
@@ -174,18 +180,21 @@ class _Rig:
         raise RuntimeError("the NIXL target exited before it was ready")
 
     def pause(self) -> None:
-        os.kill(self.target.pid, signal.SIGSTOP)
+        if self.running and self.target.poll() is None:
+            os.kill(self.target.pid, signal.SIGSTOP)
+        self.running = False
 
     def resume(self) -> None:
-        os.kill(self.target.pid, signal.SIGCONT)
+        if not self.running and self.target.poll() is None:
+            os.kill(self.target.pid, signal.SIGCONT)
+        self.running = True
 
     def _remote_digest(self, offset: int, length: int) -> str:
         self.target.stdin.write(f"{offset} {length}\n")
         self.target.stdin.flush()
         for line in self.target.stdout:
-            line = line.strip()
-            if len(line) == 128:  # a BLAKE2b digest; UCX may print warnings to stdout
-                return line
+            if len(line.strip()) == 128:  # a BLAKE2b digest; UCX may print warnings to stdout
+                return str(line.strip())
         raise RuntimeError("the NIXL target exited")
 
     def _check_nixl(self) -> None:
@@ -214,7 +223,9 @@ class _Rig:
         if block not in self.prepped:
             slots = TOTAL // block
             sides = []
-            for agent_name, base in zip(("NIXL_INIT_AGENT", self.remote_name), self.bases):
+            for agent_name, base in zip(
+                ("NIXL_INIT_AGENT", self.remote_name), self.bases, strict=True
+            ):
                 descs = np.zeros((slots, 3), np.uint64)
                 descs[:, 0] = base + np.arange(slots, dtype=np.uint64) * block
                 descs[:, 1] = block
@@ -248,7 +259,7 @@ class _Rig:
         agent, operation = self.agent, op.upper()
 
         def run() -> None:
-            self.resume()
+            self.resume()  # a no-op after a kvbridge round, which resumed it
             handles = []
             try:
                 for local_indices, remote_indices in indices:
@@ -289,10 +300,11 @@ def test_nixl_throughput(compare: Callable[..., Any], rig: _Rig, block: int, op:
     def run_kvbridge() -> None:
         for handle in [submit(b) for b in batches]:
             handle.wait(120)
+        rig.resume()  # after the last wait: NIXL's next round finds its target running
 
     size = f"{block >> 20} MiB" if block >= 1 << 20 else f"{block >> 10} KiB"
     compare(
-        f"{rig.mode} {op} {size} x {count}, batches of {batch}",
+        f"{rig.label} {op} {size} x {count}, batches of {batch}",
         run_kvbridge,
         rig.nixl_round(op, block, batches),
         baseline_name=f"NIXL UCX, UCX_TLS={UCX_TLS[rig.mode]}",
@@ -352,13 +364,14 @@ def test_nixl_latency(rig: _Rig, op: str) -> None:
         for _ in range(LATENCY_OPS // 100):
             timed(kvbridge, ours, 100)
             rig.resume()
+            timed(nixl_again, None, 5)  # untimed: the target's first ops after SIGCONT
             timed(nixl_fresh, fresh, 100)
             timed(nixl_again, again, 100)
             rig.pause()
     finally:
         reposted.release()
     line = (
-        f"{rig.mode} {op} 8 KiB latency: kvbridge p50 {_pct(ours, 0.5):.0f} us p99 "
+        f"{rig.label} {op} 8 KiB latency: kvbridge p50 {_pct(ours, 0.5):.0f} us p99 "
         f"{_pct(ours, 0.99):.0f} us  vs NIXL (UCX_TLS={UCX_TLS[rig.mode]}) new request per op "
         f"p50 {_pct(fresh, 0.5):.0f} us p99 {_pct(fresh, 0.99):.0f} us, one request re-posted "
         f"p50 {_pct(again, 0.5):.0f} us p99 {_pct(again, 0.99):.0f} us  "
