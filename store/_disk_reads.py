@@ -108,9 +108,14 @@ class DiskReads:
         store's lock (bad, absent and unreadable blocks are left out: the locked path that
         uses these meets them again and deals with them)."""
         found: dict[BlockKey, tuple[Version, np.ndarray]] = {}
+        try:
+            # Before the gate: in a forked process this reopens the environment, which
+            # grows its map (exclusive) and must not wait for this very reader.
+            env, blocks, sums = self._handles()
+        except (lmdb.Error, StoreClosed):
+            return found
         with self._gate.shared():
             try:
-                env, blocks, sums = self._handles()
                 with env.begin(buffers=True) as txn:
                     for key in keys:
                         version, view = _verified(txn, blocks, sums, key, self._block_bytes)
