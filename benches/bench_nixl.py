@@ -28,7 +28,8 @@ agent keeps NIXL's default progress thread, which busy-polls a core (the Python 
 its delay to 0); on a 2-core machine that core would be taken from kvbridge's rounds, so
 the NIXL target is paused (SIGSTOP) outside NIXL's own rounds and resumed (SIGCONT) at the
 end of each kvbridge round (after its last wait), so that NIXL's round finds it running.
-kvbridge's target processes block when idle (no core taken from NIXL's rounds).
+kvbridge's target processes block when idle (no core taken from NIXL's rounds). NIXL's UCX
+loads no ``ib`` module (``UCX_MODULES=^ib``, see :data:`UCX_MODULES`).
 """
 
 from __future__ import annotations
@@ -71,24 +72,10 @@ BIG_BATCH = 16
 """Ops per batch for 16 MiB ops: 128 of them would be 2 GiB, the buffers are 256 MiB."""
 LATENCY_BLOCK = 8 << 10
 LATENCY_OPS = 1000
-
-
-def _agent(name: str) -> Any:
-    """A NIXL agent with the UCX backend and no progress thread (the caller progresses it)."""
-    agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=[]))
-    if "UCX" not in agent.get_plugin_list():
-        raise RuntimeError(f"no UCX plugin (plugins: {agent.get_plugin_list()})")
-    agent.create_backend("UCX", UCX_PARAMS)
-    return agent
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _nixl_ucx() -> None:
-    try:
-        agent = _agent("kvbridge-bench-probe")
-    except Exception as exc:
-        pytest.skip(f"cannot create a NIXL agent with the UCX backend: {exc!r}")
-    del agent
+UCX_MODULES = os.environ.get("UCX_MODULES", "^ib")
+"""For NIXL's UCX only: with its ``ib`` module loaded, the libnl-route bundled in the
+nixl-cu12 1.5.1 wheel crashes in its exit handler (SIGSEGV in ``rtnl_tc_unregister`` at
+process exit, even for a bare agent). Nothing here uses InfiniBand."""
 
 
 @contextlib.contextmanager
@@ -104,6 +91,25 @@ def _environ(name: str, value: str) -> Iterator[None]:
             os.environ[name] = saved
 
 
+def _agent(name: str) -> Any:
+    """A NIXL agent with the UCX backend and no progress thread (the caller progresses it)."""
+    with _environ("UCX_MODULES", UCX_MODULES):
+        agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=[]))
+        if "UCX" not in agent.get_plugin_list():
+            raise RuntimeError(f"no UCX plugin (plugins: {agent.get_plugin_list()})")
+        agent.create_backend("UCX", UCX_PARAMS)
+    return agent
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _nixl_ucx() -> None:
+    try:
+        agent = _agent("kvbridge-bench-probe")
+    except Exception as exc:
+        pytest.skip(f"cannot create a NIXL agent with the UCX backend: {exc!r}")
+    del agent
+
+
 def _stop(proc: subprocess.Popen[str]) -> None:
     if proc.poll() is None:
         os.kill(proc.pid, signal.SIGCONT)
@@ -117,8 +123,8 @@ def _stop(proc: subprocess.Popen[str]) -> None:
     proc.stdout.close()
 
 
-def _spawn(stack: contextlib.ExitStack, script: str, *args: str, tls: str) -> Any:
-    env = {**os.environ, "UCX_TLS": tls, "NIXL_LOG_LEVEL": "WARN"}
+def _spawn(stack: contextlib.ExitStack, script: str, *args: str, **env_vars: str) -> Any:
+    env = {**os.environ, **env_vars}
     proc = subprocess.Popen(
         [sys.executable, str(HERE / script), *args],
         stdin=subprocess.PIPE,
@@ -145,8 +151,14 @@ class _Rig:
     def __init__(self, mode: str, stack: contextlib.ExitStack) -> None:
         self.mode, tls, transport = mode, UCX_TLS[mode], KVBRIDGE_TRANSPORT[mode]
         self.label = LABEL[mode]
-        kv_target = _spawn(stack, "_transfer_target.py", "2", transport, tls=tls)
-        self.target = _spawn(stack, "_nixl_target.py", tls=tls)
+        kv_target = _spawn(stack, "_transfer_target.py", "2", transport, UCX_TLS=tls)
+        self.target = _spawn(
+            stack,
+            "_nixl_target.py",
+            UCX_TLS=tls,
+            UCX_MODULES=UCX_MODULES,
+            NIXL_LOG_LEVEL="WARN",
+        )
         metadata_hex, _ = read_ready(kv_target.stdout)
         nixl_metadata, remote_base = self._nixl_ready()
         with _environ("UCX_TLS", tls):
