@@ -60,6 +60,9 @@ from ._wire import field as message_field
 
 _log = logging.getLogger("kvbridge.server")
 _QUIET = (BlockNotFound,)  # refusals that are the normal course of things (a cache miss)
+_QUICK_OPS = frozenset({"contains", "match", "pin", "release", "abort", "stats"})
+"""Ops that never touch the disk (a pin only when its blocks are in memory): answered on
+the control thread when the state lock is free, saving the hop to a call thread."""
 
 
 class CacheServer:
@@ -105,7 +108,7 @@ class CacheServer:
             "stats": self._stats,
         }
         self._closed = False
-        self.engine.set_request_handler(self._handle)
+        self.engine.set_request_handler(self._handle, quick=self._quick)
         self.engine.set_notify_handler(self._on_notify)
         self.engine.set_session_end_handler(self._end_session)
         _log.info("serving on %s: %s", self.address, _settings(cfg))
@@ -133,21 +136,44 @@ class CacheServer:
     # -- dispatch ----------------------------------------------------------------------
 
     def _handle(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
+        """Answer a request (on a call thread, or the serve thread for a commit)."""
+        reply = self._answer(caller, body, wait=True)
+        assert reply is not None
+        return reply
+
+    def _quick(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any] | None:
+        """Answer on the control thread when it costs no wait: an op that never touches
+        the disk (a pin only of blocks in memory), with the state lock free at once.
+        ``None`` leaves the request to a call thread."""
+        if body.get("op") not in _QUICK_OPS:
+            return None
+        return self._answer(caller, body, wait=False)
+
+    def _answer(self, caller: Caller, body: dict[str, Any], *, wait: bool) -> dict[str, Any] | None:
         op = body.get("op")
         handler = self._ops.get(op) if isinstance(op, str) else None
         label = op if handler is not None and isinstance(op, str) else "unknown"
         start = time.perf_counter()
+        answered = True
         try:
             if handler is None:
                 raise BadRequest(f"unknown op {op!r}; known: {sorted(self._ops)}")
-            if op == "pin":  # disk reads first, outside the lock every other request needs
+            if op == "pin" and wait:  # disk reads first, outside the lock all requests need
                 handler = functools.partial(self._pin, early=self._prefetch(caller, body))
-            with self._state:
+            if not self._state.acquire(blocking=wait):
+                answered = False
+                return None
+            try:
                 # Checked under the state lock: a session that ends after this is cleaned
                 # up after this request (_end_session waits for the lock), never before.
                 if not self.engine.session_alive(caller):
                     raise BadRequest(f"session {caller.session} has ended")
+                if op == "pin" and not wait and not self._in_memory(caller, body):
+                    answered = False
+                    return None
                 return handler(caller, body)
+            finally:
+                self._state.release()
         except StoreError as exc:
             self._refused(caller, label, exc)
             return error_reply(exc)
@@ -156,7 +182,13 @@ class CacheServer:
             self.metrics.errors.labels(label, "InternalError").inc()
             return error_reply(InternalError(f"{type(exc).__name__} in {label}"))
         finally:
-            self.metrics.requests.labels(label).observe(time.perf_counter() - start)
+            if answered:
+                self.metrics.requests.labels(label).observe(time.perf_counter() - start)
+
+    def _in_memory(self, caller: Caller, body: dict[str, Any]) -> bool:
+        """Whether every block a pin names is in the namespace's top (memory) tier now."""
+        top = self._namespace(caller, body).store.tiers[0].index
+        return all(key in top for key in keys_field(body))
 
     def _refused(self, caller: Caller, op: str, exc: StoreError) -> None:
         kind = type(exc).__name__

@@ -270,3 +270,38 @@ def _grow_and_close(path: Path) -> None:
     for thread in threads:
         thread.join(30)
     os._exit(0 if not errors and reads[0] > 0 else 1)
+
+
+def test_quick_calls_answer_on_the_control_thread_but_never_overtake_their_session(
+    engines: tuple[TransferEngine, TransferEngine, TransferEngine],
+) -> None:
+    server, one, two = engines
+    release = threading.Event()
+    order: list[tuple[str, int]] = []
+
+    def handler(caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
+        if body.get("block"):
+            assert release.wait(30)
+        order.append(("pool", body["n"]))
+        return {"n": body["n"], "by": "pool"}
+
+    def quick(caller: Caller, body: dict[str, Any]) -> dict[str, Any] | None:
+        if body.get("block"):
+            return None  # may wait: leave it to the pool
+        order.append(("quick", body["n"]))
+        return {"n": body["n"], "by": "quick"}
+
+    server.set_request_handler(handler, quick=quick)
+    first = one.connect(server.metadata())
+    second = two.connect(server.metadata())
+    assert second.call({"n": 1}) == {"n": 1, "by": "quick"}
+    first.cast({"block": True, "n": 2})  # to the pool, where it waits
+    time.sleep(0.2)
+    behind, answers = _in_thread(lambda: first.call({"n": 3}))  # quick, but behind the cast
+    assert second.call({"n": 4}) == {"n": 4, "by": "quick"}  # another session: at once
+    time.sleep(0.2)
+    assert behind.is_alive() and answers == []
+    release.set()
+    behind.join(30)
+    assert answers == [{"n": 3, "by": "pool"}]  # its session was busy: it went to the pool
+    assert [n for _, n in order] == [1, 4, 2, 3]

@@ -66,6 +66,11 @@ class CallPool:
             else:
                 jobs.append(job)
 
+    def busy(self, session: bytes) -> bool:
+        """Whether ``session`` has a call queued or running here."""
+        with self._lock:
+            return session in self._waiting
+
     def close(self) -> None:
         """Stop the threads after the jobs they are running; join them. Jobs still queued
         are dropped (the control socket closes next: their clients see no answer)."""

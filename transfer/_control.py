@@ -59,6 +59,8 @@ _STAMP = struct.Struct("<Q")
 
 RequestHandler = Callable[[Caller, dict[str, Any]], dict[str, Any]]
 """``handler(caller, body) -> reply body`` for ``call`` requests."""
+QuickHandler = Callable[[Caller, dict[str, Any]], "dict[str, Any] | None"]
+"""``quick(caller, body) -> reply body``, or ``None`` to leave the call to the pool."""
 
 
 class ControlCode(enum.IntEnum):
@@ -104,6 +106,7 @@ class ControlServer:
         sessions: SessionTable,
     ) -> None:
         self.handler: RequestHandler | None = None
+        self.quick: QuickHandler | None = None
         self.sessions = sessions
         self._secret = secret
         self._metadata = metadata
@@ -202,9 +205,12 @@ class ControlServer:
                 self.sessions.end(message["session"])
                 return {"ok": True}
             body = message["body"]
-            self._calls.submit(
-                message["session"], lambda: _frames(identity, rid, self._call(caller, body))
-            )
+            session = message["session"]
+            if self.quick is not None and not self._calls.busy(session):
+                answer = self._quick(self.quick, caller, body)
+                if answer is not None:
+                    return answer
+            self._calls.submit(session, lambda: _frames(identity, rid, self._call(caller, body)))
             return None
         raise RemoteProtocolError(f"unknown control op {op!r}")
 
@@ -250,6 +256,12 @@ class ControlServer:
         if ticket in self._used:
             raise AuthenticationError("handshake replayed")
         self._used[ticket] = expiry
+
+    def _quick(self, quick: QuickHandler, caller: Caller, packed: bytes) -> dict[str, Any] | None:
+        """A call answered on this thread, or ``None`` for the pool (a pool hop is two
+        thread wake-ups: ~250 us of a 450 us round trip here)."""
+        reply = quick(caller, unpack(packed))
+        return None if reply is None else {"ok": True, "body": reply}
 
     def _call(self, caller: Caller, packed: bytes) -> dict[str, Any]:
         """Run on a pool thread: the handler's answer, or the refusal it raised."""

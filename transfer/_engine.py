@@ -28,7 +28,7 @@ import zmq
 
 from .._closing import Closing
 from ._address import tcp_endpoint
-from ._control import ControlServer, RequestHandler
+from ._control import ControlServer, QuickHandler, RequestHandler
 from ._control_client import ControlClient
 from ._device import is_device
 from ._errors import EngineClosed, LocalProtocolError
@@ -172,13 +172,19 @@ class TransferEngine(Closing):
         fails the writer's batch with its message (a cache server commits puts this way)."""
         self._notify_handler = handler
 
-    def set_request_handler(self, handler: RequestHandler | None) -> None:
+    def set_request_handler(
+        self, handler: RequestHandler | None, quick: QuickHandler | None = None
+    ) -> None:
         """Answer peers' :meth:`Peer.call` requests with ``handler(caller, body)``, which
         returns the reply body (a map of msgpack types). ``caller.session`` identifies the
-        authenticated session (unique, never reused). It runs on the control thread, one
-        request at a time; an exception it raises is logged and answered as an internal
-        error."""
+        authenticated session (unique, never reused). Calls run on a pool of threads, each
+        session's in the order they came, sessions side by side; an exception the handler
+        raises is logged and answered as an internal error. ``quick(caller, body)``, if
+        given, is tried first on the control thread itself when the session has nothing
+        queued: it answers at once, or returns ``None`` to leave the call to ``handler`` on
+        the pool (it must never wait: one thread answers every session through it)."""
         self._control.handler = handler
+        self._control.quick = quick
 
     def session_alive(self, caller: Caller) -> bool:
         """Whether ``caller``'s session is still open (see :meth:`set_session_end_handler`)."""

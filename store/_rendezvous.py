@@ -1,0 +1,68 @@
+"""Rendezvous (highest-random-weight) hashing: which cluster members own a block key.
+
+Every member gets a weight per key, a hash of the two; the key's owners are the members
+with the highest weights, in order. Every client computes the same owners from the same
+membership, with no table to share. When a member leaves, only the keys it owned move
+(each to its next-highest member); when one joins, it takes the keys where it now weighs
+most, about ``1/N`` of them, from every other member alike.
+
+The weight of key ``k`` on member ``m`` is ``mix(h(k) ^ s(m))``: ``h`` is XXH3-64 of the
+whole key, ``s`` XXH3-64 of the member's name, and ``mix`` the SplitMix64 finaliser (a
+bijection that spreads every input bit over the output), computed for a whole batch of
+keys and members at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import xxhash
+
+__all__ = ["Rendezvous"]
+
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser, elementwise on uint64 (wrapping arithmetic)."""
+    x = (x ^ (x >> np.uint64(30))) * _M1
+    x = (x ^ (x >> np.uint64(27))) * _M2
+    result: np.ndarray = x ^ (x >> np.uint64(31))
+    return result
+
+
+class Rendezvous:
+    """Owners of keys among ``members`` (names, e.g. advertised addresses; order does not
+    matter, duplicates are refused)."""
+
+    def __init__(self, members: Sequence[str]) -> None:
+        if len(set(members)) != len(members):
+            raise ValueError(f"member names must be distinct: {sorted(members)}")
+        self.members: tuple[str, ...] = tuple(sorted(members))
+        self._salts = np.array(
+            [xxhash.xxh3_64_intdigest(name.encode()) for name in self.members], dtype=np.uint64
+        )
+
+    def owners(self, keys: Sequence[bytes], replicas: int = 1) -> np.ndarray:
+        """Per key, the indices (into ``members``) of its ``replicas`` owners, highest weight
+        first: an ``int`` array of shape ``(len(keys), min(replicas, len(members)))``."""
+        if replicas < 1:
+            raise ValueError(f"replicas must be at least 1, got {replicas}")
+        count = min(replicas, len(self.members))
+        if not keys or not count:
+            return np.zeros((len(keys), count), dtype=np.int64)
+        hashes = np.fromiter(
+            (xxhash.xxh3_64_intdigest(key) for key in keys), dtype=np.uint64, count=len(keys)
+        )
+        weights = _mix(hashes[:, None] ^ self._salts[None, :])
+        if count == 1:
+            best: np.ndarray = np.argmax(weights, axis=1)[:, None]
+            return best
+        order = np.argsort(weights, axis=1)[:, ::-1]
+        return np.ascontiguousarray(order[:, :count])
+
+    def owner_names(self, key: bytes, replicas: int = 1) -> list[str]:
+        """The names of one key's owners, highest weight first."""
+        return [self.members[i] for i in self.owners([key], replicas)[0]]
