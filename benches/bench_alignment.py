@@ -47,7 +47,7 @@ def test_copy_at_offset(compare: Callable[..., Any], op: str, offset: int) -> No
     with TieredStore(BB, host_capacity=BATCH * BB) as store:
         if op == "get":
             store.put(keys, data)
-            subject: Callable[[], None] = lambda: store.get(keys, user)  # noqa: E731
+            subject: Callable[[], object] = lambda: store.get(keys, user)  # noqa: E731
             baseline = lambda: np.copyto(user, slab_like)  # noqa: E731
             aligned = lambda: np.copyto(other_aligned, slab_like)  # noqa: E731
             setup = None

@@ -71,7 +71,7 @@ def test_one_block_calls(endpoints: tuple[str, int]) -> None:
 
     def ping(_: int) -> None:
         raw.sendall(b"P")
-        raw.sendall(payload)
+        raw.sendall(payload.data)
         assert raw.recv(1) == b"k"
 
     with StoreClient(address, block_bytes=BB, namespace=b"latency") as client:

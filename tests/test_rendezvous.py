@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ SEQUENTIAL = [i.to_bytes(32, "big") for i in range(30_000)]  # keys that differ 
 NODES = ["10.0.0.1:7000", "10.0.0.2:7000", "10.0.0.3:7000"]
 
 
-def _owner(ring: Rendezvous, keys: list[bytes]) -> list[str]:
+def _owner(ring: Rendezvous, keys: Sequence[bytes]) -> list[str]:
     return [ring.members[i] for i in ring.owners(keys)[:, 0]]
 
 

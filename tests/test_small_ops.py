@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbridge.transfer import OP_DTYPE, AccessDenied, LocalProtocolError
-from kvbridge.transfer._ops import check, normalize, plan
+from kvbridge.transfer._ops import FramePlan, check, normalize, plan
 from kvbridge.transfer._protocol import DESCRIPTOR
 from kvbridge.transfer._regions import Region, RegionInfo, RegionTable
 from kvbridge.transfer._sessions import Caller
@@ -78,11 +78,11 @@ def test_the_small_plan_decides_as_the_general_one(
         assert fast == slow
 
 
-def _flat(regions: list[Region], frames: list[object]) -> tuple[list[int], bytes, list[bytes]]:
+def _flat(regions: list[Region], frames: list[FramePlan]) -> tuple[list[int], bytes, list[bytes]]:
     """What goes on the wire, ops one per descriptor (the general plan merges neighbours:
     split its descriptors back at the same boundaries by comparing bytes moved)."""
-    descriptors = np.concatenate([f.descriptors for f in frames])  # type: ignore[attr-defined]
-    views = [bytes(v) for f in frames for v in f.views]  # type: ignore[attr-defined]
+    descriptors = np.concatenate([f.descriptors for f in frames])
+    views = [bytes(v) for f in frames for v in f.views]
     spans = [
         (int(d["region"]), int(d["key"]), int(d["offset"]), int(d["length"])) for d in descriptors
     ]
