@@ -154,6 +154,8 @@ class UcxPipe:
             raise EOFError("the UCX pipe is closed")
 
         def post() -> Any:
+            if self._closed:  # closed after this send began: its endpoint.close() ran first
+                return [], messages
             pairs = zip(messages, tags, strict=True)
             return [endpoint.tag_send(array(m), t) for m, t in pairs], messages
 
