@@ -133,6 +133,7 @@ class UcxPipe:
         self._recv_seq = 0
         self._timeout: float | None = None
         self._closed = False
+        self._endpoint_closed = False  # set on the worker thread, where sends are posted
         self._waiting: set[concurrent.futures.Future[Any]] = set()
         self._lock = threading.Lock()
 
@@ -154,7 +155,7 @@ class UcxPipe:
             raise EOFError("the UCX pipe is closed")
 
         def post() -> Any:
-            if self._closed:  # closed after this send began: its endpoint.close() ran first
+            if self._endpoint_closed:  # queued after close(): its endpoint.close() ran first
                 return [], messages
             pairs = zip(messages, tags, strict=True)
             return [endpoint.tag_send(array(m), t) for m, t in pairs], messages
@@ -236,7 +237,12 @@ class UcxPipe:
         for future in waiting:
             future.cancel()
         endpoint, self._endpoint = self._endpoint, None
-        self._worker.call(lambda: ([], endpoint.close()))
+
+        def close_endpoint() -> Any:  # on the worker thread, after every send queued before
+            self._endpoint_closed = True
+            return [], endpoint.close()
+
+        self._worker.call(close_endpoint)
 
 
 class UcxTransport:
