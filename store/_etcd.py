@@ -64,17 +64,50 @@ def prefix_end(prefix: bytes) -> bytes:
 
 
 class EtcdGateway:
-    """One etcd endpoint (``host``, ``port``); every call is one short HTTP request."""
+    """An etcd cluster's endpoints (``host``, ``port``); every call is one short HTTP request
+    to the current endpoint, and an endpoint that cannot be reached hands over to the next
+    (etcd's members serve the same data)."""
 
     def __init__(self, host: str, port: int, timeout: float = 2.0) -> None:
-        self.host = host
-        self.port = port
+        self.endpoints = [(host, port)]
         self.timeout = timeout
+        self._current = 0
+
+    @classmethod
+    def from_url(cls, url: str, timeout: float = 2.0) -> EtcdGateway:
+        """``etcd://HOST:PORT[,HOST:PORT...]``; ``ValueError`` naming what is wrong."""
+        if not url.startswith("etcd://") or len(url) == len("etcd://"):
+            raise ValueError(f"{url!r} is not etcd://HOST:PORT[,HOST:PORT...]")
+        endpoints = []
+        for part in url[len("etcd://") :].split(","):
+            host, sep, port = part.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"{part!r} in {url!r} is not HOST:PORT")
+            endpoints.append((host.strip("[]"), int(port)))
+        gateway = cls(*endpoints[0], timeout=timeout)
+        gateway.endpoints = endpoints
+        return gateway
+
+    @property
+    def host(self) -> str:
+        return self.endpoints[self._current][0]
+
+    @property
+    def port(self) -> int:
+        return self.endpoints[self._current][1]
 
     def __repr__(self) -> str:
-        return f"etcd://{self.host}:{self.port}"
+        return "etcd://" + ",".join(f"{host}:{port}" for host, port in self.endpoints)
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        for _ in range(len(self.endpoints) - 1):
+            try:
+                return self._post_once(path, body)
+            except EtcdUnavailable:
+                self._current = (self._current + 1) % len(self.endpoints)
+        return self._post_once(path, body)
+
+    def _post_once(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
         try:
             conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})

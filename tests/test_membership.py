@@ -13,7 +13,9 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
+from serve import ServeProcess
 
+from kvbridge.store._cluster import members_prefix
 from kvbridge.store._etcd import EtcdGateway, EtcdUnavailable
 from kvbridge.store._membership import Member, Membership, Registrar
 from kvbridge.tools._etcd_process import EtcdProcess, etcd_binary
@@ -136,3 +138,54 @@ def test_an_unreachable_etcd_is_an_error_at_start() -> None:
         Membership(dead, PREFIX).start()
     with pytest.raises(EtcdUnavailable):
         Registrar(dead, PREFIX + b"x", b"{}").start()
+
+
+def test_servers_join_with_their_address_and_leave_on_sigterm_or_by_expiry(
+    etcd: EtcdProcess,
+) -> None:
+    cluster = ("--cluster", etcd.url, "--cluster-name", "t")
+    one, two = ServeProcess(*cluster), ServeProcess(*cluster)
+    view = Membership(_gateway(etcd), members_prefix("t"))
+    view.start()
+    try:
+        _until(lambda: set(view.members()) == {one.address, two.address})
+        assert view.members()[one.address].address == one.address
+        one.stop(signal.SIGTERM)
+        assert _until(lambda: set(view.members()) == {two.address}) < 1.0  # deregistered
+        two.kill()
+        assert _until(lambda: not view.members()) < 8.0  # its lease expired
+    finally:
+        view.stop()
+        one.kill()
+        two.kill()
+
+
+def test_serve_with_an_unreachable_etcd_is_one_line() -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvbridge",
+            "serve",
+            "--port",
+            "0",
+            "--cluster",
+            "etcd://127.0.0.1:1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("kvbridge serve: --cluster: cannot reach etcd") and "127.0.0.1:1" in last
+    bad = subprocess.run(
+        [sys.executable, "-m", "kvbridge", "serve", "--port", "0", "--cluster", "http://x"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert bad.returncode != 0 and "is not etcd://HOST:PORT" in bad.stderr

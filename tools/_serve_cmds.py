@@ -8,7 +8,7 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import zmq
 
@@ -22,6 +22,9 @@ from kvbridge.store import (
 from kvbridge.transfer import TransferEngine, TransferError
 
 from ._fail import fail
+
+if TYPE_CHECKING:
+    from kvbridge.store._membership import Registrar
 
 _START_ERRORS = (StoreError, TransferError, OSError, ValueError, zmq.ZMQError)
 """What starting a server may raise for a reason the user can fix: a port in use (zmq
@@ -61,6 +64,11 @@ def add_parsers(commands: Any) -> None:
         const=True,
         help="allow binding beyond loopback without a secret",
     )
+    serve.add_argument(
+        "--cluster", help="join the cluster of this etcd: etcd://HOST:PORT[,HOST:PORT...]"
+    )
+    serve.add_argument("--cluster-name", default="kvbridge", help="cluster name (kvbridge)")
+    serve.add_argument("--advertise", help="HOST:PORT clients reach this server at")
     serve.add_argument("--config", help="TOML settings file")
     serve.add_argument(
         "--log-level",
@@ -98,6 +106,11 @@ def _serve(args: argparse.Namespace) -> int:
         server = CacheServer(config)
     except _START_ERRORS as exc:
         return fail("kvbridge serve", f"cannot start: {type(exc).__name__}: {exc}")
+    try:
+        membership = _join(args, server.address, config.host_capacity)
+    except (ValueError, OSError) as exc:
+        server.close()
+        return fail("kvbridge serve", f"--cluster: {exc}")
     stop = threading.Event()
 
     def _on_signal(signum: int, frame: Any) -> None:
@@ -113,11 +126,26 @@ def _serve(args: argparse.Namespace) -> int:
         )
         stop.wait()
     finally:
+        if membership is not None:
+            membership.stop()  # leave the cluster first: clients stop sending here
         server.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     print("kvbridge serve: stopped", flush=True)
     return 0
+
+
+def _join(args: argparse.Namespace, address: str, capacity: int) -> Registrar | None:
+    """Register in the cluster named by ``--cluster`` (etcd is imported only then)."""
+    if not args.cluster:
+        return None
+    from kvbridge.store._cluster import join  # noqa: PLC0415 - only with --cluster
+    from kvbridge.store._etcd import EtcdUnavailable  # noqa: PLC0415
+
+    try:
+        return join(args.cluster, args.cluster_name, args.advertise or address, capacity)
+    except EtcdUnavailable as exc:
+        raise ConnectionError(f"cannot reach etcd: {exc}") from None
 
 
 def _stats(args: argparse.Namespace) -> int:
