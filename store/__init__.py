@@ -44,6 +44,7 @@ from ._tier import Tier
 
 if TYPE_CHECKING:
     from ._client import StoreClient
+    from ._cluster_client import ClusterClient
     from ._metrics import metrics_token
     from ._server import CacheServer
     from ._server_config import DEFAULT_PORT, ConfigError, ServerConfig, load_config
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "StoreClient": "._client",
+    "ClusterClient": "._cluster_client",
     "CacheServer": "._server",
     "metrics_token": "._metrics",
     "DEFAULT_PORT": "._server_config",
@@ -83,6 +85,7 @@ __all__ = [
     "BlockPinned",
     "CacheServer",
     "CheckReport",
+    "ClusterClient",
     "ConfigError",
     "DeviceSlab",
     "DiskTier",

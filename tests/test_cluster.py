@@ -1,0 +1,226 @@
+"""A cluster of real ``kvbridge serve`` processes on a real etcd: keys spread evenly and read
+back byte for byte; a SIGKILLed member turns into misses (its replicated prefix blocks
+still hit), never into errors or hangs; a joining member takes about a quarter of the keys
+and reads still hit; a member restarted on the same disk serves its blocks again; etcd
+stopped leaves clients working on the members they last saw."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import payloads
+from serve import ServeProcess
+
+from kvbridge.store import BlockNotFound, ClusterClient, StoreClient, prefix_hashes
+from kvbridge.store._rendezvous import Rendezvous
+from kvbridge.tools._etcd_process import EtcdProcess, etcd_binary
+
+try:
+    etcd_binary()
+    _MISSING = None
+except FileNotFoundError as exc:
+    _MISSING = str(exc)
+pytestmark = pytest.mark.skipif(_MISSING is not None, reason=f"no etcd: {_MISSING}")
+
+BB = 4096
+NS = "cluster-test"
+TIMEOUT = 3.0
+
+
+def _server(etcd: EtcdProcess, *extra: str) -> ServeProcess:
+    return ServeProcess(
+        *("--cluster", etcd.url, "--cluster-name", "t", "--host-capacity", "32MiB"),
+        *("--handoff-ttl", "0", "--max-namespaces", "1"),
+        *extra,
+    )
+
+
+def _client(etcd: EtcdProcess, replicas: int = 2, replicated_blocks: int = 4) -> ClusterClient:
+    return ClusterClient(
+        etcd.url,
+        block_bytes=BB,
+        namespace=NS,
+        cluster="t",
+        timeout=TIMEOUT,
+        replicas=replicas,
+        replicated_blocks=replicated_blocks,
+    )
+
+
+def _until(check: Callable[[], bool], timeout: float = 15.0) -> float:
+    start = time.monotonic()
+    while not check():
+        assert time.monotonic() - start < timeout, "condition not met in time"
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def _chains(count: int, blocks: int) -> list[list[bytes]]:
+    """``count`` prompts of ``blocks`` 16-token blocks, each its own prefix."""
+    return [
+        list(prefix_hashes(range(c * 10**6, c * 10**6 + blocks * 16), 16)) for c in range(count)
+    ]
+
+
+@pytest.fixture
+def cluster() -> Iterator[tuple[EtcdProcess, list[ServeProcess]]]:
+    with EtcdProcess() as etcd:
+        servers = [_server(etcd) for _ in range(3)]
+        try:
+            yield etcd, servers
+        finally:
+            for server in servers:
+                server.kill()
+
+
+def _held(server: ServeProcess) -> int:
+    with StoreClient(server.address, block_bytes=BB, namespace=NS) as client:
+        return sum(t.blocks for t in client.stats().tiers)
+
+
+def test_keys_spread_evenly_and_read_back(cluster: tuple[EtcdProcess, list[ServeProcess]]) -> None:
+    etcd, servers = cluster
+    with _client(etcd, replicated_blocks=0) as client:
+        _until(lambda: len(client.members()) == 3)
+        chains = _chains(30, 100)  # 3,000 blocks from 30 prefixes
+        for chain in chains:
+            assert all(client.put(chain, payloads(chain, BB)))
+        out = np.zeros((100, BB), np.uint8)
+        for chain in chains:
+            client.get(chain, out)
+            assert (out == payloads(chain, BB)).all()
+            assert client.match_prefix(chain) == 100
+    counts = [_held(s) for s in servers]
+    assert sum(counts) == 3000
+    assert all(abs(c - 1000) <= 150 for c in counts), counts
+
+
+def test_a_killed_member_is_misses_not_errors_and_its_replicas_still_hit(
+    cluster: tuple[EtcdProcess, list[ServeProcess]],
+) -> None:
+    etcd, servers = cluster
+    with _client(etcd, replicas=2, replicated_blocks=4) as client:
+        _until(lambda: len(client.members()) == 3)
+        chains = _chains(20, 12)
+        for chain in chains:
+            client.put(chain, payloads(chain, BB))
+        slowest = [0.0]
+        wrong: list[bytes] = []
+        stop = threading.Event()
+
+        def reader() -> None:
+            out = np.zeros((12, BB), np.uint8)
+            while not stop.is_set():
+                for chain in chains:
+                    start = time.monotonic()
+                    try:
+                        client.get(chain, out)
+                        if not (out == payloads(chain, BB)).all():
+                            wrong.append(chain[0])
+                    except BlockNotFound:
+                        pass  # the dead member's blocks are misses
+                    slowest[0] = max(slowest[0], time.monotonic() - start)
+
+        thread = threading.Thread(target=reader)
+        thread.start()
+        time.sleep(0.5)
+        victim = servers[0]
+        victim.kill()  # SIGKILL: no deregistration
+        time.sleep(2.0)
+        stop.set()
+        thread.join(60)
+        assert not thread.is_alive() and not wrong
+        assert slowest[0] < 2 * TIMEOUT + 2  # no call hung
+        assert victim.address not in client.members()
+        out = np.zeros((4, BB), np.uint8)
+        for chain in chains:  # every replicated head block still hits
+            client.get(chain[:4], out)
+            assert (out == payloads(chain[:4], BB)).all()
+        survivors = Rendezvous([s.address for s in servers])
+        tails = [k for chain in chains for k in chain[4:]]
+        kept = [k for k in tails if survivors.owner_names(k)[0] != victim.address]
+        present = client.contains(kept, chain_start=4)
+        assert all(present)  # the survivors' blocks hit
+
+
+def test_a_fourth_member_takes_about_a_quarter_and_reads_still_hit(
+    cluster: tuple[EtcdProcess, list[ServeProcess]],
+) -> None:
+    etcd, servers = cluster
+    with _client(etcd, replicated_blocks=0) as client:
+        _until(lambda: len(client.members()) == 3)
+        chains = _chains(20, 50)
+        for chain in chains:
+            client.put(chain, payloads(chain, BB))
+        before = Rendezvous(client.members())
+        servers.append(_server(etcd))
+        _until(lambda: len(client.members()) == 4)
+        after = Rendezvous(client.members())
+        keys = [k for chain in chains for k in chain]
+        moved = sum(before.owner_names(k) != after.owner_names(k) for k in keys)
+        assert 0.15 <= moved / len(keys) <= 0.33, moved / len(keys)
+        out = np.zeros((50, BB), np.uint8)
+        for chain in chains:  # the new owner is empty: the previous one still answers
+            client.get(chain, out)
+            assert (out == payloads(chain, BB)).all()
+
+
+def test_a_member_restarted_on_its_disk_serves_its_blocks_again(tmp_path: Path) -> None:
+    with EtcdProcess() as etcd:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = str(sock.getsockname()[1])
+        disk = ("--port", port, "--disk-path", str(tmp_path), "--disk-capacity", "64MiB")
+        servers = [_server(etcd, *disk), _server(etcd), _server(etcd)]
+        try:
+            with _client(etcd, replicated_blocks=0) as client:
+                _until(lambda: len(client.members()) == 3)
+                chains = _chains(10, 30)
+                for chain in chains:
+                    client.put(chain, payloads(chain, BB))
+                servers[0].kill()
+                _until(lambda: len(client.members()) == 2, timeout=20)
+                servers[0] = _server(etcd, *disk)
+                _until(lambda: len(client.members()) == 3, timeout=20)
+                out = np.zeros((30, BB), np.uint8)
+                for chain in chains:
+                    client.get(chain, out)
+                    assert (out == payloads(chain, BB)).all()
+        finally:
+            for server in servers:
+                server.kill()
+
+
+def test_etcd_stopped_leaves_clients_on_the_members_they_saw(
+    cluster: tuple[EtcdProcess, list[ServeProcess]],
+) -> None:
+    etcd, servers = cluster
+    with _client(etcd) as client:
+        _until(lambda: len(client.members()) == 3)
+        chain = _chains(1, 20)[0]
+        etcd.stop()
+        time.sleep(1.0)
+        client.put(chain, payloads(chain, BB))
+        out = np.zeros((20, BB), np.uint8)
+        client.get(chain, out)
+        assert (out == payloads(chain, BB)).all()
+        assert len(client.members()) == 3
+        etcd.start()
+        _until(lambda: len(client.members()) == 3)
+    for server in servers:
+        assert server.proc.poll() is None  # the servers kept serving
+    servers[0].stop(signal.SIGTERM)
+
+
+def test_an_unreachable_etcd_is_a_connection_error() -> None:
+    with pytest.raises(ConnectionError, match="cannot reach etcd"):
+        ClusterClient("etcd://127.0.0.1:1", block_bytes=BB)
+    with pytest.raises(ValueError, match="not etcd://"):
+        ClusterClient("http://127.0.0.1:1", block_bytes=BB)
