@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -100,6 +102,26 @@ def test_keys_spread_evenly_and_read_back(cluster: tuple[EtcdProcess, list[Serve
     counts = [_held(s) for s in servers]
     assert sum(counts) == 3000
     assert all(abs(c - 1000) <= 150 for c in counts), counts
+    shown = _kvbridge("stats", etcd.url, "--cluster-name", "t")
+    assert shown.returncode == 0, shown.stderr
+    assert "3 member(s)" in shown.stdout and "3000 blocks" in shown.stdout
+    assert all(f"member {s.address}" in shown.stdout for s in servers)
+
+
+def _kvbridge(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvbridge", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_stats_of_an_unreachable_cluster_is_one_line() -> None:
+    shown = _kvbridge("stats", "etcd://127.0.0.1:1")
+    assert shown.returncode == 1 and "Traceback" not in shown.stderr
+    assert shown.stderr.startswith("kvbridge stats: cannot read the cluster from etcd")
 
 
 def test_a_killed_member_is_misses_not_errors_and_its_replicas_still_hit(

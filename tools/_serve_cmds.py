@@ -80,9 +80,13 @@ def add_parsers(commands: Any) -> None:
 
     stats = commands.add_parser("stats", help="print a cache server's figures")
     stats.add_argument(
-        "address", nargs="?", default=f"127.0.0.1:{DEFAULT_PORT}", help="host:port of the server"
+        "address",
+        nargs="?",
+        default=f"127.0.0.1:{DEFAULT_PORT}",
+        help="host:port of the server, or etcd://HOST:PORT for a whole cluster",
     )
     stats.add_argument("--secret-file", help="file holding the server's shared secret")
+    stats.add_argument("--cluster-name", default="kvbridge", help="with etcd://: the cluster")
     stats.set_defaults(run=_stats)
 
 
@@ -158,12 +162,25 @@ def _stats(args: argparse.Namespace) -> int:
             return fail("kvbridge stats", f"--secret-file {args.secret_file}: {exc.strerror}")
         if not secret:
             return fail("kvbridge stats", f"--secret-file {args.secret_file} is empty")
+    if args.address.startswith("etcd://"):
+        return _cluster_stats(args.address, args.cluster_name, secret)
     try:
         stats = server_stats(args.address, secret)
     except TransferError as exc:
         where = "" if args.address in str(exc) else f"{args.address}: "
         return fail("kvbridge stats", f"{where}{exc}", 1)
     print(format_stats(stats))
+    return 0
+
+
+def _cluster_stats(url: str, cluster: str, secret: bytes | None) -> int:
+    from ._cluster_stats import cluster_members, format_cluster, gather  # noqa: PLC0415
+
+    try:
+        members = cluster_members(url, cluster)
+    except (ConnectionError, ValueError) as exc:
+        return fail("kvbridge stats", exc, 1)
+    print(format_cluster(url, cluster, gather(members, secret)))
     return 0
 
 
