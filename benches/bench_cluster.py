@@ -1,0 +1,156 @@
+"""A cluster of ``kvbridge serve`` processes on etcd against one server, same client.
+
+- Throughput: one ``ClusterClient`` pushes then pulls 64 requests of 4 MiB (1 MiB blocks)
+  through a three-member cluster; baseline: the same client code against a one-member
+  cluster. On a 2-core machine this shows what the fan-out costs, not scaling.
+- ``match_prefix`` of 1,000 keys through the cluster (one parallel round of ``contains``)
+  against a ``StoreClient.match_prefix`` of one server.
+- Failover: after SIGKILL of a member, the time until the first client call that no longer
+  touches it (the client notices the dropped connection, or etcd's lease expiry).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import _EXTRA_LINES
+
+from kvbridge.store import ClusterClient, StoreClient, prefix_hashes
+from kvbridge.tools._etcd_process import EtcdProcess, etcd_binary
+from kvbridge.tools._serve_cmds import read_listening
+
+try:
+    etcd_binary()
+except FileNotFoundError as exc:
+    pytest.skip(f"no etcd: {exc}", allow_module_level=True)
+
+BB = 1 << 20
+PER = 4
+REQUESTS = 64
+
+
+def _serve(etcd: EtcdProcess, name: str) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "kvbridge", "serve", "--port", "0"),
+            *("--cluster", etcd.url, "--cluster-name", name, "--host-capacity", "1GiB"),
+            *("--max-namespaces", "2", "--handoff-ttl", "0"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert proc.stdout is not None
+    return proc, read_listening(proc.stdout)[0]
+
+
+@pytest.fixture(scope="module")
+def clusters() -> Iterator[tuple[EtcdProcess, list[tuple[subprocess.Popen[str], str]]]]:
+    with EtcdProcess() as etcd:
+        servers = [_serve(etcd, "three") for _ in range(3)] + [_serve(etcd, "one")]
+        try:
+            yield etcd, servers
+        finally:
+            for proc, _ in servers:
+                proc.kill()
+                proc.wait()
+
+
+def _client(etcd: EtcdProcess, name: str, members: int) -> ClusterClient:
+    client = ClusterClient(etcd.url, block_bytes=BB, namespace="bench", cluster=name)
+    deadline = time.monotonic() + 15
+    while len(client.members()) < members:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    return client
+
+
+def test_three_members_against_one(compare: Callable[..., Any], clusters: Any) -> None:
+    etcd, _ = clusters
+    data = np.random.default_rng(0).integers(0, 256, (REQUESTS, PER * BB), dtype=np.uint8)
+    out = np.empty((PER * BB,), np.uint8)
+    rounds = iter(range(10**6))
+    with _client(etcd, "three", 3) as three, _client(etcd, "one", 1) as one:
+
+        def run(client: ClusterClient) -> None:
+            r = next(rounds)
+            keys = [
+                prefix_hashes(range(r * 10**6 + q * 1000, r * 10**6 + q * 1000 + PER * 16), 16)
+                for q in range(REQUESTS)
+            ]
+            for q in range(REQUESTS):
+                client.put(keys[q], data[q])
+            for q in range(REQUESTS):
+                client.get(keys[q], out)
+            for q in range(REQUESTS):  # room for the next round
+                client.remove(keys[q])
+
+        compare(
+            f"cluster of 3, {REQUESTS} x 4 MiB push+pull",
+            lambda: run(three),
+            lambda: run(one),
+            baseline_name="the same through a cluster of 1",
+            nbytes=2 * REQUESTS * PER * BB,
+            rounds=3,
+            warmup=1,
+        )
+
+
+def test_match_prefix_latency(compare: Callable[..., Any], clusters: Any) -> None:
+    etcd, servers = clusters
+    keys = prefix_hashes(range(1000 * 16), 16)
+    small, zeros = 4096, np.zeros(4096 * 1000, np.uint8)
+    with (
+        ClusterClient(etcd.url, block_bytes=small, namespace="match", cluster="three") as three,
+        StoreClient(servers[3][1], block_bytes=small, namespace="match") as single,
+    ):
+        while len(three.members()) < 3:
+            time.sleep(0.05)
+        three.put(keys, zeros)
+        single.put(keys, zeros)
+        assert three.match_prefix(keys) == single.match_prefix(keys) == 1000
+        compare(
+            "cluster match_prefix, 1,000 keys, 3 members",
+            lambda: three.match_prefix(keys),
+            lambda: single.match_prefix(keys),
+            baseline_name="StoreClient.match_prefix, one server",
+            rounds=30,
+        )
+
+
+def test_time_to_leave_a_killed_member_out(clusters: Any) -> None:
+    """After SIGKILL: when new calls stop placing on the member (etcd's lease expiry, or a
+    failed call), and how long the call in flight to it took (bounded by the timeout)."""
+    etcd, servers = clusters
+    keys = prefix_hashes(range(64 * 16), 16)
+    with _client(etcd, "three", 3) as client:
+        client.put(keys, np.zeros(BB * 64, np.uint8))
+        victim, address = servers[0]
+        in_flight: list[float] = []
+
+        def call() -> None:
+            start = time.monotonic()
+            client.contains(keys)
+            in_flight.append(time.monotonic() - start)
+
+        victim.kill()
+        killed = time.monotonic()
+        caller = threading.Thread(target=call)
+        caller.start()
+        while address in client.members():
+            time.sleep(0.01)
+        left = time.monotonic() - killed
+        caller.join(60)
+    line = (
+        f"failover: new calls leave the killed member out {left:.2f} s after SIGKILL; the "
+        f"call in flight to it took {in_flight[0]:.2f} s (timeout 10 s)"
+    )
+    _EXTRA_LINES.append(line)
+    print(line)
