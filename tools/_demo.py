@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import signal
 import subprocess
 import sys
 import time
@@ -29,9 +28,9 @@ from kvbridge.store import parse_size
 from kvbridge.transfer import TransferSettings
 
 from ._console import Progress
+from ._demo_servers import DemoServers
 from ._link import link_speed
 from ._models import PRESETS, ModelShape, from_hf_config
-from ._serve_cmds import read_listening
 from ._workload import Request, conversations, load_trace
 
 
@@ -54,6 +53,9 @@ def add_parser(commands: Any) -> None:
     demo.add_argument("--requests", type=int, default=40, help="trace requests to replay")
     demo.add_argument("--speedup", type=float, default=20.0, help="trace time compression")
     demo.add_argument("--server-capacity", default="1GiB", help="the server's host memory")
+    demo.add_argument(
+        "--servers", type=int, default=1, help="servers; more than 1: a cluster on etcd"
+    )
     demo.add_argument("--transports", default="tcp", help="tcp, ucx or auto")
     demo.add_argument("--inflight", type=int, default=2, help="requests in flight at most")
     demo.add_argument("--plot", help="draw throughput and latency over time into this PNG")
@@ -72,8 +74,10 @@ class _Outcome:
 def run(args: argparse.Namespace) -> int:
     try:
         model = from_hf_config(args.model_config) if args.model_config else PRESETS[args.model]
-        if args.block_tokens < 1 or args.prefill < 1 or args.decode < 1 or args.inflight < 1:
-            raise ValueError("--block-tokens, --prefill, --decode and --inflight must be >= 1")
+        if min(args.block_tokens, args.prefill, args.decode, args.inflight, args.servers) < 1:
+            raise ValueError(
+                "--block-tokens, --prefill, --decode, --inflight and --servers must be >= 1"
+            )
         if args.trace:
             requests = load_trace(args.trace, limit=args.requests, speedup=args.speedup)
         else:
@@ -130,12 +134,15 @@ class _Cluster:
     def __init__(
         self, args: argparse.Namespace, model: ModelShape, block_bytes: int, capacity: int
     ) -> None:
-        self._procs: list[subprocess.Popen[str]] = []
+        self._procs: list[subprocess.Popen[str]] = []  # the workers
+        self._servers: DemoServers | None = None
         self._context = zmq.Context()
         self._sockets: dict[str, zmq.Socket[bytes]] = {}
         self.args = args
         try:
-            self._server = self._start_server(capacity, args.transports)
+            self._servers = DemoServers(args.servers, capacity, args.transports)
+            if args.servers > 1:
+                print(f"cluster of {args.servers} servers on {self._servers.address}", flush=True)
             endpoints = {}
             for name, kind in (("prefill", zmq.PUSH), ("decode", zmq.PUSH), ("results", zmq.PULL)):
                 sock = self._context.socket(kind)
@@ -152,7 +159,7 @@ class _Cluster:
                                 "-m",
                                 "kvbridge.tools._demo_worker",
                                 role,
-                                self.server_address,
+                                self._servers.address,
                                 endpoints[role],
                                 endpoints["results"],
                                 str(args.block_tokens),
@@ -168,32 +175,6 @@ class _Cluster:
         except BaseException:
             self.close()
             raise
-
-    def _start_server(self, capacity: int, transports: str) -> subprocess.Popen[str]:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvbridge",
-                "serve",
-                "--port",
-                "0",
-                "--host-capacity",
-                str(capacity),
-                "--max-namespaces",
-                "1",
-                "--transports",
-                transports,
-                "--log-level",
-                "WARNING",  # the demo's own summary is what the user reads
-            ],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        self._procs.append(proc)
-        assert proc.stdout is not None
-        self.server_address, _ = read_listening(proc.stdout)
-        return proc
 
     def drive(self, requests: list[Request]) -> tuple[list[_Outcome], float]:
         """Send every request through prefill then decode; return outcomes and wall time."""
@@ -231,7 +212,8 @@ class _Cluster:
     def _receive(self, timeout: float, allow_timeout: bool = False) -> dict[str, Any] | None:
         results = self._sockets["results"]
         if not results.poll(int(timeout * 1000)):
-            if allow_timeout and all(p.poll() is None for p in self._procs):
+            alive = self._servers is None or self._servers.alive()
+            if allow_timeout and alive and all(p.poll() is None for p in self._procs):
                 return None
             raise RuntimeError("a demo process died or stopped answering")
         reply: dict[str, Any] = msgpack.unpackb(results.recv())
@@ -244,11 +226,10 @@ class _Cluster:
                 for _ in range(count):
                     with contextlib.suppress(zmq.Again):  # no worker left to take it
                         sock.send(msgpack.packb({"stop": True}), zmq.NOBLOCK)
-        workers = self._procs[1:]
-        for proc in workers:
+        for proc in self._procs:
             _stop(proc, None, 30)
-        if self._procs:
-            _stop(self._procs[0], signal.SIGTERM, 30)
+        if self._servers is not None:
+            self._servers.close()
         for sock in self._sockets.values():
             sock.close()
         self._context.term()

@@ -23,7 +23,9 @@ import msgpack
 import numpy as np
 import zmq
 
-from kvbridge.store import BlockKey, BlockNotFound, StoreClient, prefix_hashes
+from kvbridge.store import BlockKey, BlockNotFound, ClusterClient, StoreClient, prefix_hashes
+
+from ._demo_servers import CLUSTER
 
 _PATTERN_BYTES = 4096
 
@@ -50,7 +52,9 @@ def block_matches(block: np.ndarray, key: BlockKey) -> bool:
 
 
 class _Worker:
-    def __init__(self, client: StoreClient, block_tokens: int, namespace: str) -> None:
+    def __init__(
+        self, client: StoreClient | ClusterClient, block_tokens: int, namespace: str
+    ) -> None:
         self.client = client
         self.block_tokens = block_tokens
         self.namespace = namespace
@@ -85,7 +89,7 @@ class _Worker:
         for block, key in zip(blocks[cached:], keys[cached:], strict=True):
             fill_block(block, key)  # "compute" the rest
         start = time.perf_counter()
-        sent = self.client.put(keys[cached:], blocks[cached:]) if cached < len(keys) else []
+        sent = self._put(keys[cached:], blocks[cached:], cached) if cached < len(keys) else []
         return {
             "load_s": load_s,
             "push_s": time.perf_counter() - start,
@@ -94,6 +98,11 @@ class _Worker:
             "pushed": sum(sent),
             "bad": bad,
         }
+
+    def _put(self, keys: list[BlockKey], blocks: np.ndarray, first: int) -> list[bool]:
+        if isinstance(self.client, ClusterClient):  # keys[0] is block `first` of its chain
+            return self.client.put(keys, blocks, chain_start=first)
+        return self.client.put(keys, blocks)
 
     def decode(self, task: dict[str, Any]) -> dict[str, Any]:
         keys = self.keys(task)
@@ -114,6 +123,21 @@ class _Worker:
         return {"pull_s": pull_s, "blocks": len(keys), "missing": missing, "bad": bad}
 
 
+def _connect(
+    server: str, block_bytes: int, namespace: str, transports: list[str]
+) -> StoreClient | ClusterClient:
+    """A client of the demo's server, or of its cluster when ``server`` is an etcd URL."""
+    if server.startswith("etcd://"):
+        return ClusterClient(
+            server,
+            block_bytes=block_bytes,
+            namespace=namespace,
+            cluster=CLUSTER,
+            transports=transports,
+        )
+    return StoreClient(server, block_bytes=block_bytes, namespace=namespace, transports=transports)
+
+
 def main(argv: list[str]) -> int:
     role, server, tasks_at, results_at, block_tokens, block_bytes, namespace, transports = argv
     context = zmq.Context()
@@ -124,12 +148,7 @@ def main(argv: list[str]) -> int:
     tasks.connect(tasks_at)
     results.connect(results_at)
     try:
-        with StoreClient(
-            server,
-            block_bytes=int(block_bytes),
-            namespace=namespace,
-            transports=transports.split(","),
-        ) as client:
+        with _connect(server, int(block_bytes), namespace, transports.split(",")) as client:
             worker = _Worker(client, int(block_tokens), namespace)
             run = worker.prefill if role == "prefill" else worker.decode
             results.send(msgpack.packb({"ready": role}))
