@@ -43,8 +43,8 @@ _T = TypeVar("_T")
 
 REPLICATED_BLOCKS = 64
 """Leading blocks of a chain kept on ``replicas`` members: 1,024 tokens at 16 tokens a block.
-Measured (``benches/replica_heads.py``) on the Kimi conversation trace (512-token blocks): a prompt's
-first 1,024 tokens take 15.4% of all prefix hits with 3.9% of the distinct blocks (4x the
+Measured (``benches/replica_heads.py``) on the Kimi conversation trace (512-token blocks): a
+prompt's first 1,024 tokens take 15.4% of all prefix hits with 3.9% of the distinct blocks (4x the
 hits per byte), its first 2,048 tokens 22.4% with 10.5% (2.1x); in the synthetic trace hits
 follow blocks (2.3-9% either way). So one more copy of the first 1,024 tokens costs about 4%
 of memory and keeps about 15% of the hits through a node's loss."""
