@@ -326,38 +326,52 @@ def _get_what_is_there(
     return set()
 
 
+class _Entry:
+    """One member's client: its calls one at a time, closed once dropped and unused."""
+
+    def __init__(self) -> None:
+        self.client: Any = None
+        self.lock = threading.Lock()
+        self.users = 0
+        self.retired = False
+
+
 class _Connector:
-    """One ``StoreClient`` per member, made on first use, one call at a time each."""
+    """One ``StoreClient`` per member, made on first use, one call at a time each. A member
+    dropped while another thread's call is on it is closed when that call returns."""
 
     def __init__(self, **settings: Any) -> None:
         self._settings = settings  # StoreClient's keyword arguments
-        self._clients: dict[str, tuple[Any, threading.Lock]] = {}
+        self._clients: dict[str, _Entry] = {}
         self._lock = threading.Lock()
 
     def call(self, address: str, fn: Callable[[Any], _T]) -> _T:
         from ._client import StoreClient  # noqa: PLC0415 - the client loads the engine
 
         with self._lock:
-            entry = self._clients.get(address)
-            if entry is None:
-                entry = self._clients[address] = (None, threading.Lock())
-        client, lock = entry
-        with lock:
-            client = self._clients.get(address, entry)[0]
-            if client is None:
-                client = StoreClient(address, **self._settings)
-                with self._lock:
-                    self._clients[address] = (client, lock)
-            return fn(client)
+            entry = self._clients.setdefault(address, _Entry())
+            entry.users += 1
+        try:
+            with entry.lock:
+                if entry.client is None:
+                    entry.client = StoreClient(address, **self._settings)
+                return fn(entry.client)
+        finally:
+            with self._lock:
+                entry.users -= 1
+                last = entry.retired and entry.users == 0
+            if last:
+                _close(address, entry.client)
 
     def drop(self, address: str) -> None:
         with self._lock:
-            client, _ = self._clients.pop(address, (None, None))
-        if client is not None:
-            try:
-                client.close()
-            except (StoreError, *_FAULTS) as exc:
-                _log.debug("closing the client of %s: %s", address, exc)
+            entry = self._clients.pop(address, None)
+            if entry is None:
+                return
+            entry.retired = True
+            unused = entry.users == 0
+        if unused:
+            _close(address, entry.client)
 
     def forget(self, listed: set[str]) -> None:
         """Close the clients of members etcd no longer lists."""
@@ -371,3 +385,12 @@ class _Connector:
             addresses = list(self._clients)
         for address in addresses:
             self.drop(address)
+
+
+def _close(address: str, client: Any) -> None:
+    if client is None:
+        return
+    try:
+        client.close()
+    except (StoreError, *_FAULTS) as exc:
+        _log.debug("closing the client of %s: %s", address, exc)

@@ -150,16 +150,37 @@ def test_a_killed_member_is_misses_not_errors_and_its_replicas_still_hit(
                         pass  # the dead member's blocks are misses
                     slowest[0] = max(slowest[0], time.monotonic() - start)
 
-        thread = threading.Thread(target=reader)
-        thread.start()
+        written: list[list[bytes]] = []
+
+        def writer() -> None:
+            for chain in _chains(400, 12)[200:]:  # new prompts, pushed while a member dies
+                if stop.is_set():
+                    return
+                start = time.monotonic()
+                client.put(chain, payloads(chain, BB))
+                written.append(chain)
+                slowest[0] = max(slowest[0], time.monotonic() - start)
+
+        threads = [threading.Thread(target=reader), threading.Thread(target=writer)]
+        for thread in threads:
+            thread.start()
         time.sleep(0.5)
         victim = servers[0]
         victim.kill()  # SIGKILL: no deregistration
         time.sleep(2.0)
         stop.set()
-        thread.join(60)
-        assert not thread.is_alive() and not wrong
+        for thread in threads:
+            thread.join(60)
+            assert not thread.is_alive()
+        assert not wrong
         assert slowest[0] < 2 * TIMEOUT + 2  # no call hung
+        out12 = np.zeros((12, BB), np.uint8)
+        for chain in written:  # every pushed prompt reads back whole, or is a miss
+            try:
+                client.get(chain, out12)
+                assert (out12 == payloads(chain, BB)).all()
+            except BlockNotFound:
+                pass
         assert victim.address not in client.members()
         out = np.zeros((4, BB), np.uint8)
         for chain in chains:  # every replicated head block still hits
