@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -189,3 +190,22 @@ def test_serve_with_an_unreachable_etcd_is_one_line() -> None:
         check=False,
     )
     assert bad.returncode != 0 and "is not etcd://HOST:PORT" in bad.stderr
+
+
+def test_a_replaced_etcd_gets_the_records_back_without_a_restart(etcd: EtcdProcess) -> None:
+    """etcd comes back empty (its data lost, the leases with it): the registrar notices its
+    lease is gone and registers again; the view lists again (new revision history)."""
+    server = _registrar(etcd, "a", ttl=2)
+    server.start()
+    view = Membership(_gateway(etcd), PREFIX, retry_s=0.2)
+    view.start()
+    try:
+        assert set(view.members()) == {"a"}
+        etcd.stop()
+        shutil.rmtree(etcd.data_dir)  # same ports, no data
+        etcd.start()
+        _until(lambda: _gateway(etcd).get_prefix(PREFIX)[1] != {}, timeout=15)
+        _until(lambda: set(view.members()) == {"a"})
+    finally:
+        view.stop()
+        server.stop()
