@@ -8,7 +8,8 @@ Public surface:
   :class:`DeviceSlab`, :class:`DiskTier`, :class:`EvictionPolicy` and the policies.
 - The cache server and its client: :class:`CacheServer` (``kvbridge serve``), its
   settings (:class:`ServerConfig`, :func:`load_config`), and :class:`StoreClient`, which has
-  the surface of a local :class:`TieredStore`.
+  the surface of a local :class:`TieredStore`; :class:`ClusterClient`, the same surface
+  over a cluster of servers found in etcd (``kvbridge serve --cluster``).
 - Typed errors, all subclasses of :class:`StoreError`.
 """
 
