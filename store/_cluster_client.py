@@ -27,10 +27,10 @@ from typing import Any, TypeVar
 import numpy as np
 
 from .._closing import Closing
-from ..transfer import TransferError
 from ._buffers import as_array
 from ._cluster import DEFAULT_CLUSTER, members_prefix
-from ._errors import BlockNotFound, InvalidBlock, StoreError
+from ._cluster_members import FAULTS, Connector
+from ._errors import BlockNotFound, InvalidBlock
 from ._etcd import EtcdGateway, EtcdUnavailable
 from ._keys import BlockKey, check_keys
 from ._membership import Member, Membership
@@ -51,9 +51,6 @@ of memory and keeps about 15% of the hits through a node's loss."""
 
 RETRY_DEAD_S = 10.0
 """A member that failed a call is tried again after this, if etcd still lists it."""
-
-_FAULTS = (TransferError, OSError, EOFError, TimeoutError)
-"""What a member's failure looks like to its client (a refusal is a StoreError instead)."""
 
 
 class ClusterClient(Closing):
@@ -85,7 +82,7 @@ class ClusterClient(Closing):
         self.block_bytes = block_bytes
         self.replicas = replicas
         self.replicated_blocks = replicated_blocks
-        self._connect = _Connector(
+        self._connect = Connector(
             block_bytes=block_bytes,
             namespace=namespace,
             secret=secret,
@@ -286,7 +283,7 @@ class ClusterClient(Closing):
         for address, future in futures.items():
             try:
                 results.append((address, groups[address], future.result()))
-            except _FAULTS as exc:
+            except FAULTS as exc:
                 self._failed(address, exc)
                 results.append((address, groups[address], exc))
         return results
@@ -324,73 +321,3 @@ def _get_what_is_there(
         return set(index) - set(have)
     found[index] = part
     return set()
-
-
-class _Entry:
-    """One member's client: its calls one at a time, closed once dropped and unused."""
-
-    def __init__(self) -> None:
-        self.client: Any = None
-        self.lock = threading.Lock()
-        self.users = 0
-        self.retired = False
-
-
-class _Connector:
-    """One ``StoreClient`` per member, made on first use, one call at a time each. A member
-    dropped while another thread's call is on it is closed when that call returns."""
-
-    def __init__(self, **settings: Any) -> None:
-        self._settings = settings  # StoreClient's keyword arguments
-        self._clients: dict[str, _Entry] = {}
-        self._lock = threading.Lock()
-
-    def call(self, address: str, fn: Callable[[Any], _T]) -> _T:
-        from ._client import StoreClient  # noqa: PLC0415 - the client loads the engine
-
-        with self._lock:
-            entry = self._clients.setdefault(address, _Entry())
-            entry.users += 1
-        try:
-            with entry.lock:
-                if entry.client is None:
-                    entry.client = StoreClient(address, **self._settings)
-                return fn(entry.client)
-        finally:
-            with self._lock:
-                entry.users -= 1
-                last = entry.retired and entry.users == 0
-            if last:
-                _close(address, entry.client)
-
-    def drop(self, address: str) -> None:
-        with self._lock:
-            entry = self._clients.pop(address, None)
-            if entry is None:
-                return
-            entry.retired = True
-            unused = entry.users == 0
-        if unused:
-            _close(address, entry.client)
-
-    def forget(self, listed: set[str]) -> None:
-        """Close the clients of members etcd no longer lists."""
-        with self._lock:
-            gone = [a for a in self._clients if a not in listed]
-        for address in gone:
-            self.drop(address)
-
-    def close(self) -> None:
-        with self._lock:
-            addresses = list(self._clients)
-        for address in addresses:
-            self.drop(address)
-
-
-def _close(address: str, client: Any) -> None:
-    if client is None:
-        return
-    try:
-        client.close()
-    except (StoreError, *_FAULTS) as exc:
-        _log.debug("closing the client of %s: %s", address, exc)

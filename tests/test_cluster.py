@@ -173,7 +173,8 @@ def test_a_killed_member_is_misses_not_errors_and_its_replicas_still_hit(
             thread.join(60)
             assert not thread.is_alive()
         assert not wrong
-        assert slowest[0] < 2 * TIMEOUT + 2  # no call hung
+        assert slowest[0] < TIMEOUT + 2  # one timeout on the dead member at most, then on
+        print(f"slowest call while a member died: {slowest[0]:.2f} s (timeout {TIMEOUT} s)")
         out12 = np.zeros((12, BB), np.uint8)
         for chain in written:  # every pushed prompt reads back whole, or is a miss
             try:
