@@ -12,24 +12,20 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+from etcd_support import needs_etcd, until
 from helpers import payloads
 from serve import ServeProcess
 
 from kvbridge.store import BlockNotFound, ClusterClient, StoreClient, prefix_hashes
 from kvbridge.store._rendezvous import Rendezvous
-from kvbridge.tools._etcd_process import EtcdProcess, etcd_binary
+from kvbridge.tools._etcd_process import EtcdProcess
 
-try:
-    etcd_binary()
-    _MISSING = None
-except FileNotFoundError as exc:
-    _MISSING = str(exc)
-pytestmark = pytest.mark.skipif(_MISSING is not None, reason=f"no etcd: {_MISSING}")
+pytestmark = needs_etcd
 
 BB = 4096
 NS = "cluster-test"
@@ -54,14 +50,6 @@ def _client(etcd: EtcdProcess, replicas: int = 2, replicated_blocks: int = 4) ->
         replicas=replicas,
         replicated_blocks=replicated_blocks,
     )
-
-
-def _until(check: Callable[[], bool], timeout: float = 15.0) -> float:
-    start = time.monotonic()
-    while not check():
-        assert time.monotonic() - start < timeout, "condition not met in time"
-        time.sleep(0.05)
-    return time.monotonic() - start
 
 
 def _chains(count: int, blocks: int) -> list[list[bytes]]:
@@ -90,7 +78,7 @@ def _held(server: ServeProcess) -> int:
 def test_keys_spread_evenly_and_read_back(cluster: tuple[EtcdProcess, list[ServeProcess]]) -> None:
     etcd, servers = cluster
     with _client(etcd, replicated_blocks=0) as client:
-        _until(lambda: len(client.members()) == 3)
+        until(lambda: len(client.members()) == 3)
         chains = _chains(30, 100)  # 3,000 blocks from 30 prefixes
         for chain in chains:
             assert all(client.put(chain, payloads(chain, BB)))
@@ -129,7 +117,7 @@ def test_a_killed_member_is_misses_not_errors_and_its_replicas_still_hit(
 ) -> None:
     etcd, servers = cluster
     with _client(etcd, replicas=2, replicated_blocks=4) as client:
-        _until(lambda: len(client.members()) == 3)
+        until(lambda: len(client.members()) == 3)
         chains = _chains(20, 12)
         for chain in chains:
             client.put(chain, payloads(chain, BB))
@@ -199,13 +187,13 @@ def test_a_fourth_member_takes_about_a_quarter_and_reads_still_hit(
 ) -> None:
     etcd, servers = cluster
     with _client(etcd, replicated_blocks=0) as client:
-        _until(lambda: len(client.members()) == 3)
+        until(lambda: len(client.members()) == 3)
         chains = _chains(20, 50)
         for chain in chains:
             client.put(chain, payloads(chain, BB))
         before = Rendezvous(client.members())
         servers.append(_server(etcd))
-        _until(lambda: len(client.members()) == 4)
+        until(lambda: len(client.members()) == 4)
         after = Rendezvous(client.members())
         keys = [k for chain in chains for k in chain]
         moved = sum(before.owner_names(k) != after.owner_names(k) for k in keys)
@@ -225,14 +213,14 @@ def test_a_member_restarted_on_its_disk_serves_its_blocks_again(tmp_path: Path) 
         servers = [_server(etcd, *disk), _server(etcd), _server(etcd)]
         try:
             with _client(etcd, replicated_blocks=0) as client:
-                _until(lambda: len(client.members()) == 3)
+                until(lambda: len(client.members()) == 3)
                 chains = _chains(10, 30)
                 for chain in chains:
                     client.put(chain, payloads(chain, BB))
                 servers[0].kill()
-                _until(lambda: len(client.members()) == 2, timeout=20)
+                until(lambda: len(client.members()) == 2, timeout=20)
                 servers[0] = _server(etcd, *disk)
-                _until(lambda: len(client.members()) == 3, timeout=20)
+                until(lambda: len(client.members()) == 3, timeout=20)
                 out = np.zeros((30, BB), np.uint8)
                 for chain in chains:
                     client.get(chain, out)
@@ -247,7 +235,7 @@ def test_etcd_stopped_leaves_clients_on_the_members_they_saw(
 ) -> None:
     etcd, servers = cluster
     with _client(etcd) as client:
-        _until(lambda: len(client.members()) == 3)
+        until(lambda: len(client.members()) == 3)
         chain = _chains(1, 20)[0]
         etcd.stop()
         time.sleep(1.0)
@@ -257,7 +245,7 @@ def test_etcd_stopped_leaves_clients_on_the_members_they_saw(
         assert (out == payloads(chain, BB)).all()
         assert len(client.members()) == 3
         etcd.start()
-        _until(lambda: len(client.members()) == 3)
+        until(lambda: len(client.members()) == 3)
     for server in servers:
         assert server.proc.poll() is None  # the servers kept serving
     servers[0].stop(signal.SIGTERM)

@@ -11,22 +11,18 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
+from etcd_support import needs_etcd, until
 from serve import ServeProcess
 
 from kvbridge.store._cluster import members_prefix
 from kvbridge.store._etcd import EtcdGateway, EtcdUnavailable
 from kvbridge.store._membership import Member, Membership, Registrar
-from kvbridge.tools._etcd_process import EtcdProcess, etcd_binary
+from kvbridge.tools._etcd_process import EtcdProcess
 
-try:
-    etcd_binary()
-    _MISSING = None
-except FileNotFoundError as exc:
-    _MISSING = str(exc)
-pytestmark = pytest.mark.skipif(_MISSING is not None, reason=f"no etcd: {_MISSING}")
+pytestmark = needs_etcd
 
 PREFIX = b"/kvbridge/test/members/"
 
@@ -41,15 +37,6 @@ def _gateway(etcd: EtcdProcess) -> EtcdGateway:
     return EtcdGateway("127.0.0.1", etcd.port)
 
 
-def _until(check: Callable[[], bool], timeout: float = 10.0) -> float:
-    """Seconds until ``check()`` held (fails the test past ``timeout``)."""
-    start = time.monotonic()
-    while not check():
-        assert time.monotonic() - start < timeout, "condition not met in time"
-        time.sleep(0.02)
-    return time.monotonic() - start
-
-
 def _registrar(etcd: EtcdProcess, name: str, ttl: int = 2) -> Registrar:
     member = Member(name, f"127.0.0.1:{7000 + len(name)}", 1 << 30)
     return Registrar(_gateway(etcd), PREFIX + name.encode(), member.to_record(), ttl=ttl)
@@ -62,10 +49,10 @@ def test_a_member_appears_and_goes_at_once_when_it_stops(etcd: EtcdProcess) -> N
         assert view.members() == {}
         server = _registrar(etcd, "a")
         server.start()
-        _until(lambda: "a" in view.members())
+        until(lambda: "a" in view.members())
         assert view.members()["a"].capacity == 1 << 30
         server.stop()
-        assert _until(lambda: "a" not in view.members()) < 1.0
+        assert until(lambda: "a" not in view.members()) < 1.0
     finally:
         view.stop()
 
@@ -85,7 +72,7 @@ def test_a_killed_member_goes_when_its_lease_expires(etcd: EtcdProcess) -> None:
         view.start()
         assert "k" in view.members()
         os.kill(child.pid, signal.SIGKILL)
-        gone = _until(lambda: "k" not in view.members())
+        gone = until(lambda: "k" not in view.members())
         assert 0.5 < gone < 6.0  # the lease's TTL (2 s) after its last keep-alive
     finally:
         view.stop()
@@ -109,9 +96,9 @@ def test_etcd_down_keeps_the_last_view_and_both_sides_recover(
             etcd.start()
             later = _registrar(etcd, "b")
             later.start()
-            _until(lambda: set(view.members()) == {"a", "b"})
+            until(lambda: set(view.members()) == {"a", "b"})
             later.stop()
-            _until(lambda: set(view.members()) == {"a"})
+            until(lambda: set(view.members()) == {"a"})
     finally:
         view.stop()
         server.stop()
@@ -149,12 +136,12 @@ def test_servers_join_with_their_address_and_leave_on_sigterm_or_by_expiry(
     view = Membership(_gateway(etcd), members_prefix("t"))
     view.start()
     try:
-        _until(lambda: set(view.members()) == {one.address, two.address})
+        until(lambda: set(view.members()) == {one.address, two.address})
         assert view.members()[one.address].address == one.address
         one.stop(signal.SIGTERM)
-        assert _until(lambda: set(view.members()) == {two.address}) < 1.0  # deregistered
+        assert until(lambda: set(view.members()) == {two.address}) < 1.0  # deregistered
         two.kill()
-        assert _until(lambda: not view.members()) < 8.0  # its lease expired
+        assert until(lambda: not view.members()) < 8.0  # its lease expired
     finally:
         view.stop()
         one.kill()
@@ -204,8 +191,8 @@ def test_a_replaced_etcd_gets_the_records_back_without_a_restart(etcd: EtcdProce
         etcd.stop()
         shutil.rmtree(etcd.data_dir)  # same ports, no data
         etcd.start()
-        _until(lambda: _gateway(etcd).get_prefix(PREFIX)[1] != {}, timeout=15)
-        _until(lambda: set(view.members()) == {"a"})
+        until(lambda: _gateway(etcd).get_prefix(PREFIX)[1] != {}, timeout=15)
+        until(lambda: set(view.members()) == {"a"})
     finally:
         view.stop()
         server.stop()
