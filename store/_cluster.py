@@ -31,6 +31,7 @@ def join(url: str, cluster: str, address: str, capacity: int) -> Registrar:
     bad URL or name and ``EtcdUnavailable`` when etcd does not answer."""
     gateway = EtcdGateway.from_url(url)
     member = Member(address, address, capacity)
+    Member.from_record(member.to_record())  # the record clients will read must parse
     registrar = Registrar(
         gateway, members_prefix(cluster) + address.encode(), member.to_record(), LEASE_TTL_S
     )

@@ -30,11 +30,12 @@ from .._closing import Closing
 from ._buffers import as_array
 from ._cluster import DEFAULT_CLUSTER, members_prefix
 from ._cluster_members import FAULTS, Connector
-from ._errors import BlockNotFound, InvalidBlock
-from ._etcd import EtcdGateway, EtcdUnavailable
-from ._keys import BlockKey, check_keys
+from ._errors import BlockNotFound, InvalidBlock, StoreClosed, StoreError
+from ._etcd import EtcdError, EtcdGateway, EtcdUnavailable
+from ._keys import BlockKey, check_keys, namespace_bytes
 from ._membership import Member, Membership
 from ._rendezvous import Rendezvous
+from ._sizes import positive_int
 
 __all__ = ["ClusterClient"]
 
@@ -77,6 +78,10 @@ class ClusterClient(Closing):
         replicas: int = 2,
         replicated_blocks: int = REPLICATED_BLOCKS,
     ) -> None:
+        positive_int("block_bytes", block_bytes)
+        namespace_bytes(namespace)
+        if not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         if replicas < 1 or replicated_blocks < 0:
             raise ValueError("replicas must be >= 1 and replicated_blocks >= 0")
         self.block_bytes = block_bytes
@@ -98,9 +103,9 @@ class ClusterClient(Closing):
         )
         try:
             self._membership.start()
-        except EtcdUnavailable as exc:
+        except (EtcdUnavailable, EtcdError) as exc:
             self._pool.shutdown()
-            raise ConnectionError(f"cannot reach etcd: {exc}") from None
+            raise ConnectionError(f"cannot read the cluster from etcd: {exc}") from None
 
     # -- membership --------------------------------------------------------------------
 
@@ -109,11 +114,15 @@ class ClusterClient(Closing):
         return list(self._ring.members)
 
     def _on_members(self, members: dict[str, Member]) -> None:
+        listed = {member.address for member in members.values()}  # where calls go
         with self._lock:
-            for gone in set(self._dead) - set(members):
+            for gone in set(self._dead) - listed:
                 del self._dead[gone]  # it left: when it comes back, it is fresh
-            self._rebuild(set(members))
-        self._connect.forget(set(members))
+            self._rebuild(listed)
+        self._connect.forget(listed)
+
+    def _listed(self) -> set[str]:
+        return {member.address for member in self._membership.members().values()}
 
     def _rebuild(self, listed: set[str]) -> None:
         now = time.monotonic()
@@ -129,15 +138,17 @@ class ClusterClient(Closing):
         _log.warning("member %s failed (%s): its keys go to the next member", address, exc)
         with self._lock:
             self._dead[address] = time.monotonic()
-            self._rebuild(set(self._membership.members()))
+            self._rebuild(self._listed())
         self._connect.drop(address)
 
     def _owners(self, keys: Sequence[BlockKey], chain_start: int) -> list[tuple[int, list[str]]]:
         """Per key, how many copies it has and its members, best first: the copies, then
         one more (where a block placed before a join or a failure may be found)."""
+        if isinstance(chain_start, bool) or not isinstance(chain_start, int) or chain_start < 0:
+            raise ValueError(f"chain_start must be a non-negative int, got {chain_start!r}")
         with self._lock:
             if self._dead:
-                self._rebuild(set(self._membership.members()))
+                self._rebuild(self._listed())
             ring = self._ring
         order = ring.owners(keys, self.replicas + 1).tolist() if ring.members else []
         owners = []
@@ -193,30 +204,34 @@ class ClusterClient(Closing):
         checked = check_keys(keys)
         target = self._rows(out, len(checked), writable=True)
         found = np.empty_like(target)
-        candidates = [o for _, o in self._owners(checked, chain_start)]
-        left = list(range(len(checked)))
-        for attempt in range(max(map(len, candidates), default=0)):
-            groups = _group([candidates[i][attempt : attempt + 1] for i in left], left)
-            unasked = {i for i in left if len(candidates[i]) <= attempt}  # none left to ask
-            left = sorted(self._get_round(checked, found, groups) | unasked)
-            if not left:
-                break
+        ranks = _Ranks([o for _, o in self._owners(checked, chain_start)])
+        left = set(range(len(checked)))
+        while groups := ranks.next_round(left):
+            missing, bad = self._get_round(checked, found, groups)
+            ranks.avoid(bad)
+            left = missing | (left - {i for index in groups.values() for i in index})
         if left:
-            raise BlockNotFound([checked[i] for i in left])
+            raise BlockNotFound([checked[i] for i in sorted(left)])
         target[...] = found
 
     def _get_round(
         self, keys: Sequence[BlockKey], found: np.ndarray, groups: dict[str, list[int]]
-    ) -> set[int]:
-        """One parallel get per member into ``found``; the key indices still missing."""
+    ) -> tuple[set[int], set[str]]:
+        """One parallel get per member into ``found``; the key indices still missing, and
+        the members that failed or refused (not asked again in this call)."""
 
         def get(address: str, index: list[int]) -> set[int]:
             return self._connect.call(address, lambda c: _get_what_is_there(c, keys, index, found))
 
         missing: set[int] = set()
-        for _, index, result in self._fan_out(groups, get):
-            missing.update(index if isinstance(result, BaseException) else result)
-        return missing
+        bad: set[str] = set()
+        for address, index, result in self._fan_out(groups, get):
+            if isinstance(result, BaseException):
+                missing.update(index)
+                bad.add(address)
+            else:
+                missing.update(result)
+        return missing, bad
 
     def contains(self, keys: Sequence[bytes], *, chain_start: int = 0) -> list[bool]:
         """Per key, whether one of its members holds it (a parallel round per rank of
@@ -229,13 +244,14 @@ class ClusterClient(Closing):
             wanted = [checked[i] for i in index]
             return self._connect.call(address, lambda c: c.contains(wanted))
 
-        for attempt in range(max(map(len, candidates), default=0)):
-            left = [i for i in range(len(checked)) if not present[i]]
-            groups = _group([candidates[i][attempt : attempt + 1] for i in left], left)
-            for _, index, result in self._fan_out(groups, ask):
-                if not isinstance(result, BaseException):
-                    for i, p in zip(index, result, strict=True):
-                        present[i] = present[i] or p
+        ranks = _Ranks(candidates)
+        while groups := ranks.next_round({i for i, p in enumerate(present) if not p}):
+            for address, index, result in self._fan_out(groups, ask):
+                if isinstance(result, BaseException):
+                    ranks.avoid({address})
+                    continue
+                for i, p in zip(index, result, strict=True):
+                    present[i] = present[i] or p
         return present
 
     def match_prefix(self, keys: Sequence[bytes], *, chain_start: int = 0) -> int:
@@ -277,14 +293,24 @@ class ClusterClient(Closing):
         self, groups: dict[str, list[int]], work: Callable[[str, list[int]], _T]
     ) -> list[tuple[str, list[int], _T | BaseException]]:
         """Run ``work(member, key indices)`` for every member at once; a member that fails
-        is marked (its result is the exception); a refusal (StoreError) is raised."""
-        futures = {a: self._pool.submit(work, a, index) for a, index in groups.items()}
+        is marked, and a member that refuses (StoreError) is not; either way that part's
+        result is the exception, and the caller moves it to the next member."""
+        try:
+            futures = {a: self._pool.submit(work, a, index) for a, index in groups.items()}
+        except RuntimeError:  # the pool was shut down: close() ran
+            raise StoreClosed("the cluster client is closed") from None
+        # Every part is waited for, whatever happens to the others: a part still running
+        # could read the caller's buffer after this call returned.
+        concurrent.futures.wait(futures.values())
         results: list[tuple[str, list[int], _T | BaseException]] = []
         for address, future in futures.items():
             try:
                 results.append((address, groups[address], future.result()))
             except FAULTS as exc:
                 self._failed(address, exc)
+                results.append((address, groups[address], exc))
+            except StoreError as exc:  # refused (full, a lease ended): that part only
+                _log.info("member %s refused a part: %s: %s", address, type(exc).__name__, exc)
                 results.append((address, groups[address], exc))
         return results
 
@@ -299,6 +325,32 @@ def _group(
         for address in members:
             groups.setdefault(address, []).append(j if index is None else index[j])
     return groups
+
+
+class _Ranks:
+    """Which member to ask next for each key: its members in rank order, skipping those
+    that failed or refused earlier in the same call (each is asked at most once)."""
+
+    def __init__(self, candidates: list[list[str]]) -> None:
+        self._candidates = candidates
+        self._step = [0] * len(candidates)
+        self._avoid: set[str] = set()
+
+    def avoid(self, members: set[str]) -> None:
+        self._avoid |= members
+
+    def next_round(self, wanted: set[int]) -> dict[str, list[int]]:
+        """The next member of each wanted key, as key indices per member (empty: none left)."""
+        groups: dict[str, list[int]] = {}
+        for i in sorted(wanted):
+            row, step = self._candidates[i], self._step[i]
+            while step < len(row) and row[step] in self._avoid:
+                step += 1
+            if step < len(row):
+                groups.setdefault(row[step], []).append(i)
+                step += 1
+            self._step[i] = step
+        return groups
 
 
 def _get_what_is_there(

@@ -22,7 +22,14 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["EtcdError", "EtcdGateway", "EtcdUnavailable", "Watch", "WatchCompacted"]
+__all__ = [
+    "EtcdError",
+    "EtcdGateway",
+    "EtcdUnavailable",
+    "Watch",
+    "WatchCompacted",
+    "WatchIdle",
+]
 
 NOT_FOUND = 5
 """The gRPC code etcd answers for an unknown lease."""
@@ -43,6 +50,10 @@ class EtcdUnavailable(Exception):
 
 class WatchCompacted(Exception):
     """The watch's start revision was compacted away: list again, then watch."""
+
+
+class WatchIdle(Exception):
+    """Nothing came for the watch's idle timeout (a quiet cluster): list again, then watch."""
 
 
 def _b64(data: bytes) -> str:
@@ -81,9 +92,16 @@ class EtcdGateway:
         endpoints = []
         for part in url[len("etcd://") :].split(","):
             host, sep, port = part.rpartition(":")
-            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            host = host.strip("[]")
+            if (
+                not sep
+                or not host
+                or not all(c.isascii() and (c.isalnum() or c in ".-:") for c in host)
+                or not (port.isascii() and port.isdigit())
+                or not 0 < int(port) < 65536
+            ):
                 raise ValueError(f"{part!r} in {url!r} is not HOST:PORT")
-            endpoints.append((host.strip("[]"), int(port)))
+            endpoints.append((host, int(port)))
         gateway = cls(*endpoints[0], timeout=timeout)
         gateway.endpoints = endpoints
         return gateway
@@ -210,6 +228,9 @@ class Watch:
                     self._dispatch(json.loads(line))
             if not self._cancelled:
                 raise EtcdUnavailable(f"{gateway!r}: the watch stream ended")
+        except TimeoutError:
+            if not self._cancelled:
+                raise WatchIdle(f"{gateway!r}: nothing for {self._idle_timeout} s") from None
         except (OSError, http.client.HTTPException, ValueError) as exc:
             if not self._cancelled:
                 raise EtcdUnavailable(f"{gateway!r}: watch: {exc}") from exc

@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ._etcd import EtcdError, EtcdGateway, EtcdUnavailable, Watch, WatchCompacted
+from ._etcd import EtcdError, EtcdGateway, EtcdUnavailable, Watch, WatchCompacted, WatchIdle
 
 __all__ = ["Member", "Membership", "Registrar"]
 
@@ -45,15 +45,40 @@ class Member:
 
     @classmethod
     def from_record(cls, data: bytes) -> Member:
-        """Raises ``ValueError`` for a record that is not one of ours."""
+        """Raises ``ValueError`` for a record that is not one of ours (whatever is in it:
+        etcd's contents are not ours to trust)."""
         try:
+            if len(data) > MAX_RECORD_BYTES:
+                raise ValueError("too long")
             fields = json.loads(data)
-            member = cls(str(fields["name"]), str(fields["address"]), int(fields["capacity"]))
-        except (KeyError, TypeError, ValueError) as exc:
+            member = cls(fields["name"], fields["address"], fields["capacity"])
+        except Exception as exc:  # json and field access raise many kinds (deep nesting...)
             raise ValueError(f"not a member record: {data[:80]!r}") from exc
-        if not member.name or ":" not in member.address:
+        if not (
+            _word(member.name)
+            and _word(member.address)
+            and ":" in member.address
+            and isinstance(member.capacity, int)
+            and not isinstance(member.capacity, bool)
+            and 0 <= member.capacity < 2**63
+        ):
             raise ValueError(f"not a member record: {data[:80]!r}")
         return member
+
+
+MAX_RECORD_BYTES = 4096
+"""A member record is a small JSON map; anything longer is not one."""
+
+
+def _word(value: object) -> bool:
+    """A printable ASCII string without spaces, at most 256 characters (names, addresses)."""
+    return (
+        isinstance(value, str)
+        and 0 < len(value) <= 256
+        and value.isascii()
+        and value.isprintable()
+        and " " not in value
+    )
 
 
 class Registrar:
@@ -125,6 +150,7 @@ class Membership:
         self._watch: Watch | None = None
         self._stale = False
         self._next = 0  # the revision to watch from; 0: list first
+        self._warned: dict[bytes, bytes] = {}  # bad records already logged
         self._thread = threading.Thread(target=self._run, name="kvbridge-etcd-watch", daemon=True)
 
     def start(self) -> None:
@@ -157,7 +183,7 @@ class Membership:
                 if self._stop.is_set():
                     return
                 self._watch.run()
-            except WatchCompacted:
+            except (WatchCompacted, WatchIdle):  # list again, quietly
                 self._next = 0
             except (EtcdUnavailable, EtcdError) as exc:
                 if not self._stale:
@@ -192,7 +218,9 @@ class Membership:
             try:
                 member = Member.from_record(data)
             except ValueError as exc:
-                _log.warning("skipping %r: %s", key, exc)
+                if self._warned.get(key) != data:  # once per bad record, not per event
+                    self._warned[key] = data
+                    _log.warning("skipping %r: %s", key[:200], exc)
                 continue
             members[member.name] = member
         with self._lock:

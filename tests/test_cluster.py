@@ -21,7 +21,7 @@ from etcd_support import needs_etcd, until
 from helpers import payloads
 from serve import ServeProcess
 
-from kvbridge.store import BlockNotFound, ClusterClient, StoreClient, prefix_hashes
+from kvbridge.store import BlockNotFound, ClusterClient, StoreClient, StoreClosed, prefix_hashes
 from kvbridge.store._rendezvous import Rendezvous
 from kvbridge.tools._etcd_process import EtcdProcess
 
@@ -252,7 +252,48 @@ def test_etcd_stopped_leaves_clients_on_the_members_they_saw(
 
 
 def test_an_unreachable_etcd_is_a_connection_error() -> None:
-    with pytest.raises(ConnectionError, match="cannot reach etcd"):
+    with pytest.raises(ConnectionError, match="cannot read the cluster from etcd"):
         ClusterClient("etcd://127.0.0.1:1", block_bytes=BB)
     with pytest.raises(ValueError, match="not etcd://"):
         ClusterClient("http://127.0.0.1:1", block_bytes=BB)
+
+
+def test_a_member_that_refuses_is_skipped_and_nothing_is_stored_late() -> None:
+    """One member has no namespace slot left (another tenant holds its only one): it
+    refuses every call. Puts go to the next member and return normally; what the caller
+    writes into its buffer after put returned is never stored (a part still running after
+    a refusal used to read it); reads find every block."""
+    with EtcdProcess() as etcd:
+        full = _server(etcd)  # --max-namespaces 1
+        other = _server(etcd)
+        try:
+            with (
+                StoreClient(full.address, block_bytes=BB, namespace="tenant-a"),
+                _client(etcd, replicated_blocks=0) as client,
+            ):
+                until(lambda: len(client.members()) == 2)
+                chains = _chains(8, 16)
+                for chain in chains:
+                    buffer = payloads(chain, BB)
+                    client.put(chain, buffer)
+                    buffer[:] = 0xEE  # reused by the caller at once
+                out = np.zeros((16, BB), np.uint8)
+                for chain in chains:
+                    client.get(chain, out)
+                    assert (out == payloads(chain, BB)).all()
+        finally:
+            full.kill()
+            other.kill()
+
+
+def test_closing_while_a_call_runs_is_a_typed_error(
+    cluster: tuple[EtcdProcess, list[ServeProcess]],
+) -> None:
+    etcd, _ = cluster
+    client = _client(etcd)
+    until(lambda: len(client.members()) == 3)
+    client.close()
+    chain = _chains(1, 4)[0]
+    with pytest.raises(StoreClosed):
+        client.put(chain, payloads(chain, BB))
+    assert not [t for t in threading.enumerate() if t.name.startswith("kvbridge-cluster")]

@@ -104,6 +104,37 @@ def test_etcd_down_keeps_the_last_view_and_both_sides_recover(
         server.stop()
 
 
+@pytest.mark.parametrize(
+    "record",
+    [
+        b"{not json",
+        b'{"name": "x", "address": "127.0.0.1:1", "capacity": Infinity}',
+        b"[" * 200_000,
+        b'{"name": "\\ud800", "address": "127.0.0.1:1", "capacity": 1}',
+        b'{"name": "x", "address": "a b:1", "capacity": 1}',
+        b'{"name": "x", "address": "127.0.0.1:1", "capacity": -5}',
+    ],
+    ids=["junk", "infinity", "deep", "surrogate", "space", "negative"],
+)
+def test_a_hostile_record_is_skipped_and_the_view_keeps_working(
+    etcd: EtcdProcess, record: bytes
+) -> None:
+    gateway = _gateway(etcd)
+    gateway.put(PREFIX + b"bad", record)
+    view = Membership(gateway, PREFIX, retry_s=0.2)
+    view.start()  # a bad record neither stops a new view...
+    try:
+        assert view.members() == {}
+        later = _registrar(etcd, "ok")
+        later.start()
+        until(lambda: set(view.members()) == {"ok"})  # ...nor a running one
+        gateway.put(PREFIX + b"bad2", record)
+        later.stop()
+        until(lambda: view.members() == {})
+    finally:
+        view.stop()
+
+
 def test_a_record_that_does_not_parse_is_skipped(
     etcd: EtcdProcess, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -169,6 +200,14 @@ def test_serve_with_an_unreachable_etcd_is_one_line() -> None:
     assert "Traceback" not in done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("kvbridge serve: --cluster: cannot reach etcd") and "127.0.0.1:1" in last
+    empty = subprocess.run(
+        [sys.executable, "-m", "kvbridge", "serve", "--port", "0", "--cluster", ""],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert empty.returncode != 0 and "is not etcd://HOST:PORT" in empty.stderr
     bad = subprocess.run(
         [sys.executable, "-m", "kvbridge", "serve", "--port", "0", "--cluster", "http://x"],
         capture_output=True,

@@ -141,15 +141,17 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _join(args: argparse.Namespace, address: str, capacity: int) -> Registrar | None:
     """Register in the cluster named by ``--cluster`` (etcd is imported only then)."""
-    if not args.cluster:
+    if args.cluster is None:
         return None
     from kvbridge.store._cluster import join  # noqa: PLC0415 - only with --cluster
-    from kvbridge.store._etcd import EtcdUnavailable  # noqa: PLC0415
+    from kvbridge.store._etcd import EtcdError, EtcdUnavailable  # noqa: PLC0415
 
     try:
         return join(args.cluster, args.cluster_name, args.advertise or address, capacity)
     except EtcdUnavailable as exc:
         raise ConnectionError(f"cannot reach etcd: {exc}") from None
+    except EtcdError as exc:  # etcd answered, but refused (its auth, a bad request)
+        raise ConnectionError(f"etcd refused the registration: {exc}") from None
 
 
 def _stats(args: argparse.Namespace) -> int:
