@@ -1,8 +1,9 @@
 """How much of a trace's prefix hits land on the first blocks of a prompt, against how many
 distinct blocks those are: what choosing ``ClusterClient``'s ``replicated_blocks`` weighs.
 
-``python benches/replica_heads.py [TRACE.jsonl ...]`` (default: the two Mooncake traces in
-``../shared/traces``). A block is a hit when an earlier request had the same hash id.
+``python benches/replica_heads.py TRACE.jsonl [...]``: Mooncake-format traces (JSON lines
+with ``hash_ids``, as in Mooncake's ``FAST25-release/traces``). A block is a hit when an
+earlier request had the same hash id.
 """
 
 from __future__ import annotations
@@ -11,8 +12,6 @@ import collections
 import json
 import sys
 from pathlib import Path
-
-DEFAULT = Path(__file__).resolve().parents[2] / "shared" / "traces"
 
 
 def heads(path: Path, lengths: tuple[int, ...] = (1, 2, 4, 8, 16)) -> list[str]:
@@ -38,6 +37,7 @@ def heads(path: Path, lengths: tuple[int, ...] = (1, 2, 4, 8, 16)) -> list[str]:
 
 
 if __name__ == "__main__":
-    paths = [Path(p) for p in sys.argv[1:]] or sorted(DEFAULT.glob("*.jsonl"))
-    for trace in paths:
+    if len(sys.argv) < 2:
+        sys.exit("usage: python benches/replica_heads.py TRACE.jsonl [...]")
+    for trace in map(Path, sys.argv[1:]):
         print("\n".join(heads(trace)))

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Container, Iterator, Sequence
 
 from ._keys import BlockKey
-from ._policy import EvictionPolicy
+from ._policy import EvictionPolicy, insert_all
 
 
 class HeldOrder:
@@ -33,12 +33,7 @@ class HeldOrder:
 
     def insert_many(self, keys: Sequence[BlockKey]) -> None:
         """:meth:`insert` of each key, in one call where the policy has ``insert_many``."""
-        bulk = getattr(self.policy, "insert_many", None)
-        if bulk is None:
-            for key in keys:
-                self.policy.insert(key)
-        else:
-            bulk(keys)
+        insert_all(self.policy, keys)
         pinned = self._pinned
         if len(pinned):  # type: ignore[arg-type]  # a PinTable, or any sized container
             for key in [key for key in keys if key in pinned]:

@@ -198,6 +198,17 @@ POLICIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": LRU, "fifo": FIFO, "
 _METHODS = ("insert", "touch", "remove", "hold", "release", "candidates", "ranking")
 
 
+def insert_all(policy: EvictionPolicy, keys: Sequence[BlockKey]) -> None:
+    """``policy.insert`` of each key in order, in one call where the policy has
+    ``insert_many`` (an optional bulk form; custom policies need not have it)."""
+    bulk = getattr(policy, "insert_many", None)
+    if bulk is not None:
+        bulk(keys)
+        return
+    for key in keys:
+        policy.insert(key)
+
+
 def check_policy(policy: EvictionPolicy) -> EvictionPolicy:
     """``policy`` if it has every method of :class:`EvictionPolicy`, else ``TypeError``."""
     lacking = [m for m in _METHODS if not callable(getattr(policy, m, None))]

@@ -8,7 +8,7 @@ from collections.abc import Container, Iterator, Sequence
 
 from ._buffers import BlockArray, copy_into
 from ._keys import BlockKey
-from ._policy import EvictionPolicy
+from ._policy import EvictionPolicy, insert_all
 from ._slab import SlotMemory
 from ._tier import BlockReader
 
@@ -85,12 +85,7 @@ class SlotTier:
         free = self._free
         slots = [free.popleft() for _ in keys]
         self._slot_of.update(zip(keys, slots, strict=True))
-        insert_many = getattr(self.policy, "insert_many", None)
-        if insert_many is not None:
-            insert_many(keys)
-        else:
-            for key in keys:
-                self.policy.insert(key)
+        insert_all(self.policy, keys)
         return slots
 
     def delete(self, key: BlockKey) -> None:

@@ -179,43 +179,25 @@ def test_servers_join_with_their_address_and_leave_on_sigterm_or_by_expiry(
         two.kill()
 
 
-def test_serve_with_an_unreachable_etcd_is_one_line() -> None:
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvbridge",
-            "serve",
-            "--port",
-            "0",
-            "--cluster",
-            "etcd://127.0.0.1:1",
-        ],
+def _serve_cluster(url: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvbridge", "serve", "--port", "0", "--cluster", url],
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
     )
+
+
+def test_serve_with_an_unreachable_etcd_is_one_line() -> None:
+    done = _serve_cluster("etcd://127.0.0.1:1")
     assert done.returncode != 0
     assert "Traceback" not in done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("kvbridge serve: --cluster: cannot reach etcd") and "127.0.0.1:1" in last
-    empty = subprocess.run(
-        [sys.executable, "-m", "kvbridge", "serve", "--port", "0", "--cluster", ""],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert empty.returncode != 0 and "is not etcd://HOST:PORT" in empty.stderr
-    bad = subprocess.run(
-        [sys.executable, "-m", "kvbridge", "serve", "--port", "0", "--cluster", "http://x"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert bad.returncode != 0 and "is not etcd://HOST:PORT" in bad.stderr
+    for url in ("", "http://x"):
+        bad = _serve_cluster(url)
+        assert bad.returncode != 0 and "is not etcd://HOST:PORT" in bad.stderr
 
 
 def test_a_replaced_etcd_gets_the_records_back_without_a_restart(etcd: EtcdProcess) -> None:

@@ -16,7 +16,6 @@ import argparse
 import itertools
 import json
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -29,7 +28,15 @@ import numpy as np
 from kvbridge.store import parse_size
 from kvbridge.transfer import OP_DTYPE, Peer, TransferEngine, ucx_available
 
-from ._bench_wire import RAW_HEADER, TOTAL, read_ready, shuffled_offsets, stop_target, target_argv
+from ._bench_wire import (
+    RAW_HEADER,
+    TOTAL,
+    read_ready,
+    shuffled_offsets,
+    start_target,
+    stop_target,
+    target_argv,
+)
 
 
 @dataclass(frozen=True)
@@ -100,12 +107,7 @@ def bench(
     *,
     progress: bool = True,
 ) -> list[BenchRow]:
-    target = subprocess.Popen(
-        target_argv("2", ",".join(transports)),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    target = start_target(target_argv("2", ",".join(transports)))
     rows: list[BenchRow] = []
     try:
         assert target.stdout is not None

@@ -44,6 +44,18 @@ def target_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "kvbridge.tools._bench_target", *args]
 
 
+def start_target(argv: list[str], *, quiet: bool = False) -> subprocess.Popen[str]:
+    """Start a target (``argv``: :func:`target_argv`, maybe wrapped to run elsewhere) with
+    pipes on stdin, to stop it, and stdout, for :func:`read_ready`; ``quiet`` drops stderr."""
+    return subprocess.Popen(
+        argv,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL if quiet else None,
+        text=True,
+    )
+
+
 def stop_target(target: subprocess.Popen[str]) -> None:
     """Close the target's stdin (its signal to stop) and wait for it; kill it if stuck."""
     if target.stdin is not None:

@@ -3,7 +3,6 @@ many streams as the transfer engine opens to a peer, ``sendall`` of 1 MiB blocks
 
 from __future__ import annotations
 
-import subprocess
 import time
 
 import numpy as np
@@ -11,7 +10,7 @@ import numpy as np
 from kvbridge.transfer import TransferSettings
 
 from ._bench import RawLink
-from ._bench_wire import TOTAL, read_ready, stop_target, target_argv
+from ._bench_wire import TOTAL, read_ready, start_target, stop_target, target_argv
 
 _BLOCK = 1 << 20
 _BATCH = 64
@@ -25,13 +24,7 @@ def link_speed(streams: int | None = None, seconds: float = 1.0) -> float:
     Raises ``OSError`` or ``RuntimeError`` when the sink cannot be started or drops a stream.
     """
     streams = TransferSettings().streams if streams is None else streams
-    sink = subprocess.Popen(
-        target_argv(str(streams), "tcp"),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
+    sink = start_target(target_argv(str(streams), "tcp"), quiet=True)
     try:
         assert sink.stdout is not None
         _, port = read_ready(sink.stdout)

@@ -19,7 +19,7 @@ import subprocess
 import sys
 from typing import Any
 
-from ._bench_wire import read_ready, stop_target, target_argv
+from ._bench_wire import read_ready, start_target, stop_target, target_argv
 from ._models import PRESETS
 from ._netns import NetnsUnavailable, ShapedLink, available, remove_stale
 
@@ -91,12 +91,7 @@ def _measure(
 ) -> dict[str, Any]:
     host = link.addresses[1] if link else "127.0.0.1"
     argv = target_argv("2", "tcp", host)
-    target = subprocess.Popen(
-        link.command(1, argv) if link else argv,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    target = start_target(link.command(1, argv) if link else argv)
     try:
         assert target.stdout is not None
         metadata_hex, port = read_ready(target.stdout)
