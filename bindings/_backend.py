@@ -2,9 +2,10 @@
 worker runs for itself, ``_embedded``).
 
 A backend answers: how many leading keys are present (``lookup``), keep these from
-eviction until loaded (``pin``/``unpin``), and move pages between the engine's KV cache and
-the store (``load``, ``save``): zero-copy batched ops between the registered KV cache and
-the server's slots, one op per (layer, block) page.
+eviction until loaded (``pin``/``unpin``), and move blocks between the engine's memory and
+the store (``load``, ``save``): zero-copy batched ops between the registered memory and
+the server's slots, one op per segment of a block (a vLLM page, an SGLang K or V half).
+``get``/``put`` move blocks through buffers the engine hands over per call instead.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import numpy as np
 from .._closing import Closing
 from ..store import BlockKey, StoreClient
 from ..transfer import Region
-from ._pages import LayoutError, PagedKV
+from ._pages import LayoutError, PageLayout
 
 
 class Backend(Protocol):
@@ -29,14 +30,22 @@ class Backend(Protocol):
 
     def unpin(self, hold: object) -> None: ...
 
-    def attach(self, kv: PagedKV) -> None:
-        """The KV cache that ``load`` and ``save`` move pages of (worker side)."""
+    def attach(self, memory: PageLayout) -> None:
+        """The engine memory that ``load`` and ``save`` move blocks of (worker side)."""
 
-    def load(self, keys: Sequence[BlockKey], block_ids: Sequence[int]) -> None:
-        """Fill the blocks with the stored pages; raises when any cannot be loaded."""
+    def load(self, keys: Sequence[BlockKey], offsets: np.ndarray) -> None:
+        """Fill the blocks (``memory.offsets`` of them) with the stored ones; raises when
+        any cannot be loaded."""
 
-    def save(self, keys: Sequence[BlockKey], block_ids: Sequence[int]) -> int:
+    def save(self, keys: Sequence[BlockKey], offsets: np.ndarray) -> int:
         """Store the blocks (keys already present are skipped); returns how many moved."""
+
+    def get(self, keys: Sequence[BlockKey], out: Sequence[Any]) -> None:
+        """Fill one ``block_bytes`` buffer per key (a copying path, for engines that hand
+        over buffers of their own); raises when any cannot be loaded."""
+
+    def put(self, keys: Sequence[BlockKey], blocks: Sequence[Any]) -> int:
+        """Store one ``block_bytes`` buffer per key; returns how many moved."""
 
     def close(self) -> None: ...
 
@@ -51,7 +60,6 @@ class ServerBackend(Closing):
             address, block_bytes=block_bytes, namespace=namespace, secret=secret, timeout=timeout
         )
         self._lock = threading.Lock()  # one call at a time on the client's control channel
-        self._kv: PagedKV | None = None
         self._regions: list[Region] = []
 
     def lookup(self, keys: Sequence[BlockKey]) -> int:
@@ -80,22 +88,28 @@ class ServerBackend(Closing):
             for lease in hold:
                 self._client.release(lease)
 
-    def attach(self, kv: PagedKV) -> None:
-        for layer, page in enumerate(kv.pages):
-            if not getattr(page, "flags", {"C_CONTIGUOUS": False})["C_CONTIGUOUS"]:
-                raise LayoutError(f"layer {layer}: blocks are not adjacent in memory")
-        self._kv = kv
-        self._regions = [self._client.register(page) for page in kv.pages]
+    def attach(self, memory: PageLayout) -> None:
+        for i, buffer in enumerate(memory.buffers):
+            if not getattr(buffer, "flags", {"C_CONTIGUOUS": False})["C_CONTIGUOUS"]:
+                raise LayoutError(f"buffer {i}: not one run of bytes")
+        registered = [self._client.register(buffer) for buffer in memory.buffers]
+        self._regions = [registered[i] for i in memory.segment_buffer]
 
-    def load(self, keys: Sequence[BlockKey], block_ids: Sequence[int]) -> None:
-        offsets = self._offsets(block_ids)
+    def load(self, keys: Sequence[BlockKey], offsets: np.ndarray) -> None:
         with self._lock:
-            self._client.get_pages(keys, self._regions, offsets)
+            self._client.get_pages(keys, self._attached(), offsets)
 
-    def save(self, keys: Sequence[BlockKey], block_ids: Sequence[int]) -> int:
-        offsets = self._offsets(block_ids)
+    def save(self, keys: Sequence[BlockKey], offsets: np.ndarray) -> int:
         with self._lock:
-            return sum(self._client.put_pages(keys, self._regions, offsets))
+            return sum(self._client.put_pages(keys, self._attached(), offsets))
+
+    def get(self, keys: Sequence[BlockKey], out: Sequence[Any]) -> None:
+        with self._lock:
+            self._client.get(keys, out)
+
+    def put(self, keys: Sequence[BlockKey], blocks: Sequence[Any]) -> int:
+        with self._lock:
+            return sum(self._client.put(keys, blocks))
 
     def server_stats(self) -> dict[str, Any]:
         with self._lock:
@@ -104,9 +118,7 @@ class ServerBackend(Closing):
     def close(self) -> None:
         self._client.close()
 
-    def _offsets(self, block_ids: Sequence[int]) -> np.ndarray:
-        kv = self._kv
-        if kv is None:
-            raise LayoutError("no KV cache attached")
-        ids = kv.check(block_ids)
-        return np.repeat((ids * kv.page_bytes)[:, None], kv.layers, axis=1)
+    def _attached(self) -> list[Region]:
+        if not self._regions:
+            raise LayoutError("no engine memory attached")
+        return self._regions

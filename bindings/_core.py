@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from .._closing import Closing
 from ..store import BlockKey, CacheServer, StoreError, prefix_hashes
@@ -24,7 +25,7 @@ from ._backend import Backend, ServerBackend
 from ._config import ConnectorConfig
 from ._embedded import embedded_server
 from ._jobs import SaveJob, Saver
-from ._pages import PagedKV
+from ._pages import LayoutError, PageLayout
 from ._stats import ConnectorStats
 
 _log = logging.getLogger("kvbridge.bindings")
@@ -81,6 +82,7 @@ class ConnectorCore(Closing):
         self._quiet_until = 0.0
         """Until then, faults are counted but not logged again."""
         self._lock = threading.Lock()
+        self._memory: PageLayout | None = None
         self._backend: Backend | None = None
         self._embedded: CacheServer | None = None
         if config.server is not None:
@@ -114,6 +116,16 @@ class ConnectorCore(Closing):
         """One key per full block of ``token_ids``, chained from the first token;
         ``extra`` (an adapter, a cache salt) is mixed into every one."""
         return prefix_hashes(token_ids, self.block_tokens, namespace=self.namespace, extra=extra)
+
+    def named(self, names: Sequence[str]) -> list[BlockKey]:
+        """Keys for blocks the engine names itself (SGLang's page hashes): a keyed hash of
+        each name under this namespace, so that the same name in another namespace is
+        another key."""
+        secret = hashlib.blake2b(self.namespace, digest_size=32).digest()
+        return [
+            BlockKey(hashlib.blake2b(name.encode(), key=secret, digest_size=32).digest())
+            for name in names
+        ]
 
     def lookup(self, keys: Sequence[BlockKey]) -> int:
         """How many leading blocks can be loaded now (0 while the store is unreachable)."""
@@ -156,35 +168,81 @@ class ConnectorCore(Closing):
 
     # -- loads and saves (the worker's side) ----------------------------------------------
 
-    def attach(self, kv: PagedKV) -> None:
-        """The engine's KV cache; its blocks must be the identity's size."""
-        if kv.block_bytes != self.identity.block_bytes:
+    def attach(self, memory: PageLayout) -> None:
+        """The engine's memory that loads and saves move blocks of; its blocks must be the
+        identity's size."""
+        if memory.block_bytes != self.identity.block_bytes:
             raise ValueError(
-                f"the KV cache has {kv.block_bytes}-byte blocks ({kv.layers} layers of "
-                f"{kv.page_bytes}), the engine's config says {self.identity.block_bytes}"
+                f"the engine's memory has {memory.block_bytes}-byte blocks, "
+                f"its config says {self.identity.block_bytes}"
             )
         if self._backend is None:
-            raise RuntimeError("no cache server to attach the KV cache to")
-        self._backend.attach(kv)
+            raise RuntimeError("no cache server to attach the engine's memory to")
+        self._backend.attach(memory)
+        self._memory = memory
 
-    def load(self, keys: Sequence[BlockKey], block_ids: Sequence[int]) -> bool:
-        """Fill the blocks now; False (keys remembered as failed) when they cannot be."""
+    def load(self, keys: Sequence[BlockKey], at: Any) -> bool:
+        """Fill the blocks at ``at`` (block ids, host indices: what the attached memory's
+        ``offsets`` takes) now; False (keys remembered as failed) when they cannot be."""
+        return self.load_leading(keys, at, partial=False) == len(keys)
+
+    def load_leading(self, keys: Sequence[BlockKey], at: Any, *, partial: bool = True) -> int:
+        """Load as many leading blocks as the store holds; returns how many were loaded.
+        Raises :class:`LayoutError` (nothing moved) when ``at`` is outside the memory."""
         if not keys:
-            return True
+            return 0
+        offsets = self._offsets(keys, at)
         started = time.perf_counter()
+        count = len(keys)
         try:
             if not self._up():
                 raise TimeoutError("the store was unreachable a moment ago")
-            self._store().load(keys, block_ids)
+            try:
+                self._store().load(keys, offsets)
+            except LookupError:  # a block is gone: load the ones before it
+                if not partial:
+                    raise
+                count = self._store().lookup(keys)
+                self._store().load(keys[:count], offsets[:count])
         except FAULTS as exc:
             self.mark_failed(keys)
             self.stats.load_failed(len(keys) * self.block_tokens)
             self._fault("load", exc)
-            return False
-        self.stats.loaded(
-            len(keys) * self.block_tokens, len(keys) * self.identity.block_bytes, started
-        )
-        return True
+            return 0
+        self.stats.loaded(count * self.block_tokens, count * self.identity.block_bytes, started)
+        return count
+
+    def save(self, keys: Sequence[BlockKey], at: Any) -> bool:
+        """Store the blocks at ``at`` now (those the store holds already are not sent);
+        False when the store failed. Raises :class:`LayoutError` for a bad ``at``."""
+        if not keys:
+            return True
+        offsets = self._offsets(keys, at)
+        return self._saved(keys, lambda store: store.save(keys, offsets))
+
+    def get(self, keys: Sequence[BlockKey], out: Sequence[Any]) -> int:
+        """The copying twin of :meth:`load_leading`: fill one ``block_bytes`` buffer per
+        key; returns how many leading buffers were filled."""
+        if not keys or not self._up():
+            return 0
+        started = time.perf_counter()
+        count = len(keys)
+        try:
+            try:
+                self._store().get(keys, out)
+            except LookupError:
+                count = self._store().lookup(keys)
+                self._store().get(keys[:count], out[:count])
+        except FAULTS as exc:
+            self.stats.load_failed(len(keys) * self.block_tokens)
+            self._fault("get", exc)
+            return 0
+        self.stats.loaded(count * self.block_tokens, count * self.identity.block_bytes, started)
+        return count
+
+    def put(self, keys: Sequence[BlockKey], blocks: Sequence[Any]) -> bool:
+        """The copying twin of :meth:`save`: one ``block_bytes`` buffer per key."""
+        return not keys or self._saved(keys, lambda store: store.put(keys, blocks))
 
     def save_later(self, jobs: Sequence[SaveJob]) -> None:
         """Queue saves; the engine keeps their source blocks until :meth:`saving` is False."""
@@ -213,19 +271,28 @@ class ConnectorCore(Closing):
     # -- internals --------------------------------------------------------------------------
 
     def _run_save(self, job: SaveJob) -> None:
-        if not self._up():
+        if not self.save(job.keys, job.block_ids):
             self.stats.save_skipped(len(job.keys))
-            return
+
+    def _saved(self, keys: Sequence[BlockKey], store: Callable[[Backend], int]) -> bool:
+        if not self._up():
+            return False
         started = time.perf_counter()
         try:
-            moved = self._store().save(job.keys, job.block_ids)
+            moved = store(self._store())
         except FAULTS as exc:
             self._fault("save", exc)
-            self.stats.save_skipped(len(job.keys))
-            return
-        self.stats.saved(
-            len(job.keys) * self.block_tokens, moved * self.identity.block_bytes, started
-        )
+            return False
+        self.stats.saved(len(keys) * self.block_tokens, moved * self.identity.block_bytes, started)
+        return True
+
+    def _offsets(self, keys: Sequence[BlockKey], at: Any) -> Any:
+        if self._memory is None:
+            raise LayoutError("no engine memory attached")
+        offsets = self._memory.offsets(at)
+        if len(offsets) != len(keys):
+            raise LayoutError(f"{len(keys)} key(s) for {len(offsets)} block(s)")
+        return offsets
 
     def _usable(self, keys: Sequence[BlockKey]) -> int:
         with self._lock:

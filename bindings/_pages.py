@@ -4,13 +4,16 @@ A page is one (layer, block) of the engine's cache: opaque bytes, never reinterp
 (inside a page, vLLM's CPU backend keeps all K rows of a head before its V rows, the GPU
 backends interleave them per token; moving whole pages as bytes is right for both). One
 kvbridge block is one engine block across all layers: ``layers`` pages, in layer order.
+
+Any engine memory that a connector moves blocks of is a :class:`PageLayout`: buffers to
+register once, and for a batch of blocks where each of their equal segments lies.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -20,6 +23,27 @@ from ..transfer._device import is_device
 class LayoutError(ValueError):
     """The engine's KV cache cannot be moved as pages (layers disagree, or a layer's
     blocks are not whole runs of bytes)."""
+
+
+class PageLayout(Protocol):
+    """Where a batch of blocks lies in an engine's memory: each block is ``segments``
+    equal parts, part ``s`` in ``buffers[segment_buffer[s]]``."""
+
+    @property
+    def buffers(self) -> tuple[Any, ...]:
+        """The memory to register, each a C-contiguous uint8 array (numpy or cupy)."""
+
+    @property
+    def segment_buffer(self) -> tuple[int, ...]:
+        """Per segment, the index in :attr:`buffers` that holds it."""
+
+    @property
+    def block_bytes(self) -> int: ...
+
+    def offsets(self, at: Any) -> np.ndarray:
+        """For the blocks at ``at`` (the engine's way of naming them), the byte offset of
+        each segment in its buffer, shape ``(blocks, segments)``. Raises
+        :class:`LayoutError` for a position outside the memory, changing nothing."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +84,19 @@ class PagedKV:
     @property
     def on_device(self) -> bool:
         return is_device(self.pages[0])
+
+    @property
+    def buffers(self) -> tuple[Any, ...]:
+        return self.pages
+
+    @property
+    def segment_buffer(self) -> tuple[int, ...]:
+        return tuple(range(self.layers))
+
+    def offsets(self, at: Any) -> np.ndarray:
+        """``at``: block ids; a block's page in every layer is at ``id * page_bytes``."""
+        ids = self.check(at)
+        return np.repeat((ids * self.page_bytes)[:, None], self.layers, axis=1)
 
     def check(self, block_ids: Sequence[int]) -> np.ndarray:
         """``block_ids`` as an index array; raises :class:`LayoutError` outside the cache."""
