@@ -12,7 +12,8 @@
 from __future__ import annotations
 
 from ._config import ConnectorConfig
-from ._core import ConnectorCore, Identity
+from ._core import ConnectorCore
+from ._identity import Identity
 from ._jobs import SaveJob
 from ._pages import LayoutError, PagedKV, pages_of
 from ._stats import ConnectorStats

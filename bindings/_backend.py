@@ -10,8 +10,10 @@ the server's slots, one op per segment of a block (a vLLM page, an SGLang K or V
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -51,32 +53,55 @@ class Backend(Protocol):
 
 
 class ServerBackend(Closing):
-    """Blocks in a cache server, one namespace per model layout."""
+    """Blocks in a cache server, one namespace per model layout.
+
+    ``connections`` clients (each its own control channel and streams) let that many
+    threads call at once: an engine whose lookups must not wait behind a large save (SGLang
+    looks up, loads and saves on three threads) asks for more than one. Pins use the first.
+    """
 
     def __init__(
-        self, address: str, secret: bytes | None, namespace: bytes, block_bytes: int, timeout: float
+        self,
+        address: str,
+        secret: bytes | None,
+        namespace: bytes,
+        block_bytes: int,
+        timeout: float,
+        *,
+        connections: int = 1,
     ) -> None:
-        self._client = StoreClient(
-            address, block_bytes=block_bytes, namespace=namespace, secret=secret, timeout=timeout
-        )
-        self._lock = threading.Lock()  # one call at a time on the client's control channel
-        self._regions: list[Region] = []
+        self._lanes: list[_Lane] = []
+        try:
+            for _ in range(connections):
+                client = StoreClient(
+                    address,
+                    block_bytes=block_bytes,
+                    namespace=namespace,
+                    secret=secret,
+                    timeout=timeout,
+                )
+                self._lanes.append(_Lane(client))
+        except BaseException:
+            self.close()
+            raise
+        self._turn = itertools.count()
 
     def lookup(self, keys: Sequence[BlockKey]) -> int:
-        with self._lock:
-            return self._client.match_prefix(keys)
+        with self._lane() as lane:
+            return lane.client.match_prefix(keys)
 
     def pin(self, keys: Sequence[BlockKey]) -> object | None:
         """One lease per request-sized chunk (a server bounds what one request pins)."""
         leases: list[int] = []
-        with self._lock:
-            step = self._client.request_keys
+        lane = self._lanes[0]  # a lease belongs to the session that took it
+        with lane.lock:
+            step = lane.client.request_keys
             try:
                 for start in range(0, len(keys), step):
-                    leases.append(self._client.pin(keys[start : start + step]))
+                    leases.append(lane.client.pin(keys[start : start + step]))
             except BaseException as exc:
                 for lease in leases:  # all or nothing
-                    self._client.release(lease)
+                    lane.client.release(lease)
                 if isinstance(exc, LookupError):  # BlockNotFound: evicted since the lookup
                     return None
                 raise
@@ -84,41 +109,68 @@ class ServerBackend(Closing):
 
     def unpin(self, hold: object) -> None:
         assert isinstance(hold, list)
-        with self._lock:
+        lane = self._lanes[0]
+        with lane.lock:
             for lease in hold:
-                self._client.release(lease)
+                lane.client.release(lease)
 
     def attach(self, memory: PageLayout) -> None:
         for i, buffer in enumerate(memory.buffers):
             if not getattr(buffer, "flags", {"C_CONTIGUOUS": False})["C_CONTIGUOUS"]:
                 raise LayoutError(f"buffer {i}: not one run of bytes")
-        registered = [self._client.register(buffer) for buffer in memory.buffers]
-        self._regions = [registered[i] for i in memory.segment_buffer]
+        for lane in self._lanes:
+            with lane.lock:
+                registered = [lane.client.register(buffer) for buffer in memory.buffers]
+                lane.regions = [registered[i] for i in memory.segment_buffer]
 
     def load(self, keys: Sequence[BlockKey], offsets: np.ndarray) -> None:
-        with self._lock:
-            self._client.get_pages(keys, self._attached(), offsets)
+        with self._lane() as lane:
+            lane.client.get_pages(keys, lane.attached(), offsets)
 
     def save(self, keys: Sequence[BlockKey], offsets: np.ndarray) -> int:
-        with self._lock:
-            return sum(self._client.put_pages(keys, self._attached(), offsets))
+        with self._lane() as lane:
+            return sum(lane.client.put_pages(keys, lane.attached(), offsets))
 
     def get(self, keys: Sequence[BlockKey], out: Sequence[Any]) -> None:
-        with self._lock:
-            self._client.get(keys, out)
+        with self._lane() as lane:
+            lane.client.get(keys, out)
 
     def put(self, keys: Sequence[BlockKey], blocks: Sequence[Any]) -> int:
-        with self._lock:
-            return sum(self._client.put(keys, blocks))
+        with self._lane() as lane:
+            return sum(lane.client.put(keys, blocks))
 
     def server_stats(self) -> dict[str, Any]:
-        with self._lock:
-            return self._client.server_stats()
+        with self._lane() as lane:
+            return lane.client.server_stats()
 
     def close(self) -> None:
-        self._client.close()
+        for lane in self._lanes:
+            lane.client.close()
 
-    def _attached(self) -> list[Region]:
-        if not self._regions:
+    @contextlib.contextmanager
+    def _lane(self) -> Iterator[_Lane]:
+        """A free client if there is one, else wait for one (taken in turn)."""
+        for lane in self._lanes:
+            if lane.lock.acquire(blocking=False):
+                break
+        else:
+            lane = self._lanes[next(self._turn) % len(self._lanes)]
+            lane.lock.acquire()
+        try:
+            yield lane
+        finally:
+            lane.lock.release()
+
+
+class _Lane:
+    """One client and the engine memory registered with it; one call at a time."""
+
+    def __init__(self, client: StoreClient) -> None:
+        self.client = client
+        self.lock = threading.Lock()
+        self.regions: list[Region] = []
+
+    def attached(self) -> list[Region]:
+        if not self.regions:
             raise LayoutError("no engine memory attached")
-        return self._regions
+        return self.regions

@@ -15,7 +15,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from .._closing import Closing
@@ -24,6 +23,7 @@ from ..transfer import TransferError
 from ._backend import Backend, ServerBackend
 from ._config import ConnectorConfig
 from ._embedded import embedded_server
+from ._identity import Identity
 from ._jobs import SaveJob, Saver
 from ._pages import LayoutError, PageLayout
 from ._stats import ConnectorStats
@@ -37,29 +37,6 @@ FAULTS = (StoreError, TransferError, OSError, TimeoutError)
 """What a store call may raise that is the store's fault, not the engine's."""
 
 
-@dataclass(frozen=True)
-class Identity:
-    """What the bytes of a block mean: two engines share blocks only when all of it is
-    equal (the namespace is derived from it, and the keys from the namespace)."""
-
-    engine: str
-    model: str
-    dtype: str
-    layout: str
-    block_tokens: int
-    block_bytes: int
-    shard: str
-    extra: str = ""
-
-    def namespace(self) -> bytes:
-        """``engine/model/digest``: readable, at most 256 bytes, and different whenever any
-        field is."""
-        text = "|".join(str(v) for v in self.__dict__.values())
-        digest = hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
-        model = self.model.rstrip("/").rsplit("/", 1)[-1][:96]
-        return f"{self.engine}/{model}/{digest}".encode()
-
-
 class ConnectorCore(Closing):
     """One side (lookups, or loads and saves) of a connector over one store."""
 
@@ -69,9 +46,13 @@ class ConnectorCore(Closing):
         identity: Identity,
         *,
         saves: bool = False,
+        connections: int = 1,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``saves``: run :meth:`save_later` jobs on a thread of its own; ``connections``:
+        how many threads may call the store at once (see :class:`ServerBackend`)."""
         self.config = config
+        self._connections = connections
         self.identity = identity
         self.namespace = identity.namespace()
         self.block_tokens = identity.block_tokens
@@ -95,7 +76,12 @@ class ConnectorCore(Closing):
         """Use the cache server at ``address`` (the configured one, or the one the engine's
         worker runs: see :meth:`host`)."""
         backend = ServerBackend(
-            address, secret, self.namespace, self.identity.block_bytes, self.config.timeout
+            address,
+            secret,
+            self.namespace,
+            self.identity.block_bytes,
+            self.config.timeout,
+            connections=self._connections,
         )
         old, self._backend = self._backend, backend
         if old is not None:
@@ -121,6 +107,8 @@ class ConnectorCore(Closing):
         """Keys for blocks the engine names itself (SGLang's page hashes): a keyed hash of
         each name under this namespace, so that the same name in another namespace is
         another key."""
+        if not all(isinstance(name, str) for name in names):
+            raise TypeError("block names must be strings")
         secret = hashlib.blake2b(self.namespace, digest_size=32).digest()
         return [
             BlockKey(hashlib.blake2b(name.encode(), key=secret, digest_size=32).digest())

@@ -16,8 +16,6 @@ vLLM's calls: ``docs/VLLM.md``.
 
 from __future__ import annotations
 
-import hashlib
-from pathlib import Path
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -27,7 +25,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ._config import ConnectorConfig
-from ._core import ConnectorCore, Identity
+from ._core import ConnectorCore
+from ._identity import Identity, model_identity
 from ._vllm_meta import Handshake, KVBridgeStats, StepMeta, WorkerReport
 from ._vllm_metrics import KVBridgePromMetrics
 from ._vllm_scheduler import SchedulerSide
@@ -192,7 +191,7 @@ def _identity(
 
     return Identity(
         engine="vllm-0.32",
-        model=_model_identity(model.model, model.revision),
+        model=model_identity(model.model, model.revision),
         dtype=str(spec.dtype),
         layout=f"{current_platform.device_type}/{type(spec).__name__}/"
         f"{spec.num_kv_heads}x{spec.head_size}/{layers}",
@@ -201,25 +200,3 @@ def _identity(
         shard=f"tp{rank}/{parallel.tensor_parallel_size},pp{parallel.pipeline_parallel_size}",
         extra=config.namespace,
     )
-
-
-def _model_identity(model: str, revision: str | None) -> str:
-    """A hub id with its revision; a local directory by its name and a digest of its files'
-    names, sizes and first and last 64 KiB (the same on every machine that has a copy, and
-    new weights at the same path make a new namespace)."""
-    path = Path(model)
-    if not path.is_dir():
-        return f"{model}@{revision or ''}"
-    digest = hashlib.blake2b(digest_size=12)
-    for entry in sorted(p for p in path.iterdir() if p.is_file()):
-        size = entry.stat().st_size
-        digest.update(f"{entry.name}:{size}\n".encode())
-        with entry.open("rb") as f:
-            digest.update(f.read(_SAMPLE))
-            if size > _SAMPLE:
-                f.seek(max(size - _SAMPLE, _SAMPLE))
-                digest.update(f.read(_SAMPLE))
-    return f"{path.resolve().name}#{digest.hexdigest()}"
-
-
-_SAMPLE = 64 << 10

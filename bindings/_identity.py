@@ -1,0 +1,54 @@
+"""What the bytes of a block mean, and so which blocks two engines may share: an
+:class:`Identity` names the engine, model, dtype, layout, block size and shard; its
+namespace on the server is derived from all of it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+_SAMPLE = 64 << 10
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What the bytes of a block mean: two engines share blocks only when all of it is
+    equal (the namespace is derived from it, and the keys from the namespace)."""
+
+    engine: str
+    model: str
+    dtype: str
+    layout: str
+    block_tokens: int
+    block_bytes: int
+    shard: str
+    extra: str = ""
+
+    def namespace(self) -> bytes:
+        """``engine/model/digest``: readable, at most 256 bytes, and different whenever any
+        field is."""
+        text = json.dumps(list(self.__dict__.values()))  # unambiguous: no field bleeds into another
+        digest = hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+        model = self.model.rstrip("/").rsplit("/", 1)[-1][:96]
+        return f"{self.engine}/{model}/{digest}".encode()
+
+
+def model_identity(model: str, revision: str | None) -> str:
+    """A hub id with its revision; a local directory by its name and a digest of its files'
+    names, sizes and first and last 64 KiB (the same on every machine that has a copy, and
+    new weights at the same path make a new namespace)."""
+    path = Path(model)
+    if not path.is_dir():
+        return f"{model}@{revision or ''}"
+    digest = hashlib.blake2b(digest_size=12)
+    for entry in sorted(p for p in path.iterdir() if p.is_file()):
+        size = entry.stat().st_size
+        digest.update(f"{entry.name}:{size}\n".encode())
+        with entry.open("rb") as f:
+            digest.update(f.read(_SAMPLE))
+            if size > _SAMPLE:
+                f.seek(max(size - _SAMPLE, _SAMPLE))
+                digest.update(f.read(_SAMPLE))
+    return f"{path.resolve().name}#{digest.hexdigest()}"
