@@ -11,40 +11,17 @@ source, unchanged: the text of those methods is read from its ``pool_host/mha.py
 
 from __future__ import annotations
 
-import ast
-import importlib.util
-import textwrap
-from pathlib import Path
 from typing import Any
 
 import torch
+from sglang_source import compiled
 
 _CALLED = (
     "get_page_buffer_meta",
     "get_data_page",
     "get_dummy_flat_data_page",
     "set_from_flat_data_page",
-    "_storage_page_index",
 )
-
-
-def _sglang_methods(module: str, cls: str) -> dict[str, Any]:
-    """The methods of ``_CALLED`` that ``sglang.srt.mem_cache.pool_host.<module>.<cls>``
-    defines, compiled from the installed file."""
-    spec = importlib.util.find_spec("sglang")
-    assert spec is not None and spec.submodule_search_locations
-    path = Path(spec.submodule_search_locations[0], "srt", "mem_cache", "pool_host", f"{module}.py")
-    source = path.read_text()
-    lines = source.splitlines()
-    (found,) = (n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == cls)
-    methods: dict[str, Any] = {}
-    for node in found.body:
-        if isinstance(node, ast.FunctionDef) and node.name in _CALLED:
-            text = textwrap.dedent("\n".join(lines[node.lineno - 1 : node.end_lineno]))
-            scope: dict[str, Any] = {"torch": torch}
-            exec(compile(text, str(path), "exec"), scope)
-            methods[node.name] = scope[node.name]
-    return methods
 
 
 class _Pool:
@@ -143,7 +120,14 @@ class MLAPool(_Pool):
         self.kv_buffer = torch.zeros(dims, dtype=dtype)
 
 
-for _name, _method in _sglang_methods("mha", "MHATokenToKVPoolHost").items():
+_MHA = "sglang.srt.mem_cache.pool_host.mha"
+for _name, _method in compiled(
+    _MHA, _CALLED, {"torch": torch}, within="MHATokenToKVPoolHost"
+).items():
     setattr(MHAPool, _name, _method)
-for _name, _method in _sglang_methods("mla", "MLATokenToKVPoolHost").items():
+_MLA = "sglang.srt.mem_cache.pool_host.mla"
+_MLA_CALLED = (*_CALLED, "_storage_page_index")
+for _name, _method in compiled(
+    _MLA, _MLA_CALLED, {"torch": torch}, within="MLATokenToKVPoolHost"
+).items():
     setattr(MLAPool, _name, _method)

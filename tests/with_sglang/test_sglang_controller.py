@@ -1,0 +1,187 @@
+"""The backend under SGLang's own controller code (prefetch and backup, both interfaces),
+and what a killed, a frozen and a restarted ``kvbridge serve`` do to it: misses and
+``False``, never an exception through the controller, never a wait past the timeout."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import pytest
+import torch
+from controller import CC, Controller
+from host_pools import MHAPool, MLAPool
+from serve import ServeProcess
+from test_sglang_backend import backend, names
+
+import kvbridge.bindings._core as core_module
+
+T = TypeVar("T")
+
+PAGES = 300
+"""More than two of SGLang's storage batches (``STORAGE_BATCH_SIZE`` = 128 pages)."""
+
+
+@pytest.fixture
+def served() -> Iterator[ServeProcess]:
+    proc = ServeProcess("--host-capacity", "64MiB", "--lease-ttl", "30")
+    yield proc
+    proc.kill()
+
+
+@pytest.fixture
+def controller_log(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+    caplog.set_level(logging.WARNING, logger=CC)
+    return caplog
+
+
+def within(seconds: float, call: Callable[[], T]) -> T:
+    """``call()``'s result; fails if it has not returned after ``seconds`` (a hang)."""
+    out: list[T] = []
+    worker = threading.Thread(target=lambda: out.append(call()), daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert not worker.is_alive(), f"still waiting after {seconds} s"
+    assert out, "raised (see the thread's exception above)"
+    return out[0]
+
+
+def pools(make: Callable[[], Any]) -> tuple[Any, Any]:
+    source, target = make(), make()
+    source.fill(seed=11)
+    return source, target
+
+
+@pytest.mark.parametrize("zero_copy", [1, 0], ids=["zero-copy", "copying"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: MHAPool(pages=PAGES + 4), id="mha"),
+        pytest.param(lambda: MLAPool("layer_first", pages=PAGES + 4), id="mla"),
+    ],
+)
+def test_sglang_backs_up_and_prefetches_through_it(
+    served: ServeProcess, controller_log: pytest.LogCaptureFixture, make: Any, zero_copy: int
+) -> None:
+    source, target = pools(make)
+    extra = {"server": served.address, "interface_v1": zero_copy}
+    writer = Controller(backend(source, extra), source)
+    reader = Controller(backend(target, extra), target)
+    keys = names(PAGES)
+    order = list(range(PAGES))
+    assert writer.backup(keys, source.slots(*order)) == PAGES
+    assert reader.storage_backend.batch_exists(keys) == PAGES
+    placed = order[::-1]  # other slots than the writer's
+    assert reader.prefetch(keys, target.slots(*placed)) == PAGES
+    ps = source.page_size
+    assert all(
+        target.page_bytes(dst * ps) == source.page_bytes(src * ps)
+        for src, dst in zip(order, placed, strict=True)
+    )
+    assert writer.backup(keys, source.slots(*order)) == PAGES  # again: moves nothing
+    assert (
+        writer.storage_backend.stats()["bytes_saved"]
+        == PAGES * source.get_dummy_flat_data_page().nbytes
+    )
+    assert not controller_log.records
+    for ctl in (writer, reader):
+        ctl.storage_backend.close()
+
+
+@pytest.mark.parametrize("zero_copy", [1, 0], ids=["zero-copy", "copying"])
+def test_a_killed_server_is_misses_and_failed_writes(
+    served: ServeProcess, controller_log: pytest.LogCaptureFixture, zero_copy: int
+) -> None:
+    source, target = pools(lambda: MHAPool(pages=16))
+    extra = {"server": served.address, "interface_v1": zero_copy, "timeout": 2}
+    writer = Controller(backend(source, extra), source)
+    reader = Controller(backend(target, extra), target)
+    keys = names(8)
+    assert writer.backup(keys[:4], source.slots(0, 1, 2, 3)) == 4
+    served.kill()
+    store = reader.storage_backend
+    assert within(30, lambda: store.batch_exists(keys)) == 0
+    assert within(30, lambda: reader.prefetch(keys[:4], target.slots(4, 5, 6, 7))) == 0
+    assert within(30, lambda: writer.backup(keys[4:], source.slots(4, 5, 6, 7))) == 0
+    assert not any(target.kv_buffer.view(-1).view(torch.uint8))  # no byte landed
+    if zero_copy:
+        assert within(30, lambda: store.batch_get_v1(keys[:2], target.slots(0, 1))) == [False] * 2
+        assert within(30, lambda: store.batch_set_v1(keys[:2], target.slots(0, 1))) == [False] * 2
+    else:
+        assert within(30, lambda: store.get(keys[0])) is None
+        assert within(30, lambda: store.set(keys[0], source.get_data_page(0))) is False
+    # SGLang logged what it logs for a miss and a failed write; nothing raised through it
+    assert all(record.exc_info is None for record in controller_log.records)
+    assert any("failed" in record.getMessage() for record in controller_log.records)
+    writer.storage_backend.close()
+    store.close()
+
+
+def test_a_frozen_server_costs_one_timeout_then_calls_skip_it(
+    served: ServeProcess, controller_log: pytest.LogCaptureFixture
+) -> None:
+    """SIGSTOP: the server holds its connections but answers nothing. A call waits for
+    ``timeout`` at most, then calls are misses at once until the pause is over."""
+    source, target = pools(lambda: MHAPool(pages=16))
+    extra = {"server": served.address, "interface_v1": 1, "timeout": 1}
+    writer = Controller(backend(source, extra), source)
+    reader = Controller(backend(target, extra), target)
+    keys = names(4)
+    assert writer.backup(keys, source.slots(0, 1, 2, 3)) == 4
+    served.proc.send_signal(signal.SIGSTOP)
+    try:
+        assert within(20, lambda: reader.prefetch(keys, target.slots(4, 5, 6, 7))) == 0
+        assert within(20, lambda: reader.storage_backend.batch_exists(keys)) == 0
+        assert within(20, lambda: writer.backup(names(4, "q"), source.slots(4, 5, 6, 7))) == 0
+    finally:
+        served.proc.send_signal(signal.SIGCONT)
+    assert not any(target.kv_buffer.view(-1).view(torch.uint8))  # no byte landed
+    assert all(record.exc_info is None for record in controller_log.records)
+    for ctl in (writer, reader):
+        ctl.storage_backend.close()
+
+
+def test_a_restarted_server_is_used_again_after_the_pause(
+    served: ServeProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(core_module, "_RETRY_AFTER_S", 0.2)
+    source, target = pools(lambda: MHAPool(pages=16))
+    port = served.address.rsplit(":", 1)[1]
+    extra = {"server": served.address, "interface_v1": 1, "timeout": 2}
+    writer = Controller(backend(source, extra), source)
+    keys = names(4)
+    served.kill()
+    assert writer.backup(keys, source.slots(0, 1, 2, 3)) == 0
+    again = ServeProcess("--port", port, "--host-capacity", "64MiB")
+    try:
+        stored = 0
+        for _ in range(50):  # the first call after the pause reconnects
+            stored = writer.backup(keys, source.slots(0, 1, 2, 3))
+            if stored:
+                break
+            threading.Event().wait(0.1)
+        assert stored == 4
+        reader = Controller(backend(target, extra), target)
+        assert reader.prefetch(keys, target.slots(8, 9, 10, 11)) == 4
+        assert target.page_bytes(8 * 4) == source.page_bytes(0)
+        reader.storage_backend.close()
+    finally:
+        writer.storage_backend.close()
+        again.kill()
+
+
+def test_an_in_process_store_needs_no_server(controller_log: pytest.LogCaptureFixture) -> None:
+    """Without ``server`` the rank keeps its pages in a store of its own."""
+    pool = MHAPool(pages=16)
+    pool.fill(seed=12)
+    ctl = Controller(backend(pool, {"interface_v1": 1, "host_capacity": "4MiB"}), pool)
+    keys = names(6)
+    assert ctl.backup(keys, pool.slots(*range(6))) == 6
+    assert ctl.prefetch(keys, pool.slots(*range(8, 14))) == 6
+    assert pool.page_bytes(8 * 4) == pool.page_bytes(0)
+    assert pool.page_bytes(13 * 4) == pool.page_bytes(5 * 4)
+    assert not controller_log.records
+    ctl.storage_backend.close()
