@@ -49,6 +49,9 @@ class Backend(Protocol):
     def put(self, keys: Sequence[BlockKey], blocks: Sequence[Any]) -> int:
         """Store one ``block_bytes`` buffer per key; returns how many moved."""
 
+    def clear(self) -> int:
+        """Remove every block of the namespace no reader holds; returns how many."""
+
     def close(self) -> None: ...
 
 
@@ -138,6 +141,10 @@ class ServerBackend(Closing):
     def put(self, keys: Sequence[BlockKey], blocks: Sequence[Any]) -> int:
         with self._lane() as lane:
             return sum(lane.client.put(keys, blocks))
+
+    def clear(self) -> int:
+        with self._lane() as lane:
+            return lane.client.clear()
 
     def server_stats(self) -> dict[str, Any]:
         with self._lane() as lane:

@@ -232,6 +232,19 @@ class ConnectorCore(Closing):
         """The copying twin of :meth:`save`: one ``block_bytes`` buffer per key."""
         return not keys or self._saved(keys, lambda store: store.put(keys, blocks))
 
+    def clear(self) -> bool:
+        """Remove every block of this namespace from the store (those a reader holds at
+        this moment stay); False when the store failed."""
+        if not self._up():
+            return False
+        try:
+            removed = self._store().clear()
+        except FAULTS as exc:
+            self._fault("clear", exc)
+            return False
+        _log.info("kvbridge cleared %d blocks of %s", removed, self.namespace.decode())
+        return True
+
     def save_later(self, jobs: Sequence[SaveJob]) -> None:
         """Queue saves; the engine keeps their source blocks until :meth:`saving` is False."""
         assert self._saver is not None, "this side of the connector does not save"

@@ -170,10 +170,11 @@ class KVBridgeHiCache(HiCacheStorage):  # type: ignore[misc]
     # -- the rest -----------------------------------------------------------------------------
 
     def clear(self) -> bool:
-        """Not offered: kvbridge drops blocks by eviction (a server may serve many engines,
-        and SGLang's clear would empty only this one's namespace). Returns ``False``."""
-        _log.warning("kvbridge HiCache backend: clear() is not supported; nothing was removed")
-        return False
+        """Remove every page of this backend's namespace from the store (SGLang's
+        ``/clear_hicache_storage_backend``); other namespaces keep theirs. False when the
+        store failed."""
+        core = self._ready()
+        return core is not None and core.clear()
 
     def stats(self) -> dict[str, Any]:
         """The connector's counters since start (lookups, hits, bytes loaded and saved)."""

@@ -196,6 +196,11 @@ class StoreClient(Closing):
             removed += self._call({"op": "remove", "ns": self._ns, "keys": chunk})["removed"]
         return removed
 
+    def clear(self) -> int:
+        """Remove every block of this namespace that no reader has pinned (every client of
+        the namespace loses them); returns how many were removed."""
+        return int(self._call({"op": "clear", "ns": self._ns})["removed"])
+
     def stats(self) -> StoreStats:
         """The namespace's store counters, as the server sees them."""
         for entry in self.server_stats()["namespaces"]:

@@ -105,6 +105,7 @@ class CacheServer:
             "pin": self._pin,
             "release": self._release,
             "remove": self._remove,
+            "clear": self._clear,
             "stats": self._stats,
         }
         self._closed = False
@@ -344,6 +345,12 @@ class CacheServer:
         except BlockPinned:  # refused: the holds it released come back, nothing changed
             restore(ns, holds)
             raise
+
+    def _clear(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
+        """Every block of the namespace that no reader has pinned; handoff holds end."""
+        ns = self._namespace(caller, body)
+        take(ns, list(ns.unread))
+        return {"removed": ns.store.clear()}
 
     def _stats(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
         """Server figures. A namespace this session has not opened is named by a digest of

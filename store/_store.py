@@ -41,7 +41,7 @@ from ._errors import (
     StoreFull,
 )
 from ._held import HeldOrder
-from ._keys import check_keys
+from ._keys import BlockKey, check_keys
 from ._pins import DEFAULT_PIN_TTL_S, Lease, PinTable
 from ._policy import check_policy
 from ._remote import RemoteAccess
@@ -331,15 +331,27 @@ class TieredStore(RemoteAccess, Closing):
             pinned = [key for key in checked if self._pins.is_pinned(key)]
             if pinned:
                 raise BlockPinned(pinned)
-            removed = []
-            with self._batch():
-                for key in checked:
-                    holders = [tier for tier in self._tiers if key in tier]
-                    for tier in holders:
-                        tier.delete(key)
-                    removed.append(bool(holders))
-            self._stats.removed += sum(removed)
-            return removed
+            return self._delete(checked)
+
+    def clear(self) -> int:
+        """Remove every block that no lease pins, from every tier; return how many."""
+        with self._lock:
+            self._check_open()
+            held: set[BlockKey] = set()
+            for tier in self._tiers:
+                held.update(tier.keys())
+            return sum(self._delete([k for k in held if not self._pins.is_pinned(k)]))
+
+    def _delete(self, keys: Sequence[BlockKey]) -> list[bool]:
+        removed = []
+        with self._batch():
+            for key in keys:
+                holders = [tier for tier in self._tiers if key in tier]
+                for tier in holders:
+                    tier.delete(key)
+                removed.append(bool(holders))
+        self._stats.removed += sum(removed)
+        return removed
 
     def check(self, *, repair: bool = False) -> CheckReport:
         """Verify every block of the persistent tier against its checksum."""

@@ -337,6 +337,28 @@ def test_pushed_blocks_are_held_for_their_first_read(handoff: float) -> None:
             assert held == [False, False]  # `reuse` drops never-read blocks first
 
 
+def test_clear_empties_one_namespace_and_spares_a_readers_pin() -> None:
+    config = ServerConfig(port=0, host_capacity=32 * BB, max_namespaces=2, handoff_ttl=30)
+    with (
+        CacheServer(config) as server,
+        StoreClient(server.address, block_bytes=BB, namespace="a") as a,
+        StoreClient(server.address, block_bytes=BB, namespace="a") as reader,
+        StoreClient(server.address, block_bytes=BB, namespace="b") as b,
+    ):
+        ks = keys(0, 6)
+        a.put(ks, payloads(ks, BB))  # pushed: held for their first read (handoff)
+        b.put(ks, payloads(ks, BB))
+        lease = reader.pin(ks[:1])
+        assert a.clear() == 5  # held ones too; not the one a reader pinned
+        assert a.contains(ks) == [True] + [False] * 5
+        out = np.zeros(BB, np.uint8)
+        reader.get(ks[:1], out)  # the pinned block is still whole
+        np.testing.assert_array_equal(out, payloads(ks[:1], BB)[0])
+        reader.release(lease)
+        assert b.match_prefix(ks) == 6  # another namespace is untouched
+        assert a.put(ks, payloads(ks, BB)) == [False] + [True] * 5
+
+
 @pytest.mark.skipif(not ucx_available(), reason="ucxx is not installed (kvbridge[ucx])")
 def test_a_client_over_ucx() -> None:
     config = ServerConfig(port=0, host_capacity=8 << 20, transports=("ucx", "tcp"))

@@ -160,6 +160,20 @@ def test_remove(store: TieredStore) -> None:
     assert store.remove([ks[1]]) == [True]  # lease released by the with block
 
 
+def test_clear_removes_every_block_no_lease_pins(tmp_path: Path) -> None:
+    with TieredStore(BB, host_capacity=4 * BB, disk_path=tmp_path, disk_capacity=16 * BB) as s:
+        ks = keys(0, 10)  # 4 in memory, the rest demoted to disk
+        s.put(ks, payloads(ks, BB))
+        with s.pin([ks[9]]):
+            assert s.clear() == 9
+            assert s.contains(ks) == [False] * 9 + [True]
+        assert s.stats().removed == 9
+        assert s.clear() == 1
+        assert s.match_prefix(ks) == 0
+        s.put(ks[:2], payloads(ks[:2], BB))  # the store is usable after it
+        assert s.contains(ks[:2]) == [True, True]
+
+
 def test_pin_requires_present_keys(store: TieredStore) -> None:
     store.put(keys(0, 1), payloads(keys(0, 1), BB))
     with pytest.raises(BlockNotFound):

@@ -242,6 +242,23 @@ def test_a_missing_page_ends_a_get_and_nothing_after_it_is_written(server: Cache
         made.close()
 
 
+def test_clear_empties_this_namespace_only(server: CacheServer) -> None:
+    pool = MHAPool()
+    pool.fill(seed=13)
+    mine = backend(pool, {"server": server.address, "interface_v1": 1})
+    other = backend(pool, {"server": server.address, "interface_v1": 1, "namespace": "b"})
+    keys = names(4)
+    assert mine.batch_set_v1(keys, pool.slots(0, 1, 2, 3)) == [True] * 4
+    assert other.batch_set_v1(keys, pool.slots(0, 1, 2, 3)) == [True] * 4
+    assert mine.clear()
+    assert mine.batch_exists(keys) == 0
+    assert other.batch_exists(keys) == 4
+    assert mine.batch_set_v1(keys, pool.slots(0, 1, 2, 3)) == [True] * 4  # usable after it
+    assert mine.batch_exists(keys) == 4
+    mine.close()
+    other.close()
+
+
 # -- namespaces -----------------------------------------------------------------------------
 
 APART = [

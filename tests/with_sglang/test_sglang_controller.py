@@ -107,6 +107,7 @@ def test_a_killed_server_is_misses_and_failed_writes(
     assert within(30, lambda: reader.prefetch(keys[:4], target.slots(4, 5, 6, 7))) == 0
     assert within(30, lambda: writer.backup(keys[4:], source.slots(4, 5, 6, 7))) == 0
     assert not any(target.kv_buffer.view(-1).view(torch.uint8))  # no byte landed
+    assert within(30, store.clear) is False
     if zero_copy:
         assert within(30, lambda: store.batch_get_v1(keys[:2], target.slots(0, 1))) == [False] * 2
         assert within(30, lambda: store.batch_set_v1(keys[:2], target.slots(0, 1))) == [False] * 2
