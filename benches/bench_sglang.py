@@ -46,9 +46,12 @@ from kvbridge.store import StoreClient  # noqa: E402
 
 PAGES = 64
 """Pages per call (SGLang's batches hold up to 128)."""
-GEOMETRY = {"page_size": 16, "layers": 8, "heads": 8, "head_dim": 128}
-"""A page of 16 tokens of an 8-layer model with 8 KV heads of 128, bfloat16: 512 KiB
-(two 256 KiB halves, K and V)."""
+
+
+def _pool() -> MHAPool:
+    """``PAGES`` pages of 16 tokens of an 8-layer model with 8 KV heads of 128, bfloat16:
+    512 KiB a page (two 256 KiB halves, K and V)."""
+    return MHAPool(pages=PAGES, page_size=16, layers=8, heads=8, head_dim=128)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +66,7 @@ def _names(round_: int) -> list[str]:
 
 
 def test_sglang_zero_copy_set(compare: Callable[..., Any], server: ServeProcess) -> None:
-    pool = MHAPool(pages=PAGES, **GEOMETRY)  # type: ignore[arg-type]
+    pool = _pool()
     pool.fill(seed=1)
     made = backend(pool, {"server": server.address, "interface_v1": 1, "namespace": "set"})
     slots = pool.slots(*range(PAGES))
@@ -89,7 +92,7 @@ def made_keys(round_: int) -> list[bytes]:
 
 
 def test_sglang_zero_copy_get(compare: Callable[..., Any], server: ServeProcess) -> None:
-    source, target = MHAPool(pages=PAGES, **GEOMETRY), MHAPool(pages=PAGES, **GEOMETRY)  # type: ignore[arg-type]
+    source, target = _pool(), _pool()
     source.fill(seed=2)
     extra = {"server": server.address, "interface_v1": 1, "namespace": "get"}
     writer, reader = backend(source, extra), backend(target, extra)
@@ -126,7 +129,7 @@ def test_sglang_against_hicache_file(
     """Both through SGLang's interface as its controller drives them: kvbridge zero-copy
     from and into the host pool; HiCacheFile (copying) from ``get_data_page`` copies and
     into dummy pages that ``set_from_flat_data_page`` writes back."""
-    source, target = MHAPool(pages=PAGES, **GEOMETRY), MHAPool(pages=PAGES, **GEOMETRY)  # type: ignore[arg-type]
+    source, target = _pool(), _pool()
     source.fill(seed=3)
     extra = {"server": server.address, "interface_v1": 1, "namespace": "peer"}
     writer, reader = backend(source, extra), backend(target, extra)
@@ -168,7 +171,7 @@ def test_sglang_against_hicache_file(
 def test_sglang_lookup_beside_a_backup(server: ServeProcess) -> None:
     """p50 of ``batch_exists`` (128 keys) while another thread runs ``batch_set_v1`` of
     64 new pages over and over, against the same lookups with nothing else running."""
-    pool = MHAPool(pages=PAGES, **GEOMETRY)  # type: ignore[arg-type]
+    pool = _pool()
     pool.fill(seed=4)
     made = backend(pool, {"server": server.address, "interface_v1": 1, "namespace": "busy"})
     keys = _names(7)[:64] + _names(8)[:64]

@@ -36,8 +36,10 @@ _NUMPY_TYPED = pytest.mark.skipif(
 
 
 def _mypy(*args: str) -> None:
-    helpers = os.pathsep.join(str(ROOT / d) for d in ("tests", "tests/with_vllm"))
-    env = {**os.environ, "MYPYPATH": helpers}  # benches and tests/with_vllm import helpers
+    helpers = os.pathsep.join(
+        str(ROOT / d) for d in ("tests", "tests/with_vllm", "tests/with_sglang")
+    )
+    env = {**os.environ, "MYPYPATH": helpers}  # benches and the engine tests import helpers
     result = subprocess.run(
         [*_tool("mypy"), *args],
         cwd=ROOT,
@@ -55,12 +57,17 @@ def test_mypy_strict_is_clean() -> None:
     _mypy()  # the package, as pyproject's [tool.mypy] says
 
 
-# One run per folder: tests/, tests/with_vllm/ and benches/ each have a conftest.py, so one run
-# over them all reports a duplicate module.
+# One run per folder: tests/, tests/with_vllm/, tests/with_sglang/ and benches/ each have a
+# conftest.py, so one run over them all reports a duplicate module.
 @_NUMPY_TYPED
 @pytest.mark.parametrize(
     "folder",
-    [("tests", "--exclude", "tests/with_vllm/"), ("tests/with_vllm",), ("benches",)],
+    [
+        ("tests", "--exclude", "tests/with_vllm/", "--exclude", "tests/with_sglang/"),
+        ("tests/with_vllm",),
+        ("tests/with_sglang",),
+        ("benches",),
+    ],
     ids=str,
 )
 def test_mypy_strict_is_clean_over(folder: tuple[str, ...]) -> None:

@@ -67,10 +67,18 @@ _METHODS = compiled(
 class Controller:
     """What ``HiCacheController`` holds for storage I/O, and its methods."""
 
+    # SGLang's methods, set below
+    _page_get_zero_copy: Any
+    _generic_page_get: Any
+    _page_set_zero_copy: Any
+    _generic_page_set: Any
+    _page_transfer: Any
+    _page_backup_or_log: Any
+
     def __init__(self, backend: Any, pool: Any) -> None:
         self.storage_backend = backend
         self.storage_host_pool = self.mem_pool_host = pool
-        self.page_size = pool.page_size
+        self.page_size = int(pool.page_size)
         self.prefetch_sync_queue: Queue[Any] = Queue()
         zero_copy = bool(backend.storage_config.extra_config.get("interface_v1", 0))
         self.page_get_func = self._page_get_zero_copy if zero_copy else self._generic_page_get

@@ -68,8 +68,11 @@ class _Pool:
         ).to(torch.int64)
 
     kv_buffer: torch.Tensor
+    # SGLang's methods, set below
     get_data_page: Any
     get_page_buffer_meta: Any
+    get_dummy_flat_data_page: Any
+    set_from_flat_data_page: Any
 
 
 class MHAPool(_Pool):

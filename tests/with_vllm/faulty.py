@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from kvbridge.bindings.vllm import KVBridgeConnector
 from kvbridge.store import BlockKey
 from kvbridge.transfer import TransferError
@@ -18,7 +20,7 @@ class _FailingLoads:
         self._backend = backend
         self.loads = 0
 
-    def load(self, keys: Sequence[BlockKey], block_ids: Sequence[int]) -> None:
+    def load(self, keys: Sequence[BlockKey], offsets: np.ndarray) -> None:
         self.loads += 1
         raise TransferError("injected: the data path is down")
 
