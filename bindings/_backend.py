@@ -74,6 +74,7 @@ class ServerBackend(Closing):
         connections: int = 1,
     ) -> None:
         self._lanes: list[_Lane] = []
+        self._timeout = timeout
         try:
             for _ in range(connections):
                 client = StoreClient(
@@ -118,9 +119,7 @@ class ServerBackend(Closing):
                 lane.client.release(lease)
 
     def attach(self, memory: PageLayout) -> None:
-        for i, buffer in enumerate(memory.buffers):
-            if not getattr(buffer, "flags", {"C_CONTIGUOUS": False})["C_CONTIGUOUS"]:
-                raise LayoutError(f"buffer {i}: not one run of bytes")
+        check_memory(memory)
         for lane in self._lanes:
             with lane.lock:
                 registered = [lane.client.register(buffer) for buffer in memory.buffers]
@@ -151,8 +150,14 @@ class ServerBackend(Closing):
             return lane.client.server_stats()
 
     def close(self) -> None:
+        """Close every client, each once its call in flight ended (or its timeout passed)."""
         for lane in self._lanes:
-            lane.client.close()
+            held = lane.lock.acquire(timeout=self._timeout)
+            try:
+                lane.client.close()
+            finally:
+                if held:
+                    lane.lock.release()
 
     @contextlib.contextmanager
     def _lane(self) -> Iterator[_Lane]:
@@ -167,6 +172,13 @@ class ServerBackend(Closing):
             yield lane
         finally:
             lane.lock.release()
+
+
+def check_memory(memory: PageLayout) -> None:
+    """Raises :class:`LayoutError` unless every buffer is one run of bytes."""
+    for i, buffer in enumerate(memory.buffers):
+        if not getattr(buffer, "flags", {"C_CONTIGUOUS": False})["C_CONTIGUOUS"]:
+            raise LayoutError(f"buffer {i}: not one run of bytes")
 
 
 class _Lane:

@@ -10,6 +10,10 @@ from typing import Any
 
 from ..store import ConfigError, parse_size
 from ..store._server_config import read_secret
+from ..transfer._address import BadAddress, parse_address
+
+_MAX_SECONDS = 86400.0
+"""A day: longer waits are a typo (and overflow the socket layer's millisecond timers)."""
 
 
 @dataclass(frozen=True)
@@ -50,8 +54,17 @@ class ConnectorConfig:
             raise ConfigError("disk_path is for the in-process store; a server has its own")
         for name in ("timeout", "failed_key_ttl", "pd_wait"):
             value = getattr(self, name)
-            if not (value > 0 and math.isfinite(value)):
-                raise ConfigError(f"{name} must be a positive number of seconds, got {value}")
+            if not (0 < value <= _MAX_SECONDS and math.isfinite(value)):
+                raise ConfigError(
+                    f"{name} must be a positive number of seconds up to {_MAX_SECONDS:.0f}, "
+                    f"got {value}",
+                    setting=name,
+                )
+        if self.server is not None:
+            try:
+                parse_address(self.server)
+            except BadAddress as exc:
+                raise ConfigError(f"server: {exc}", setting="server") from None
 
     @property
     def secret(self) -> bytes | None:

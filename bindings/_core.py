@@ -18,9 +18,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._closing import Closing
-from ..store import BlockKey, CacheServer, StoreError, prefix_hashes
+from ..store import BlockKey, CacheServer, StoreClosed, StoreError, prefix_hashes
 from ..transfer import TransferError
-from ._backend import Backend, ServerBackend
+from ._backend import Backend, ServerBackend, check_memory
 from ._config import ConnectorConfig
 from ._embedded import embedded_server
 from ._identity import Identity
@@ -64,7 +64,10 @@ class ConnectorCore(Closing):
         """Until then, faults are counted but not logged again."""
         self._lock = threading.Lock()
         self._memory: PageLayout | None = None
+        self._target: tuple[str, bytes | None] | None = None
         self._backend: Backend | None = None
+        self._connecting = threading.Lock()
+        self._closed = False
         self._embedded: CacheServer | None = None
         if config.server is not None:
             self.connect(config.server, config.secret)
@@ -74,18 +77,15 @@ class ConnectorCore(Closing):
 
     def connect(self, address: str, secret: bytes | None) -> None:
         """Use the cache server at ``address`` (the configured one, or the one the engine's
-        worker runs: see :meth:`host`)."""
-        backend = ServerBackend(
-            address,
-            secret,
-            self.namespace,
-            self.identity.block_bytes,
-            self.config.timeout,
-            connections=self._connections,
-        )
-        old, self._backend = self._backend, backend
+        worker runs: see :meth:`host`). A server that does not answer now is a warning, and
+        asked again after the pause: an engine starts without its cache server."""
+        with self._connecting:
+            old, self._backend = self._backend, None
+            self._target = (address, secret)
         if old is not None:
             old.close()
+        self._down_until = 0.0
+        self._up()
 
     def host(self) -> tuple[str, bytes]:
         """Run this engine's own cache server (no ``server`` configured: the store lives in
@@ -111,7 +111,7 @@ class ConnectorCore(Closing):
             raise TypeError("block names must be strings")
         secret = hashlib.blake2b(self.namespace, digest_size=32).digest()
         return [
-            BlockKey(hashlib.blake2b(name.encode(), key=secret, digest_size=32).digest())
+            BlockKey(hashlib.blake2b(_utf8(name), key=secret, digest_size=32).digest())
             for name in names
         ]
 
@@ -158,16 +158,17 @@ class ConnectorCore(Closing):
 
     def attach(self, memory: PageLayout) -> None:
         """The engine's memory that loads and saves move blocks of; its blocks must be the
-        identity's size."""
+        identity's size. Registered with the store now, or when it is reached."""
         if memory.block_bytes != self.identity.block_bytes:
             raise ValueError(
                 f"the engine's memory has {memory.block_bytes}-byte blocks, "
                 f"its config says {self.identity.block_bytes}"
             )
-        if self._backend is None:
-            raise RuntimeError("no cache server to attach the engine's memory to")
-        self._backend.attach(memory)
-        self._memory = memory
+        check_memory(memory)
+        with self._connecting:
+            self._memory = memory
+            if self._backend is not None:
+                self._backend.attach(memory)
 
     def load(self, keys: Sequence[BlockKey], at: Any) -> bool:
         """Fill the blocks at ``at`` (block ids, host indices: what the attached memory's
@@ -183,8 +184,9 @@ class ConnectorCore(Closing):
         started = time.perf_counter()
         count = len(keys)
         try:
-            if not self._up():
-                raise TimeoutError("the store was unreachable a moment ago")
+            if not self._up():  # paused after a fault: a miss, and no new fault
+                self._load_failed(keys, partial)
+                return 0
             try:
                 self._store().load(keys, offsets)
             except LookupError:  # a block is gone: load the ones before it
@@ -193,12 +195,19 @@ class ConnectorCore(Closing):
                 count = self._store().lookup(keys)
                 self._store().load(keys[:count], offsets[:count])
         except FAULTS as exc:
-            self.mark_failed(keys)
-            self.stats.load_failed(len(keys) * self.block_tokens)
+            self._load_failed(keys, partial)
             self._fault("load", exc)
             return 0
         self.stats.loaded(count * self.block_tokens, count * self.identity.block_bytes, started)
         return count
+
+    def _load_failed(self, keys: Sequence[BlockKey], partial: bool) -> None:
+        """An all-or-nothing load (vLLM's) that failed is remembered, so that the engine is
+        not offered the same keys again at once (no livelock); a leading-run load's
+        (SGLang's) is not: its engine computes what did not load and moves on."""
+        if not partial:
+            self.mark_failed(keys)
+        self.stats.load_failed(len(keys) * self.block_tokens)
 
     def save(self, keys: Sequence[BlockKey], at: Any) -> bool:
         """Store the blocks at ``at`` now (those the store holds already are not sent);
@@ -262,10 +271,14 @@ class ConnectorCore(Closing):
         return self._saver.flush(requests)
 
     def close(self) -> None:
+        """Stop: queued saves run first; later calls answer misses without the store."""
         if self._saver is not None:
             self._saver.close()
-        if self._backend is not None:
-            self._backend.close()
+        with self._connecting:
+            self._closed = True
+            backend, self._backend = self._backend, None
+        if backend is not None:
+            backend.close()  # waits for the calls in flight (each within its timeout)
         if self._embedded is not None:
             self._embedded.close()
 
@@ -308,16 +321,48 @@ class ConnectorCore(Closing):
             return len(keys)
 
     def _up(self) -> bool:
-        return self._backend is not None and self._clock() >= self._down_until
+        """Whether to ask the store now: not closed, not paused after a fault, and
+        connected (a connection that failed is tried again here, after the pause)."""
+        if self._closed or self._clock() < self._down_until:
+            return False
+        return self._backend is not None or self._reach()
+
+    def _reach(self) -> bool:
+        with self._connecting:
+            if self._closed or self._target is None or self._clock() < self._down_until:
+                return False
+            if self._backend is not None:
+                return True
+            address, secret = self._target
+            try:
+                backend = ServerBackend(
+                    address,
+                    secret,
+                    self.namespace,
+                    self.identity.block_bytes,
+                    self.config.timeout,
+                    connections=self._connections,
+                )
+            except FAULTS as exc:
+                self._fault("connect", exc)
+                return False
+            if self._memory is not None:
+                backend.attach(self._memory)
+            self._backend = backend
+            return True
 
     def _store(self) -> Backend:
-        assert self._backend is not None, "checked by _up"
-        return self._backend
+        backend = self._backend
+        if backend is None:  # closed since _up()
+            raise StoreClosed("the connector is closed")
+        return backend
 
     def _fault(self, what: str, exc: BaseException) -> None:
         """Log a store fault (once per pause). One the store answered (full, too many
         requests, a block gone) concerns that call only; one it did not answer (down,
         unreachable, timed out) pauses store calls for a while."""
+        if self._closed:
+            return  # a call that met close(): a miss, not a fault
         unanswered = not isinstance(exc, StoreError)
         with self._lock:
             now = self._clock()
@@ -336,3 +381,8 @@ class ConnectorCore(Closing):
                 f"; store calls pause for {_RETRY_AFTER_S:.0f} s" if unanswered else "",
             )
         self.stats.fault()
+
+
+def _utf8(name: str) -> bytes:
+    """A name's bytes; a lone surrogate (no valid text has one) is kept as it is."""
+    return name.encode("utf-8", "surrogatepass")

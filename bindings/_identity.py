@@ -9,7 +9,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-_SAMPLE = 64 << 10
+_SAMPLE = 16 << 10
+_SAMPLES = 64
 
 
 @dataclass(frozen=True)
@@ -36,9 +37,11 @@ class Identity:
 
 
 def model_identity(model: str, revision: str | None) -> str:
-    """A hub id with its revision; a local directory by its name and a digest of its files'
-    names, sizes and first and last 64 KiB (the same on every machine that has a copy, and
-    new weights at the same path make a new namespace)."""
+    """A hub id with its revision; a local directory by its name and a digest of its files:
+    names, sizes, and ``_SAMPLES`` blocks of ``_SAMPLE`` bytes spread evenly over each file
+    (all of a file up to a MiB). The same on every machine that has a copy; new weights at
+    the same path make a new namespace, unless they differ only between the samples (set
+    ``namespace`` when weights change in place that subtly)."""
     path = Path(model)
     if not path.is_dir():
         return f"{model}@{revision or ''}"
@@ -47,8 +50,14 @@ def model_identity(model: str, revision: str | None) -> str:
         size = entry.stat().st_size
         digest.update(f"{entry.name}:{size}\n".encode())
         with entry.open("rb") as f:
-            digest.update(f.read(_SAMPLE))
-            if size > _SAMPLE:
-                f.seek(max(size - _SAMPLE, _SAMPLE))
+            for offset in _sample_offsets(size):
+                f.seek(offset)
                 digest.update(f.read(_SAMPLE))
     return f"{path.resolve().name}#{digest.hexdigest()}"
+
+
+def _sample_offsets(size: int) -> range | list[int]:
+    if size <= _SAMPLES * _SAMPLE:
+        return range(0, size, _SAMPLE)  # the whole file
+    last = size - _SAMPLE
+    return [i * last // (_SAMPLES - 1) for i in range(_SAMPLES)]

@@ -73,10 +73,11 @@ class HostPages:
             raise LayoutError(f"host slots outside the pool's {self.capacity} slots")
         runs = slots.reshape(-1, self.page_tokens)
         starts = runs[:, :1]
-        if (starts % self.page_tokens).any() or (
-            runs - starts != np.arange(self.page_tokens)
-        ).any():
+        scattered = (runs - starts != np.arange(self.page_tokens)).any()
+        if scattered or (starts % self.page_tokens).any():
             raise LayoutError("host slots are not whole pages (a page's slots must be one run)")
+        if len(np.unique(starts)) != len(runs):
+            raise LayoutError("a page is named twice in one call")
         return len(runs)
 
     def offsets(self, at: Any) -> np.ndarray:
@@ -135,9 +136,12 @@ def _bytes_of(tensor: Any, what: str) -> np.ndarray:
 
 
 def _as_slots(host_indices: Any) -> np.ndarray:
-    if isinstance(host_indices, torch.Tensor):
-        host_indices = host_indices.detach().cpu().numpy()
-    slots = np.asarray(host_indices)
+    try:
+        if isinstance(host_indices, torch.Tensor):
+            host_indices = host_indices.detach().cpu().numpy()
+        slots = np.asarray(host_indices)
+    except (TypeError, ValueError, RuntimeError, NotImplementedError) as exc:
+        raise LayoutError(f"host indices: {exc}") from None
     if slots.ndim != 1 or not np.issubdtype(slots.dtype, np.integer):
         raise LayoutError(
             f"host indices must be one row of integers, got {slots.dtype}{slots.shape}"

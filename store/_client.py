@@ -35,7 +35,7 @@ from ..transfer import (
 )
 from ..transfer._settings import DEFAULT_CONNECT_TIMEOUT_S
 from ._buffers import as_array, split_blocks
-from ._errors import InvalidBlock, LeaseExpired
+from ._errors import InvalidBlock, LeaseExpired, StoreClosed
 from ._keys import BlockKey, check_keys, namespace_bytes
 from ._server_config import DEFAULT_PORT
 from ._sizes import positive_int
@@ -84,6 +84,7 @@ class StoreClient(Closing):
         )
         self.counters = {"bytes_pushed": 0, "bytes_saved": 0, "bytes_pulled": 0}
         self._timeout = timeout
+        self._closed = False
         try:
             self.peer = self.engine.dial(address)
             self._open()
@@ -221,6 +222,7 @@ class StoreClient(Closing):
         return self.engine.register(buffer, access=access)
 
     def close(self) -> None:
+        self._closed = True
         peer = getattr(self, "peer", None)
         if peer is not None:
             peer.close()
@@ -253,6 +255,8 @@ class StoreClient(Closing):
     def _call(self, body: dict[str, Any]) -> dict[str, Any]:
         """One request; if the connection broke since the last one (the server restarted,
         a stream died, the session ended), connect and open the namespace again first."""
+        if self._closed:
+            raise StoreClosed("this client is closed")
         if self.peer.closed and body.get("op") != "open":
             self._reconnect()
         try:

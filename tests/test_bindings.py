@@ -3,6 +3,8 @@ saver, the failure memory, and page-wise puts and gets against a real server pro
 
 from __future__ import annotations
 
+import signal
+import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -218,6 +220,77 @@ def test_an_unreachable_server_is_a_miss_and_a_warning(caplog: pytest.LogCapture
         assert core.lookup(core.keys(list(range(32)))) == 0  # paused: not asked again
         assert core.stats.totals()["store_faults"] == 1
     assert caplog.text.count("computing instead") == 1
+
+
+def _free_port() -> str:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return str(probe.getsockname()[1])
+
+
+def test_a_server_down_at_start_is_a_warning_and_is_used_once_it_is_up() -> None:
+    """An engine starts without its cache server; the store is tried again after the
+    pause, and the memory attached meanwhile is registered when it is reached."""
+    port, clock = _free_port(), FakeClock()
+    config = ConnectorConfig(server=f"127.0.0.1:{port}", timeout=2)
+    with ConnectorCore(config, _identity(extra="late"), clock=clock) as core:
+        _, kv = _kv(seed=5)
+        core.attach(kv)
+        ks = core.keys(list(range(32)))
+        assert core.lookup(ks) == 0 and not core.save(ks[:2], [0, 1])
+        late = ServeProcess("--port", port, "--host-capacity", "4MiB")
+        try:
+            assert not core.save(ks[:2], [0, 1])  # still paused: not asked
+            clock.advance(6)
+            assert core.save(ks[:2], [0, 1]) and core.lookup(ks) == 2
+            assert core.load(ks[:2], [6, 7])
+            np.testing.assert_array_equal(kv.gather([6, 7]), kv.gather([0, 1]))
+        finally:
+            late.kill()
+        assert core.stats.totals()["store_faults"] == 1
+
+
+@pytest.mark.parametrize("partial", [True, False], ids=["leading-run load", "all-or-nothing"])
+def test_calls_during_the_pause_are_misses_that_neither_extend_it_nor_hide_keys(
+    partial: bool,
+) -> None:
+    """A frozen server: the first call waits its timeout and pauses the store; calls in
+    the pause are misses at once and add no fault; after it the keys are offered again,
+    but for the keys of a failed all-or-nothing (vLLM) load, kept back for failed_key_ttl."""
+    frozen, clock = ServeProcess("--host-capacity", "4MiB"), FakeClock()
+    config = ConnectorConfig(server=frozen.address, timeout=1)
+    try:
+        with ConnectorCore(config, _identity(extra="pause"), clock=clock) as core:
+            _, kv = _kv(seed=6)
+            core.attach(kv)
+            ks = core.keys(list(range(48)))
+            assert core.save(ks, [0, 1, 2])
+            frozen.proc.send_signal(signal.SIGSTOP)
+            assert core.load_leading(ks, [3, 4, 5], partial=partial) == 0  # waits 1 s
+            frozen.proc.send_signal(signal.SIGCONT)
+            for _ in range(3):
+                clock.advance(1.5)  # within the 5 s pause
+                assert core.load_leading(ks, [3, 4, 5], partial=partial) == 0
+            assert core.stats.totals()["store_faults"] == 1
+            clock.advance(1.0)  # 5.5 s after the fault
+            assert core.lookup(ks) == (3 if partial else 0)
+            assert core.load_leading(ks, [3, 4, 5]) == 3
+    finally:
+        frozen.proc.send_signal(signal.SIGCONT)
+        frozen.kill()
+
+
+def test_a_closed_core_answers_misses(server: ServeProcess) -> None:
+    core = ConnectorCore(ConnectorConfig(server=server.address), _identity(extra="closed"))
+    _, kv = _kv(seed=7)
+    core.attach(kv)
+    ks = core.keys(list(range(32)))
+    assert core.save(ks[:1], [0])
+    core.close()
+    assert core.lookup(ks) == 0
+    assert not core.save(ks[:1], [0]) and not core.clear()
+    assert core.load_leading(ks[:1], [1]) == 0 and not core.load(ks[:1], [1])
+    assert core.stats.totals()["store_faults"] == 0
 
 
 def test_put_pages_and_get_pages_check_their_offsets(server: ServeProcess) -> None:

@@ -87,6 +87,9 @@ def test_sglang_loads_it_as_a_hicache_storage(server: CacheServer) -> None:
         ({"serverr": "x:1"}, {}, "unknown kvbridge connector setting.*serverr"),
         ({"timeout": "5"}, {}, "timeout must be a number"),
         ({"async_load": True}, {}, "vLLM settings"),
+        ({"timeout": 1e10}, {}, "timeout must be a positive number of seconds up to"),
+        ({"server": "not-an-address"}, {}, "server: .*no port"),
+        ({"server": "127.0.0.1:99999"}, {}, "server: .*port"),
         ({}, {"is_mla_model": True, "tp_size": 2, "tp_rank": 1}, "set server"),
         ({}, {"tp_lcm_size": 4, "should_split_heads": True}, "tp_lcm_size"),
     ],
@@ -319,6 +322,9 @@ BAD_SLOTS = [
     pytest.param(lambda p: torch.arange(-4, 4), id="negative"),
     pytest.param(lambda p: torch.arange(8, dtype=torch.float32), id="floats"),
     pytest.param(lambda p: torch.arange(4), id="fewer pages than keys"),
+    pytest.param(lambda p: torch.cat([torch.arange(4), torch.arange(4)]), id="a page twice"),
+    pytest.param(lambda p: torch.arange(8).reshape(2, 4), id="two rows"),
+    pytest.param(lambda p: [0.5] * 8, id="a list of floats"),
 ]
 
 

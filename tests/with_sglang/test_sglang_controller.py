@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -172,6 +174,69 @@ def test_a_restarted_server_is_used_again_after_the_pause(
     finally:
         writer.storage_backend.close()
         again.kill()
+
+
+def test_sglang_starts_while_the_server_is_down_and_uses_it_once_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(core_module, "_RETRY_AFTER_S", 0.5)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    source, target = pools(lambda: MHAPool(pages=16))
+    extra = {"server": f"127.0.0.1:{port}", "interface_v1": 1, "timeout": 2}
+    writer = Controller(backend(source, extra), source)  # registers the pool: no error
+    keys = names(4)
+    assert writer.backup(keys, source.slots(0, 1, 2, 3)) == 0
+    late = ServeProcess("--port", str(port), "--host-capacity", "64MiB")
+    try:
+        time.sleep(0.6)  # the pause after the failed connect
+        assert writer.backup(keys, source.slots(0, 1, 2, 3)) == 4
+        reader = Controller(backend(target, extra), target)
+        assert reader.prefetch(keys, target.slots(8, 9, 10, 11)) == 4
+        assert target.page_bytes(8 * 4) == source.page_bytes(0)
+        reader.storage_backend.close()
+    finally:
+        writer.storage_backend.close()
+        late.kill()
+
+
+def test_close_while_sglang_threads_call_is_misses_not_errors(served: ServeProcess) -> None:
+    """SGLang's prefetch, I/O and backup threads keep calling while the backend closes
+    (a detach): each call returns, none raises."""
+    pool = MHAPool(pages=32)
+    pool.fill(seed=14)
+    made = backend(pool, {"server": served.address, "interface_v1": 1})
+    keys = names(8)
+    assert made.batch_set_v1(keys, pool.slots(*range(8))) == [True] * 8
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    calls = [
+        lambda: made.batch_exists(keys),
+        lambda: made.batch_get_v1(keys, pool.slots(*range(8, 16))),
+        lambda: made.batch_set_v1(names(8, "q"), pool.slots(*range(16, 24))),
+    ]
+
+    def loop(call: Callable[[], object]) -> None:
+        while not stop.is_set():
+            try:
+                call()
+            except BaseException as exc:  # what would reach SGLang's controller
+                errors.append(exc)
+                return
+
+    threads = [threading.Thread(target=loop, args=(call,)) for call in calls]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.3)
+    made.close()
+    time.sleep(0.3)
+    stop.set()
+    for thread in threads:
+        thread.join(30)
+    assert not errors, errors
+    assert made.batch_exists(keys) == 0
+    assert made.batch_get_v1(keys, pool.slots(*range(8))) == [False] * 8
 
 
 def test_an_in_process_store_needs_no_server(controller_log: pytest.LogCaptureFixture) -> None:
