@@ -23,6 +23,7 @@ from kvbridge.bindings import (
     SaveJob,
     pages_of,
 )
+from kvbridge.bindings._identity import model_identity
 from kvbridge.bindings._jobs import Saver
 from kvbridge.store import BlockNotFound, ConfigError, InvalidBlock, StoreClient
 
@@ -220,6 +221,25 @@ def test_an_unreachable_server_is_a_miss_and_a_warning(caplog: pytest.LogCapture
         assert core.lookup(core.keys(list(range(32)))) == 0  # paused: not asked again
         assert core.stats.totals()["store_faults"] == 1
     assert caplog.text.count("computing instead") == 1
+
+
+def test_a_local_model_is_named_by_its_bytes_not_its_path(tmp_path: Path) -> None:
+    """Copies agree wherever they are; weights changed in place (one changed stretch in
+    the middle of a 3 MiB file, as a merged adapter leaves) are another model."""
+    weights = np.random.default_rng(0).integers(0, 256, 3 << 20, np.uint8)
+    names = []
+    for where, change in (("a", False), ("b", False), ("c", True)):
+        folder = tmp_path / where / "llama"
+        folder.mkdir(parents=True)
+        data = weights.copy()
+        if change:
+            data[(3 << 20) // 2 : (3 << 20) // 2 + 64 * 1024] ^= 1
+        data.tofile(folder / "model.safetensors")
+        (folder / "config.json").write_text("{}")
+        names.append(model_identity(str(folder), None))
+    assert names[0] == names[1] != names[2]
+    assert names[0].startswith("llama#")
+    assert model_identity("org/model", "abc") == "org/model@abc"
 
 
 def _free_port() -> str:
