@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import zmq
+
 from .._closing import Closing
 from ..store import BlockKey, CacheServer, StoreClosed, StoreError, prefix_hashes
 from ..transfer import TransferError
@@ -33,8 +35,9 @@ _log = logging.getLogger("kvbridge.bindings")
 _RETRY_AFTER_S = 5.0
 """After a store fault, calls are skipped (a miss, nothing saved) for this long."""
 
-FAULTS = (StoreError, TransferError, OSError, TimeoutError)
-"""What a store call may raise that is the store's fault, not the engine's."""
+FAULTS = (StoreError, TransferError, OSError, TimeoutError, zmq.ZMQError)
+"""What a store call may raise that is the store's fault, not the engine's (a control
+socket torn down under a call in flight included)."""
 
 
 class ConnectorCore(Closing):
