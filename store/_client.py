@@ -34,9 +34,10 @@ from ..transfer import (
     TransferError,
 )
 from ..transfer._settings import DEFAULT_CONNECT_TIMEOUT_S
-from ._buffers import as_array, split_blocks
 from ._errors import InvalidBlock, LeaseExpired, StoreClosed
 from ._keys import BlockKey, check_keys, namespace_bytes
+from ._registration import Locations as _Locations
+from ._registration import Registration as _Registration
 from ._server_config import DEFAULT_PORT
 from ._sizes import positive_int
 from ._stats import StoreStats, TierStats
@@ -45,10 +46,6 @@ from ._wire import ERRORS, MAX_KEYS_PER_REQUEST, error_for, raise_error
 _TRUSTED_LEASE_FRACTION = 0.5
 """A read that finished within this part of the lease TTL (counted from before the pin
 request left) ran under the pin for sure; later ones ask the server whether it held."""
-
-_Locations = tuple[np.ndarray, np.ndarray]
-"""Per key and segment (shape ``(keys, segments)``): the local region id and the offset in
-it of that part of the block (a block is ``segments`` equal parts, one op each)."""
 
 
 class StoreClient(Closing):
@@ -85,6 +82,7 @@ class StoreClient(Closing):
         self.counters = {"bytes_pushed": 0, "bytes_saved": 0, "bytes_pulled": 0}
         self._timeout = timeout
         self._closed = False
+        self._reopen = False
         try:
             self.peer = self.engine.dial(address)
             self._open()
@@ -254,26 +252,34 @@ class StoreClient(Closing):
 
     def _call(self, body: dict[str, Any]) -> dict[str, Any]:
         """One request; if the connection broke since the last one (the server restarted,
-        a stream died, the session ended), connect and open the namespace again first."""
+        a stream died, the session ended), connect and open the namespace again first. A
+        namespace whose re-open failed (the server was full, or slow) is opened again
+        before the next request."""
         if self._closed:
             raise StoreClosed("this client is closed")
-        if self.peer.closed and body.get("op") != "open":
-            self._reconnect()
+        if body.get("op") != "open" and (self.peer.closed or self._reopen):
+            self._reconnect(session=self.peer.closed)
+            body = self._rebound(body)
         try:
             reply = self.peer.call(body, timeout=self._timeout)
         except AuthenticationError:
             if body.get("op") == "open":
                 raise
             self._reconnect()  # the session is gone: leases it held are gone with it
-            if "ns" in body:  # the namespace's handle is the new session's
-                body = {**body, "ns": self._ns}
-            reply = self.peer.call(body, timeout=self._timeout)
+            reply = self.peer.call(self._rebound(body), timeout=self._timeout)
         raise_error(reply)
         return reply
 
-    def _reconnect(self) -> None:
-        self.peer.reconnect()
+    def _reconnect(self, *, session: bool = True) -> None:
+        self._reopen = True  # until the namespace is open again
+        if session:
+            self.peer.reconnect()
         self._open()
+        self._reopen = False
+
+    def _rebound(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``body`` with the namespace handle of the current session."""
+        return {**body, "ns": self._ns} if "ns" in body else body
 
     def _put(self, keys: Sequence[BlockKey], where: _Locations) -> list[bool]:
         sent: list[bool] = []
@@ -361,33 +367,6 @@ class StoreClient(Closing):
             raise InvalidBlock("an offset puts a block or page outside its region")
         ids = np.array([r.id for r in regions], dtype=np.uint64)
         return np.broadcast_to(ids, (count, segments)), at.astype(np.uint64)
-
-
-class _Registration:
-    """Registers a caller's buffer(s) for one call and unregisters them after it."""
-
-    def __init__(self, client: StoreClient, blocks: object, count: int, *, writable: bool) -> None:
-        bb = client.block_bytes
-        self._engine = client.engine
-        views, positions = split_blocks(blocks, count, bb, writable=writable)  # validates
-        if positions is None:  # one buffer per block
-            arrays = views
-            offsets = np.zeros(count, dtype=np.uint64)
-        else:  # one buffer for all: registered once
-            arrays = [as_array(blocks, writable=writable)]
-            offsets = np.arange(count, dtype=np.uint64) * np.uint64(bb)
-        # Only this client's own transfers touch the buffers: no peer may read or write them.
-        self._regions = [self._engine.register(a, access="none") for a in arrays]
-        ids = [r.id for r in self._regions]
-        regions = np.array(ids if len(ids) == count else ids * count, dtype=np.uint64)
-        self.where: _Locations = (regions[:count, None], offsets[:, None])
-
-    def __enter__(self) -> _Locations:
-        return self.where
-
-    def __exit__(self, *exc: object) -> None:
-        for region in self._regions:
-            self._engine.unregister(region)
 
 
 def _chunks(keys: Sequence[BlockKey], size: int) -> Iterator[tuple[int, list[bytes]]]:

@@ -337,6 +337,49 @@ def test_pushed_blocks_are_held_for_their_first_read(handoff: float) -> None:
             assert held == [False, False]  # `reuse` drops never-read blocks first
 
 
+def _port_of(server: ServeProcess) -> str:
+    return server.address.rsplit(":", 1)[1]
+
+
+def test_after_a_restart_a_client_opens_its_namespace_again_first_time() -> None:
+    """Another client opened its namespace first on the restarted server: the first call
+    carries the new session's handle (not the old one), and is answered."""
+    first = ServeProcess("--host-capacity", "4MiB")
+    port = _port_of(first)
+    with StoreClient(first.address, block_bytes=BB, namespace="a") as client:
+        client.put(keys(0, 2), payloads(keys(0, 2), BB))
+        first.stop(signal.SIGKILL)
+        again = ServeProcess("--port", port, "--host-capacity", "4MiB")
+        try:
+            with StoreClient(again.address, block_bytes=BB, namespace="b") as other:
+                other.put(keys(5, 6), payloads(keys(5, 6), BB))
+                assert client.contains(keys(0, 2)) == [False, False]  # empty, not an error
+                assert client.contains(keys(5, 6)) == [False]  # never b's blocks
+        finally:
+            again.kill()
+
+
+def test_a_refused_reopen_is_tried_again_on_the_next_call() -> None:
+    """The restarted server is full (one namespace, held by another session) when the
+    client comes back: that call fails; once there is room, the next call opens the
+    namespace again instead of sending a handle the server does not know."""
+    first = ServeProcess("--host-capacity", "4MiB", "--max-namespaces", "1")
+    port = _port_of(first)
+    with StoreClient(first.address, block_bytes=BB, namespace="a") as client:
+        client.put(keys(0, 2), payloads(keys(0, 2), BB))
+        first.stop(signal.SIGKILL)
+        again = ServeProcess("--port", port, "--host-capacity", "4MiB", "--max-namespaces", "1")
+        try:
+            other = StoreClient(again.address, block_bytes=BB, namespace="b")
+            with pytest.raises(StoreFull):
+                client.contains(keys(0, 2))
+            other.close()
+            assert client.put(keys(0, 2), payloads(keys(0, 2), BB)) == [True, True]
+            assert client.contains(keys(0, 2)) == [True, True]
+        finally:
+            again.kill()
+
+
 def test_clear_empties_one_namespace_and_spares_a_readers_pin() -> None:
     config = ServerConfig(port=0, host_capacity=32 * BB, max_namespaces=2, handoff_ttl=30)
     with (
