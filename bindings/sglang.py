@@ -53,7 +53,6 @@ class KVBridgeHiCache(HiCacheStorage):  # type: ignore[misc]
         self.storage_config = storage_config
         self.config, self.zero_copy = backend_config(storage_config)
         self._core: ConnectorCore | None = None
-        self._pages: HostPages | None = None
         self._flat_bytes = 0
         self._warned = False
 
@@ -77,7 +76,7 @@ class KVBridgeHiCache(HiCacheStorage):  # type: ignore[misc]
         except BaseException:
             core.close()
             raise
-        old, self._core, self._pages, self._flat_bytes = self._core, core, pages, flat
+        old, self._core, self._flat_bytes = self._core, core, flat
         if old is not None:
             old.close()
         _log.info(
