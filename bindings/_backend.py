@@ -58,8 +58,9 @@ class Backend(Protocol):
 class ServerBackend(Closing):
     """Blocks in a cache server, one namespace per model layout.
 
-    ``connections`` clients (each its own control channel and streams) let that many
-    threads call at once: an engine whose lookups must not wait behind a large save (SGLang
+    Every call takes at most ``timeout`` in all (a call of many blocks makes several
+    requests). ``connections`` clients (each its own control channel and streams) let that
+    many threads call at once: an engine whose lookups must not wait behind a large save (SGLang
     looks up, loads and saves on three threads) asks for more than one. Pins use the first.
     """
 
@@ -98,7 +99,7 @@ class ServerBackend(Closing):
         """One lease per request-sized chunk (a server bounds what one request pins)."""
         leases: list[int] = []
         lane = self._lanes[0]  # a lease belongs to the session that took it
-        with lane.lock:
+        with lane.lock, lane.client.deadline(self._timeout):
             step = lane.client.request_keys
             try:
                 for start in range(0, len(keys), step):
@@ -114,7 +115,7 @@ class ServerBackend(Closing):
     def unpin(self, hold: object) -> None:
         assert isinstance(hold, list)
         lane = self._lanes[0]
-        with lane.lock:
+        with lane.lock, lane.client.deadline(self._timeout):
             for lease in hold:
                 lane.client.release(lease)
 
@@ -169,7 +170,8 @@ class ServerBackend(Closing):
             lane = self._lanes[next(self._turn) % len(self._lanes)]
             lane.lock.acquire()
         try:
-            yield lane
+            with lane.client.deadline(self._timeout):  # one call, one timeout in all
+                yield lane
         finally:
             lane.lock.release()
 

@@ -38,10 +38,14 @@ from ._errors import InvalidBlock, LeaseExpired, StoreClosed
 from ._keys import BlockKey, check_keys, namespace_bytes
 from ._registration import Locations as _Locations
 from ._registration import Registration as _Registration
+from ._registration import one_per_block, pages_of_blocks
 from ._server_config import DEFAULT_PORT
 from ._sizes import positive_int
 from ._stats import StoreStats, TierStats
 from ._wire import ERRORS, MAX_KEYS_PER_REQUEST, error_for, raise_error
+
+_COURTESY_S = 0.1
+"""Past a call's deadline, how long giving a lease back may wait (its TTL ends it anyway)."""
 
 _TRUSTED_LEASE_FRACTION = 0.5
 """A read that finished within this part of the lease TTL (counted from before the pin
@@ -83,6 +87,7 @@ class StoreClient(Closing):
         self._timeout = timeout
         self._closed = False
         self._reopen = False
+        self._deadline: float | None = None
         try:
             self.peer = self.engine.dial(address)
             self._open()
@@ -118,7 +123,7 @@ class StoreClient(Closing):
     def put_from(self, keys: Sequence[bytes], region: Region, offsets: Sequence[int]) -> list[bool]:
         """``put`` from a registered region: block ``i`` is at ``offsets[i]`` in it."""
         checked = check_keys(keys)
-        return self._put(checked, self._locations(region, offsets, len(checked)))
+        return self._put(checked, one_per_block(region, offsets, len(checked), self.block_bytes))
 
     def get(self, keys: Sequence[bytes], out: object) -> None:
         """Fill ``out`` with the blocks of ``keys``; raises :class:`BlockNotFound` (``out``
@@ -132,7 +137,7 @@ class StoreClient(Closing):
     def get_into(self, keys: Sequence[bytes], region: Region, offsets: Sequence[int]) -> None:
         """``get`` into a registered region: block ``i`` lands at ``offsets[i]``."""
         checked = check_keys(keys)
-        self._get(checked, self._locations(region, offsets, len(checked)))
+        self._get(checked, one_per_block(region, offsets, len(checked), self.block_bytes))
 
     def put_pages(
         self, keys: Sequence[bytes], regions: Sequence[Region], offsets: np.ndarray
@@ -141,14 +146,14 @@ class StoreClient(Closing):
         layers): block ``i`` is ``len(regions)`` equal pages, page ``s`` at ``offsets[i, s]``
         in ``regions[s]``. The pages go straight to the server's slots, one op each."""
         checked = check_keys(keys)
-        return self._put(checked, self._pages(regions, offsets, len(checked)))
+        return self._put(checked, pages_of_blocks(regions, offsets, len(checked), self.block_bytes))
 
     def get_pages(
         self, keys: Sequence[bytes], regions: Sequence[Region], offsets: np.ndarray
     ) -> None:
         """``get`` into pages, laid out as for :meth:`put_pages`."""
         checked = check_keys(keys)
-        self._get(checked, self._pages(regions, offsets, len(checked)))
+        self._get(checked, pages_of_blocks(regions, offsets, len(checked), self.block_bytes))
 
     def pin(self, keys: Sequence[bytes]) -> int:
         """Keep the blocks of ``keys`` from eviction for the server's lease TTL (a reader's
@@ -219,6 +224,18 @@ class StoreClient(Closing):
         bytes."""
         return self.engine.register(buffer, access=access)
 
+    @contextlib.contextmanager
+    def deadline(self, seconds: float) -> Iterator[None]:
+        """Bound the calls made inside the block to ``seconds`` in all: every wait for the
+        server (each has ``timeout`` on its own) gets only what is left, and one that
+        would start after the deadline raises ``TimeoutError``. A call of many blocks
+        makes several requests; without this, each may take ``timeout``."""
+        self._deadline = time.monotonic() + seconds
+        try:
+            yield
+        finally:
+            self._deadline = None
+
     def close(self) -> None:
         self._closed = True
         peer = getattr(self, "peer", None)
@@ -261,14 +278,24 @@ class StoreClient(Closing):
             self._reconnect(session=self.peer.closed)
             body = self._rebound(body)
         try:
-            reply = self.peer.call(body, timeout=self._timeout)
+            reply = self.peer.call(body, timeout=self._left())
         except AuthenticationError:
             if body.get("op") == "open":
                 raise
             self._reconnect()  # the session is gone: leases it held are gone with it
-            reply = self.peer.call(self._rebound(body), timeout=self._timeout)
+            reply = self.peer.call(self._rebound(body), timeout=self._left())
         raise_error(reply)
         return reply
+
+    def _left(self) -> float:
+        """How long the next wait may take: the timeout, or less under a :meth:`deadline`
+        (raises ``TimeoutError`` once it has passed)."""
+        if self._deadline is None:
+            return self._timeout
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the call ran past its deadline")
+        return min(self._timeout, left)
 
     def _reconnect(self, *, session: bool = True) -> None:
         self._reopen = True  # until the namespace is open again
@@ -294,7 +321,7 @@ class StoreClient(Closing):
             commit = msgpack.packb({"op": "commit", "ns": self._ns, "lease": lease})
             try:
                 ops = self._ops(where, start, picked, [slots[i] for i in picked])
-                self.peer.write(ops, notify=commit).wait(self._timeout)  # landed, committed
+                self.peer.write(ops, notify=commit).wait(self._left())  # landed, committed
             except BaseException as exc:
                 self._quietly({"op": "abort", "ns": self._ns, "lease": lease})
                 if isinstance(exc, TransferError) and exc.code in ERRORS:
@@ -310,7 +337,7 @@ class StoreClient(Closing):
             lease, slots = int(pinned["lease"]), pinned["slots"]
             try:
                 ops = self._ops(where, start, list(range(len(chunk))), slots)
-                self.peer.read(ops).wait(self._timeout)
+                self.peer.read(ops).wait(self._left())
             except TimeoutError:
                 # The read may still be landing: close the streams (joined) so that no byte
                 # arrives after the caller reused its buffer; the session and its pin end.
@@ -345,28 +372,11 @@ class StoreClient(Closing):
     def _quietly(self, body: dict[str, Any]) -> None:
         """Give a lease back after a failure; the lease (or the session) ending does the
         same if this fails."""
+        wait = self._timeout
+        if self._deadline is not None:  # past it, only a moment for the courtesy
+            wait = min(wait, max(_COURTESY_S, self._deadline - time.monotonic()))
         with contextlib.suppress(TransferError, LeaseExpired, PeerClosed):
-            self.peer.call(body, timeout=self._timeout)
-
-    def _locations(self, region: Region, offsets: Sequence[int], count: int) -> _Locations:
-        at = np.asarray(offsets, dtype=np.int64)
-        if at.shape != (count,):
-            raise InvalidBlock(f"{count} key(s) but {at.size} offset(s)")
-        return self._pages([region], at[:, None], count)  # a block is one page of itself
-
-    def _pages(self, regions: Sequence[Region], offsets: np.ndarray, count: int) -> _Locations:
-        segments = len(regions)
-        if segments == 0 or self.block_bytes % segments:
-            raise InvalidBlock(f"{self.block_bytes}-byte blocks cannot be {segments} equal pages")
-        part = self.block_bytes // segments
-        at = np.asarray(offsets, dtype=np.int64)
-        if at.shape != (count, segments):
-            raise InvalidBlock(f"{count} key(s) x {segments} page(s) but offsets of {at.shape}")
-        lengths = np.array([r.length for r in regions], dtype=np.int64)
-        if (at < 0).any() or (at + part > lengths).any():
-            raise InvalidBlock("an offset puts a block or page outside its region")
-        ids = np.array([r.id for r in regions], dtype=np.uint64)
-        return np.broadcast_to(ids, (count, segments)), at.astype(np.uint64)
+            self.peer.call(body, timeout=wait)
 
 
 def _chunks(keys: Sequence[BlockKey], size: int) -> Iterator[tuple[int, list[bytes]]]:

@@ -1,12 +1,16 @@
-"""A caller's buffers, registered with a client's transfer engine for one call."""
+"""Where a call's blocks are in the caller's memory: regions registered once and offsets
+in them, checked, or a caller's buffers registered with the client's engine for one call."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..transfer import Region
 from ._buffers import as_array, split_blocks
+from ._errors import InvalidBlock
 
 if TYPE_CHECKING:
     from ._client import StoreClient
@@ -41,3 +45,32 @@ class Registration:
     def __exit__(self, *exc: object) -> None:
         for region in self._regions:
             self._engine.unregister(region)
+
+
+def one_per_block(
+    region: Region, offsets: Sequence[int], count: int, block_bytes: int
+) -> Locations:
+    """Block ``i`` whole at ``offsets[i]`` in ``region``."""
+    at = np.asarray(offsets, dtype=np.int64)
+    if at.shape != (count,):
+        raise InvalidBlock(f"{count} key(s) but {at.size} offset(s)")
+    return pages_of_blocks([region], at[:, None], count, block_bytes)  # one page of itself
+
+
+def pages_of_blocks(
+    regions: Sequence[Region], offsets: np.ndarray, count: int, block_bytes: int
+) -> Locations:
+    """Block ``i`` as ``len(regions)`` equal pages, page ``s`` at ``offsets[i, s]`` in
+    ``regions[s]``; raises :class:`InvalidBlock` for a page outside its region."""
+    segments = len(regions)
+    if segments == 0 or block_bytes % segments:
+        raise InvalidBlock(f"{block_bytes}-byte blocks cannot be {segments} equal pages")
+    part = block_bytes // segments
+    at = np.asarray(offsets, dtype=np.int64)
+    if at.shape != (count, segments):
+        raise InvalidBlock(f"{count} key(s) x {segments} page(s) but offsets of {at.shape}")
+    lengths = np.array([r.length for r in regions], dtype=np.int64)
+    if (at < 0).any() or (at + part > lengths).any():
+        raise InvalidBlock("an offset puts a block or page outside its region")
+    ids = np.array([r.id for r in regions], dtype=np.uint64)
+    return np.broadcast_to(ids, (count, segments)), at.astype(np.uint64)

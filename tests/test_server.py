@@ -10,12 +10,14 @@ import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import numpy as np
 import pytest
 from helpers import FakeClock, keys, payloads
-from serve import ServeProcess
+from serve import BLOCK as SMALL_BLOCK
+from serve import ServeProcess, client_of, small_server
 
 from kvbridge.store import (
     BadRequest,
@@ -28,7 +30,8 @@ from kvbridge.store import (
     TooManyRequests,
     UnknownNamespace,
 )
-from kvbridge.transfer import OP_DTYPE, TransferError, ucx_available
+from kvbridge.store._registration import one_per_block
+from kvbridge.transfer import OP_DTYPE, PeerClosed, TransferError, ucx_available
 
 BB = 64 << 10
 
@@ -301,7 +304,7 @@ def test_a_put_whose_lease_expired_is_refused_and_stores_nothing() -> None:
         staged = client._call({"op": "stage", "ns": client._ns, "keys": ks})
         clock.advance(5.0)  # the lease is over, with no sleep
         src = client.register(payloads(ks, BB).reshape(-1), access="r")
-        ops = client._ops(client._locations(src, [0, BB], 2), 0, [0, 1], staged["slots"])
+        ops = client._ops(one_per_block(src, [0, BB], 2, BB), 0, [0, 1], staged["slots"])
         commit = msgpack.packb({"op": "commit", "ns": client._ns, "lease": staged["lease"]})
         with pytest.raises(TransferError, match=r"LeaseExpired|refuses"):
             client.peer.write(ops, notify=commit).wait(5)
@@ -378,6 +381,38 @@ def test_a_refused_reopen_is_tried_again_on_the_next_call() -> None:
             assert client.contains(keys(0, 2)) == [True, True]
         finally:
             again.kill()
+
+
+def test_a_deadline_bounds_a_call_of_many_requests(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every request is answered within the timeout but takes 0.3 s: a put of several
+    requests takes their sum; under ``deadline(0.5)`` it gives up near 0.5 s instead."""
+    server = small_server()
+    try:
+        with client_of(server) as client:
+            answer = client.peer.call
+
+            def slow(body: dict[str, Any], timeout: float) -> dict[str, Any]:
+                if timeout < 0.3:
+                    time.sleep(timeout)
+                    raise PeerClosed(f"no answer within {timeout:.2f} s")
+                time.sleep(0.3)
+                return answer(body, timeout=timeout)
+
+            monkeypatch.setattr(client.peer, "call", slow)
+            ks = keys(0, 12)
+            requests = -(-len(ks) // client.request_keys)
+            assert requests >= 3
+            started = time.monotonic()
+            assert client.put(ks[:6], payloads(ks[:6], SMALL_BLOCK)) == [True] * 6
+            assert time.monotonic() - started >= 0.3 * -(-6 // client.request_keys)
+            started = time.monotonic()
+            with pytest.raises((TimeoutError, PeerClosed)), client.deadline(0.5):
+                client.put(ks[6:], payloads(ks[6:], SMALL_BLOCK))
+            assert time.monotonic() - started < 0.85
+            monkeypatch.undo()
+            assert client.contains(ks[:6]) == [True] * 6  # the client works on
+    finally:
+        server.kill()
 
 
 def test_clear_empties_one_namespace_and_spares_a_readers_pin() -> None:
