@@ -120,7 +120,6 @@ class ServerBackend(Closing):
                 lane.client.release(lease)
 
     def attach(self, memory: PageLayout) -> None:
-        check_memory(memory)
         for lane in self._lanes:
             with lane.lock:
                 registered = [lane.client.register(buffer) for buffer in memory.buffers]
@@ -174,13 +173,6 @@ class ServerBackend(Closing):
                 yield lane
         finally:
             lane.lock.release()
-
-
-def check_memory(memory: PageLayout) -> None:
-    """Raises :class:`LayoutError` unless every buffer is one run of bytes."""
-    for i, buffer in enumerate(memory.buffers):
-        if not getattr(buffer, "flags", {"C_CONTIGUOUS": False})["C_CONTIGUOUS"]:
-            raise LayoutError(f"buffer {i}: not one run of bytes")
 
 
 class _Lane:

@@ -22,12 +22,12 @@ import zmq
 from .._closing import Closing
 from ..store import BlockKey, CacheServer, StoreClosed, StoreError, prefix_hashes
 from ..transfer import TransferError
-from ._backend import Backend, ServerBackend, check_memory
+from ._backend import Backend, ServerBackend
 from ._config import ConnectorConfig
 from ._embedded import embedded_server
 from ._identity import Identity
 from ._jobs import SaveJob, Saver
-from ._pages import LayoutError, PageLayout
+from ._pages import LayoutError, PageLayout, check_memory
 from ._stats import ConnectorStats
 
 _log = logging.getLogger("kvbridge.bindings")
@@ -58,6 +58,7 @@ class ConnectorCore(Closing):
         self._connections = connections
         self.identity = identity
         self.namespace = identity.namespace()
+        self._name_key = hashlib.blake2b(self.namespace, digest_size=32).digest()
         self.block_tokens = identity.block_tokens
         self.stats = ConnectorStats()
         self._clock = clock
@@ -112,9 +113,8 @@ class ConnectorCore(Closing):
         another key."""
         if not all(isinstance(name, str) for name in names):
             raise TypeError("block names must be strings")
-        secret = hashlib.blake2b(self.namespace, digest_size=32).digest()
         return [
-            BlockKey(hashlib.blake2b(_utf8(name), key=secret, digest_size=32).digest())
+            BlockKey(hashlib.blake2b(_utf8(name), key=self._name_key, digest_size=32).digest())
             for name in names
         ]
 
@@ -184,6 +184,20 @@ class ConnectorCore(Closing):
         if not keys:
             return 0
         offsets = self._offsets(keys, at)
+        return self._leading(
+            "load", keys, lambda store, n: store.load(keys[:n], offsets[:n]), partial=partial
+        )
+
+    def _leading(
+        self,
+        what: str,
+        keys: Sequence[BlockKey],
+        move: Callable[[Backend, int], None],
+        *,
+        partial: bool = True,
+    ) -> int:
+        """``move`` the first ``n`` blocks: all of them, or when one is gone (and
+        ``partial``) those before the first missing one. How many moved; 0 on a fault."""
         started = time.perf_counter()
         count = len(keys)
         try:
@@ -191,15 +205,15 @@ class ConnectorCore(Closing):
                 self._load_failed(keys, partial)
                 return 0
             try:
-                self._store().load(keys, offsets)
-            except LookupError:  # a block is gone: load the ones before it
+                move(self._store(), count)
+            except LookupError:  # a block is gone: move the ones before it
                 if not partial:
                     raise
                 count = self._store().lookup(keys)
-                self._store().load(keys[:count], offsets[:count])
+                move(self._store(), count)
         except FAULTS as exc:
             self._load_failed(keys, partial)
-            self._fault("load", exc)
+            self._fault(what, exc)
             return 0
         self.stats.loaded(count * self.block_tokens, count * self.identity.block_bytes, started)
         return count
@@ -225,20 +239,7 @@ class ConnectorCore(Closing):
         key; returns how many leading buffers were filled."""
         if not keys or not self._up():
             return 0
-        started = time.perf_counter()
-        count = len(keys)
-        try:
-            try:
-                self._store().get(keys, out)
-            except LookupError:
-                count = self._store().lookup(keys)
-                self._store().get(keys[:count], out[:count])
-        except FAULTS as exc:
-            self.stats.load_failed(len(keys) * self.block_tokens)
-            self._fault("get", exc)
-            return 0
-        self.stats.loaded(count * self.block_tokens, count * self.identity.block_bytes, started)
-        return count
+        return self._leading("get", keys, lambda store, n: store.get(keys[:n], out[:n]))
 
     def put(self, keys: Sequence[BlockKey], blocks: Sequence[Any]) -> bool:
         """The copying twin of :meth:`save`: one ``block_bytes`` buffer per key."""

@@ -46,6 +46,13 @@ class PageLayout(Protocol):
         :class:`LayoutError` for a position outside the memory, changing nothing."""
 
 
+def check_memory(memory: PageLayout) -> None:
+    """Raises :class:`LayoutError` unless every buffer is one run of bytes."""
+    for i, buffer in enumerate(memory.buffers):
+        if not getattr(buffer, "flags", {"C_CONTIGUOUS": False})["C_CONTIGUOUS"]:
+            raise LayoutError(f"buffer {i}: not one run of bytes")
+
+
 @dataclass(frozen=True)
 class PagedKV:
     """The KV cache: ``pages[layer]`` is a ``(blocks, page_bytes)`` uint8 array (numpy, or

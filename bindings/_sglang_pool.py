@@ -61,9 +61,10 @@ class HostPages:
     def block_bytes(self) -> int:
         return self.segments * self.segment_bytes
 
-    def pages(self, host_indices: Any) -> int:
-        """How many whole pages ``host_indices`` names; raises :class:`LayoutError` unless
-        they are runs of ``page_tokens`` slots, each starting on a page, inside the pool."""
+    def _slots(self, host_indices: Any) -> np.ndarray:
+        """``host_indices`` as checked slots; raises :class:`LayoutError` unless they are
+        runs of ``page_tokens`` slots, each starting on a page, inside the pool, no page
+        twice."""
         slots = _as_slots(host_indices)
         if slots.size % self.page_tokens:
             raise LayoutError(
@@ -78,14 +79,15 @@ class HostPages:
             raise LayoutError("host slots are not whole pages (a page's slots must be one run)")
         if len(np.unique(starts)) != len(runs):
             raise LayoutError("a page is named twice in one call")
-        return len(runs)
+        return slots
 
     def offsets(self, at: Any) -> np.ndarray:
         """``at``: host indices, ``page_tokens`` per page. Shape ``(pages, segments)``."""
-        count = self.pages(at)
+        slots = self._slots(at)
+        count = slots.size // self.page_tokens
         if count == 0:
             return np.zeros((0, self.segments), dtype=np.int64)
-        pointers, sizes = self._pool.get_page_buffer_meta(_as_tensor(at))
+        pointers, sizes = self._pool.get_page_buffer_meta(torch.from_numpy(slots))
         if len(pointers) != count * self.segments or set(sizes) != {self.segment_bytes}:
             raise LayoutError("the host pool described these pages unlike its first page")
         where = np.asarray(pointers, dtype=np.int64).reshape(count, self.segments)
@@ -147,9 +149,3 @@ def _as_slots(host_indices: Any) -> np.ndarray:
             f"host indices must be one row of integers, got {slots.dtype}{slots.shape}"
         )
     return slots.astype(np.int64, copy=False)
-
-
-def _as_tensor(host_indices: Any) -> Any:
-    if isinstance(host_indices, torch.Tensor):
-        return host_indices.detach().cpu()
-    return torch.as_tensor(np.asarray(host_indices, dtype=np.int64))

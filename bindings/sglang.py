@@ -53,7 +53,6 @@ class KVBridgeHiCache(HiCacheStorage):  # type: ignore[misc]
         self.storage_config = storage_config
         self.config, self.zero_copy = backend_config(storage_config)
         self._core: ConnectorCore | None = None
-        self._flat_bytes = 0
         self._warned = False
 
     # -- set-up -----------------------------------------------------------------------------
@@ -61,8 +60,10 @@ class KVBridgeHiCache(HiCacheStorage):  # type: ignore[misc]
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
         pages = HostPages(mem_pool_host)
-        flat = int(mem_pool_host.get_dummy_flat_data_page().nbytes)
-        block_bytes = pages.block_bytes if self.zero_copy else flat
+        if self.zero_copy:
+            block_bytes = pages.block_bytes
+        else:  # SGLang's flat page: the bytes of its get_data_page
+            block_bytes = int(mem_pool_host.get_dummy_flat_data_page().nbytes)
         path = "segments" if self.zero_copy else "flat"
         ident = identity(
             self.storage_config, mem_pool_host, block_bytes, path, self.config.namespace
@@ -76,7 +77,7 @@ class KVBridgeHiCache(HiCacheStorage):  # type: ignore[misc]
         except BaseException:
             core.close()
             raise
-        old, self._core, self._flat_bytes = self._core, core, flat
+        old, self._core = self._core, core
         if old is not None:
             old.close()
         _log.info(
@@ -143,7 +144,7 @@ class KVBridgeHiCache(HiCacheStorage):  # type: ignore[misc]
             return [None] * len(keys)
         pool = self.mem_pool_host
         targets = list(target_locations or [pool.get_dummy_flat_data_page() for _ in keys])
-        views = self._flat_views(keys, targets, writable=True)
+        views = _flat_views(core, keys, targets, writable=True)
         got = core.get(core.named(keys), views)
         return [t if i < got else None for i, t in enumerate(targets)]
 
@@ -163,7 +164,7 @@ class KVBridgeHiCache(HiCacheStorage):  # type: ignore[misc]
         core = self._ready(zero_copy=False)
         if core is None or not keys:
             return False
-        views = self._flat_views(keys, list(values or []), writable=False)
+        views = _flat_views(core, keys, list(values or []), writable=False)
         return core.put(core.named(keys), views)
 
     # -- the rest -----------------------------------------------------------------------------
@@ -197,7 +198,11 @@ class KVBridgeHiCache(HiCacheStorage):  # type: ignore[misc]
             _log.warning("kvbridge HiCache backend used before SGLang registered its host pool")
         return self._core
 
-    def _flat_views(self, keys: Sequence[str], tensors: list[Any], *, writable: bool) -> list[Any]:
-        if len(tensors) != len(keys):
-            raise LayoutError(f"{len(keys)} key(s) but {len(tensors)} page tensor(s)")
-        return [flat_bytes(t, self._flat_bytes, writable=writable) for t in tensors]
+
+def _flat_views(
+    core: ConnectorCore, keys: Sequence[str], tensors: list[Any], *, writable: bool
+) -> list[Any]:
+    """The copying interface's page tensors as bytes, each a whole block."""
+    if len(tensors) != len(keys):
+        raise LayoutError(f"{len(keys)} key(s) but {len(tensors)} page tensor(s)")
+    return [flat_bytes(t, core.identity.block_bytes, writable=writable) for t in tensors]

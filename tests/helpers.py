@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import hashlib
+import socket
 from collections.abc import Sequence
 
 import numpy as np
 
 from kvbridge.store import BlockKey
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on (a server may take it a moment later)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def key(i: int, size: int = 32) -> BlockKey:

@@ -4,14 +4,13 @@ saver, the failure memory, and page-wise puts and gets against a real server pro
 from __future__ import annotations
 
 import signal
-import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import FakeClock, keys
+from helpers import FakeClock, free_port, keys
 from serve import ServeProcess
 
 from kvbridge.bindings import (
@@ -242,16 +241,10 @@ def test_a_local_model_is_named_by_its_bytes_not_its_path(tmp_path: Path) -> Non
     assert model_identity("org/model", "abc") == "org/model@abc"
 
 
-def _free_port() -> str:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return str(probe.getsockname()[1])
-
-
 def test_a_server_down_at_start_is_a_warning_and_is_used_once_it_is_up() -> None:
     """An engine starts without its cache server; the store is tried again after the
     pause, and the memory attached meanwhile is registered when it is reached."""
-    port, clock = _free_port(), FakeClock()
+    port, clock = str(free_port()), FakeClock()
     config = ConnectorConfig(server=f"127.0.0.1:{port}", timeout=2)
     with ConnectorCore(config, _identity(extra="late"), clock=clock) as core:
         _, kv = _kv(seed=5)

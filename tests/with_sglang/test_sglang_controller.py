@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -15,6 +14,7 @@ from typing import Any, TypeVar
 import pytest
 import torch
 from controller import CC, Controller
+from helpers import free_port
 from host_pools import MHAPool, MLAPool
 from serve import ServeProcess
 from test_sglang_backend import backend, names
@@ -49,6 +49,17 @@ def within(seconds: float, call: Callable[[], T]) -> T:
     assert not worker.is_alive(), f"still waiting after {seconds} s"
     assert out, "raised (see the thread's exception above)"
     return out[0]
+
+
+def _reads_back(source: Any, target: Any, extra: dict[str, Any], keys: list[str]) -> None:
+    """Another backend prefetches the 4 pages ``source`` backed up from slots 0-3 into
+    slots 8-11 of ``target``, byte for byte."""
+    reader = Controller(backend(target, extra), target)
+    try:
+        assert reader.prefetch(keys, target.slots(8, 9, 10, 11)) == 4
+        assert target.page_bytes(8 * 4) == source.page_bytes(0)
+    finally:
+        reader.storage_backend.close()
 
 
 def pools(make: Callable[[], Any]) -> tuple[Any, Any]:
@@ -167,10 +178,7 @@ def test_a_restarted_server_is_used_again_after_the_pause(
                 break
             threading.Event().wait(0.1)
         assert stored == 4
-        reader = Controller(backend(target, extra), target)
-        assert reader.prefetch(keys, target.slots(8, 9, 10, 11)) == 4
-        assert target.page_bytes(8 * 4) == source.page_bytes(0)
-        reader.storage_backend.close()
+        _reads_back(source, target, extra, keys)
     finally:
         writer.storage_backend.close()
         again.kill()
@@ -180,9 +188,7 @@ def test_sglang_starts_while_the_server_is_down_and_uses_it_once_up(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(core_module, "_RETRY_AFTER_S", 0.5)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     source, target = pools(lambda: MHAPool(pages=16))
     extra = {"server": f"127.0.0.1:{port}", "interface_v1": 1, "timeout": 2}
     writer = Controller(backend(source, extra), source)  # registers the pool: no error
@@ -192,10 +198,7 @@ def test_sglang_starts_while_the_server_is_down_and_uses_it_once_up(
     try:
         time.sleep(0.6)  # the pause after the failed connect
         assert writer.backup(keys, source.slots(0, 1, 2, 3)) == 4
-        reader = Controller(backend(target, extra), target)
-        assert reader.prefetch(keys, target.slots(8, 9, 10, 11)) == 4
-        assert target.page_bytes(8 * 4) == source.page_bytes(0)
-        reader.storage_backend.close()
+        _reads_back(source, target, extra, keys)
     finally:
         writer.storage_backend.close()
         late.kill()
