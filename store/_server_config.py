@@ -275,7 +275,7 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
     for name in _FIELDS | {"secret"}:
         value = env.get(ENV_PREFIX + name.upper())
         if value is not None and value != "":
-            found[name] = value.encode() if name == "secret" else value
+            found[name] = value
     return found
 
 
@@ -336,6 +336,8 @@ def _convert(name: str, value: Any) -> Any:
         if not isinstance(items, list | tuple) or not all(isinstance(t, str) for t in items):
             raise ValueError(f"not a list of transports: {value!r}")
         return tuple(t.strip() for t in items)
-    if not isinstance(value, str):  # host, disk_path, secret_file, policy
+    if name == "secret" and isinstance(value, bytes):
+        return value
+    if not isinstance(value, str):  # host, disk_path, secret_file, policy, secret
         raise ValueError(f"not a string: {value!r}")
-    return value
+    return value.strip().encode() if name == "secret" else value

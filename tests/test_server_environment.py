@@ -1,0 +1,174 @@
+"""Every setting a user can give through the environment starts a real ``kvbridge serve``
+with it, and the server runs with that value (the server logs its settings at start; the
+secret is checked by what it does, since it is never logged)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import pytest
+from helpers import free_port, keys, payloads
+
+from kvbridge.store import ServerConfig, StoreClient
+from kvbridge.tools._serve_cmds import read_listening
+from kvbridge.transfer import AuthenticationError
+
+BB = 64 << 10
+_SETTINGS_LOG = "kvbridge.server: serving on "
+
+
+@dataclass
+class _Started:
+    """A ``kvbridge serve`` started with some ``KVBRIDGE_*`` variables."""
+
+    address: str
+    line: str
+    """Its ``listening on`` line."""
+    proc: subprocess.Popen[str]
+
+    def stop(self) -> str:
+        """Stop it; the settings it logged at start (``name=value, ...``)."""
+        self.proc.send_signal(signal.SIGTERM)
+        _, err = self.proc.communicate(timeout=30)
+        logged = [line for line in err.splitlines() if _SETTINGS_LOG in line]
+        assert logged, err
+        return logged[0].split(": ", 2)[-1]
+
+
+def _serve(env: dict[str, str]) -> _Started:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvbridge", "serve"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**_clean_environ(), "KVBRIDGE_PORT": "0", **env},
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    try:
+        address, line = read_listening(proc.stdout)
+    except RuntimeError:
+        proc.wait(30)
+        raise AssertionError(proc.stderr.read()) from None
+    return _Started(address, line, proc)
+
+
+def _clean_environ() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("KVBRIDGE_")}
+
+
+Check = Callable[[_Started, str], None]
+
+
+def _logged(text: str) -> Check:
+    def check(started: _Started, settings: str) -> None:
+        assert text in settings.split(", ") or text in settings, settings
+
+    return check
+
+
+def _case(tmp: Path) -> dict[str, tuple[dict[str, str], Check]]:
+    """Per setting: the variables that set it, and how to see that the server took it."""
+    port, metrics = free_port(), free_port()
+    disk = tmp / "disk"
+    secret_file = tmp / "secret"
+    secret_file.write_text("from a file\n")
+
+    def on_port(started: _Started, settings: str) -> None:
+        assert started.address.endswith(f":{port}")
+
+    def on_metrics(started: _Started, settings: str) -> None:
+        assert f"metrics on :{metrics}" in started.line
+
+    def on_disk(started: _Started, settings: str) -> None:
+        assert f"disk {disk}" in started.line and f"disk_capacity={32 << 20}" in settings
+
+    return {
+        "host": ({"KVBRIDGE_HOST": "localhost"}, _logged("host=localhost")),
+        "port": ({"KVBRIDGE_PORT": str(port)}, on_port),
+        "host_capacity": ({"KVBRIDGE_HOST_CAPACITY": "3MiB"}, _logged(f"host_capacity={3 << 20}")),
+        "disk_path": (
+            {"KVBRIDGE_DISK_PATH": str(disk), "KVBRIDGE_DISK_CAPACITY": "32MiB"},
+            on_disk,
+        ),
+        "metrics_port": ({"KVBRIDGE_METRICS_PORT": str(metrics)}, on_metrics),
+        "max_namespaces": ({"KVBRIDGE_MAX_NAMESPACES": "3"}, _logged("max_namespaces=3")),
+        "lease_ttl": ({"KVBRIDGE_LEASE_TTL": "7.5"}, _logged("lease_ttl=7.5")),
+        "max_leases_per_client": (
+            {"KVBRIDGE_MAX_LEASES_PER_CLIENT": "9"},
+            _logged("max_leases_per_client=9"),
+        ),
+        "handoff_ttl": ({"KVBRIDGE_HANDOFF_TTL": "0"}, _logged("handoff_ttl=0.0")),
+        "policy": ({"KVBRIDGE_POLICY": "lru"}, _logged("policy=lru")),
+        "transports": ({"KVBRIDGE_TRANSPORTS": "tcp"}, _logged("transports=('tcp',)")),
+        "insecure": ({"KVBRIDGE_INSECURE": "true"}, _logged("insecure=True")),
+        "secret_file": ({"KVBRIDGE_SECRET_FILE": str(secret_file)}, _logged("secret=set")),
+    }
+
+
+_ENVIRONMENT_ONLY = {"secret"}  # tested on its own below: a secret is never logged
+_COVERED_ELSEWHERE = {"disk_capacity"}  # goes with disk_path
+
+
+def test_every_setting_has_an_environment_case(tmp_path: Path) -> None:
+    names = {f.name for f in fields(ServerConfig)}
+    assert set(_case(tmp_path)) == set(_SETTINGS)
+    assert names - _ENVIRONMENT_ONLY - _COVERED_ELSEWHERE == set(_SETTINGS) - {"secret_file"}
+
+
+_SETTINGS = (
+    *("host", "port", "host_capacity", "disk_path", "metrics_port", "max_namespaces"),
+    *("lease_ttl", "max_leases_per_client", "handoff_ttl", "policy", "transports"),
+    *("insecure", "secret_file"),
+)
+
+
+@pytest.mark.parametrize("setting", _SETTINGS)
+def test_a_setting_from_the_environment_reaches_the_server(tmp_path: Path, setting: str) -> None:
+    env, check = _case(tmp_path)[setting]
+    started = _serve(env)
+    check(started, started.stop())
+
+
+def test_kvbridge_secret_is_the_servers_secret() -> None:
+    started = _serve({"KVBRIDGE_SECRET": "sesame, from the environment"})
+    try:
+        with StoreClient(
+            started.address, block_bytes=BB, namespace="m", secret="sesame, from the environment"
+        ) as client:
+            client.put(keys(0, 1), payloads(keys(0, 1), BB))
+            assert client.match_prefix(keys(0, 1)) == 1
+        for wrong in ("sesame", None):
+            with pytest.raises(AuthenticationError):
+                StoreClient(started.address, block_bytes=BB, namespace="m", secret=wrong)
+    finally:
+        assert "secret=set" in started.stop()
+
+
+def test_a_secret_file_flag_wins_over_kvbridge_secret(tmp_path: Path) -> None:
+    secret_file = tmp_path / "secret"
+    secret_file.write_text("from the flag\n")
+    env = {**_clean_environ(), "KVBRIDGE_SECRET": "from the environment", "KVBRIDGE_PORT": "0"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvbridge", "serve", "--secret-file", str(secret_file)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert proc.stdout is not None
+    started = _Started(*read_listening(proc.stdout), proc)
+    try:
+        with StoreClient(started.address, block_bytes=BB, namespace="m", secret="from the flag"):
+            pass
+        with pytest.raises(AuthenticationError):
+            StoreClient(
+                started.address, block_bytes=BB, namespace="m", secret="from the environment"
+            )
+    finally:
+        started.stop()
