@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import secrets
 import time
 from collections.abc import Iterator, Sequence
@@ -87,7 +88,10 @@ class StoreClient(Closing):
         self._timeout = timeout
         self._closed = False
         self._reopen = False
-        self._deadline: float | None = None
+        self._deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+            "kvbridge-store-client-deadline", default=None
+        )
+        """Per thread and asyncio task: a deadline is its caller's, never another's."""
         try:
             self.peer = self.engine.dial(address)
             self._open()
@@ -229,12 +233,18 @@ class StoreClient(Closing):
         """Bound the calls made inside the block to ``seconds`` in all: every wait for the
         server (each has ``timeout`` on its own) gets only what is left, and one that
         would start after the deadline raises ``TimeoutError``. A call of many blocks
-        makes several requests; without this, each may take ``timeout``."""
-        self._deadline = time.monotonic() + seconds
+        makes several requests; without this, each may take ``timeout``.
+
+        The deadline belongs to the thread or asyncio task that entered the block (and to
+        what it awaits, ``aget`` and friends included): other threads and tasks using the
+        same client never see it. Nested blocks keep the earlier of the two deadlines."""
+        outer = self._deadline.get()
+        until = time.monotonic() + seconds
+        token = self._deadline.set(until if outer is None else min(outer, until))
         try:
             yield
         finally:
-            self._deadline = None
+            self._deadline.reset(token)
 
     def close(self) -> None:
         self._closed = True
@@ -290,9 +300,10 @@ class StoreClient(Closing):
     def _left(self) -> float:
         """How long the next wait may take: the timeout, or less under a :meth:`deadline`
         (raises ``TimeoutError`` once it has passed)."""
-        if self._deadline is None:
+        deadline = self._deadline.get()
+        if deadline is None:
             return self._timeout
-        left = self._deadline - time.monotonic()
+        left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("the call ran past its deadline")
         return min(self._timeout, left)
@@ -373,8 +384,9 @@ class StoreClient(Closing):
         """Give a lease back after a failure; the lease (or the session) ending does the
         same if this fails."""
         wait = self._timeout
-        if self._deadline is not None:  # past it, only a moment for the courtesy
-            wait = min(wait, max(_COURTESY_S, self._deadline - time.monotonic()))
+        deadline = self._deadline.get()
+        if deadline is not None:  # past it, only a moment for the courtesy
+            wait = min(wait, max(_COURTESY_S, deadline - time.monotonic()))
         with contextlib.suppress(TransferError, LeaseExpired, PeerClosed):
             self.peer.call(body, timeout=wait)
 
