@@ -51,7 +51,7 @@ def one_per_block(
     region: Region, offsets: Sequence[int], count: int, block_bytes: int
 ) -> Locations:
     """Block ``i`` whole at ``offsets[i]`` in ``region``."""
-    at = np.asarray(offsets, dtype=np.int64)
+    at = _whole_offsets(offsets)
     if at.shape != (count,):
         raise InvalidBlock(f"{count} key(s) but {at.size} offset(s)")
     return pages_of_blocks([region], at[:, None], count, block_bytes)  # one page of itself
@@ -66,11 +66,25 @@ def pages_of_blocks(
     if segments == 0 or block_bytes % segments:
         raise InvalidBlock(f"{block_bytes}-byte blocks cannot be {segments} equal pages")
     part = block_bytes // segments
-    at = np.asarray(offsets, dtype=np.int64)
+    at = _whole_offsets(offsets)
     if at.shape != (count, segments):
         raise InvalidBlock(f"{count} key(s) x {segments} page(s) but offsets of {at.shape}")
-    lengths = np.array([r.length for r in regions], dtype=np.int64)
-    if (at < 0).any() or (at + part > lengths).any():
+    room = np.array([r.length for r in regions], dtype=np.int64) - part  # last page start
+    if (at < 0).any() or (at > room).any():  # no sum: an offset near 2**63 cannot wrap
         raise InvalidBlock("an offset puts a block or page outside its region")
     ids = np.array([r.id for r in regions], dtype=np.uint64)
     return np.broadcast_to(ids, (count, segments)), at.astype(np.uint64)
+
+
+def _whole_offsets(offsets: object) -> np.ndarray:
+    """``offsets`` as int64, or :class:`InvalidBlock`: whole numbers only (a float is not
+    truncated, a value past int64 does not wrap around)."""
+    try:
+        given = np.asarray(offsets)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InvalidBlock(f"offsets must be whole numbers: {exc}") from None
+    if given.size and given.dtype.kind not in "iu":
+        raise InvalidBlock(f"offsets must be whole numbers, not {given.dtype}")
+    if given.dtype.kind == "u" and given.size and int(given.max()) > np.iinfo(np.int64).max:
+        raise InvalidBlock("an offset puts a block or page outside its region")
+    return given.astype(np.int64)
