@@ -35,7 +35,7 @@ from ..transfer import (
     TransferError,
 )
 from ..transfer._settings import DEFAULT_CONNECT_TIMEOUT_S
-from ._errors import InvalidBlock, LeaseExpired, StoreClosed
+from ._errors import InvalidBlock, LeaseExpired, StoreClosed, StoreFull
 from ._keys import BlockKey, check_keys, namespace_bytes
 from ._registration import Locations as _Locations
 from ._registration import Registration as _Registration
@@ -117,7 +117,13 @@ class StoreClient(Closing):
     def put(self, keys: Sequence[bytes], blocks: object) -> list[bool]:
         """Store each block under its key; return, per key, whether this call sent it (a
         key the server already held is not sent). ``blocks``: one buffer of
-        ``len(keys) * block_bytes`` bytes or a sequence of ``block_bytes`` buffers."""
+        ``len(keys) * block_bytes`` bytes or a sequence of ``block_bytes`` buffers.
+
+        As ``TieredStore.put``, raises :class:`StoreFull` before a byte moves when the new
+        blocks do not fit in the namespace's unpinned room beside the put's stored ones,
+        and no block of the put is evicted to make room for another of it. A put larger
+        than one request (:attr:`request_keys`) moves a request at a time: a fault midway
+        leaves the requests before it stored."""
         checked = check_keys(keys)
         if not checked:
             return []
@@ -320,9 +326,17 @@ class StoreClient(Closing):
         return {**body, "ns": self._ns} if "ns" in body else body
 
     def _put(self, keys: Sequence[BlockKey], where: _Locations) -> list[bool]:
+        """Stage, write and commit ``keys`` a request at a time. A put of several requests
+        is checked whole first, and the server keeps its blocks from being evicted by its
+        own later requests (:meth:`_begin_put`)."""
+        chunks = list(_chunks(keys, self._request_keys))
+        put = self._begin_put(keys) if len(chunks) > 1 else None
         sent: list[bool] = []
-        for start, chunk in _chunks(keys, self._request_keys):
-            staged = self._call({"op": "stage", "ns": self._ns, "keys": chunk})
+        for n, (start, chunk) in enumerate(chunks):
+            request: dict[str, Any] = {"op": "stage", "ns": self._ns, "keys": chunk}
+            if put is not None:
+                request.update(put=put, last=n == len(chunks) - 1)
+            staged = self._call(request)
             self.counters["bytes_saved"] += int(staged["saved_bytes"])
             slots, lease = staged["slots"], int(staged["lease"])
             picked = [i for i, slot in enumerate(slots) if slot is not None]
@@ -340,6 +354,25 @@ class StoreClient(Closing):
                 raise
             self.counters["bytes_pushed"] += len(picked) * self.block_bytes
         return sent
+
+    def _begin_put(self, keys: Sequence[BlockKey]) -> int:
+        """Start a put of several requests: the server records its keys, so that no request
+        of it evicts a block another stored or found stored (each request makes room, and
+        a chain with a hole never hits past it). :class:`StoreFull`, before a byte moves,
+        when its new blocks do not fit beside its stored ones (as ``TieredStore.put``)."""
+        put = secrets.randbits(63)
+        new = room = 0
+        for _, chunk in _chunks(list(dict.fromkeys(keys)), MAX_KEYS_PER_REQUEST):
+            reply = self._call({"op": "room", "ns": self._ns, "keys": chunk, "put": put})
+            new, room = new + int(reply["new"]), int(reply["room"])
+        if new > room:
+            self._quietly({"op": "stage", "ns": self._ns, "keys": [], "put": put, "last": True})
+            raise StoreFull(
+                f"{new} new block(s) but the namespace holds at most {max(room, 0)} more "
+                "beside the put's stored ones (pinned and staged blocks stay): nothing was "
+                "stored"
+            )
+        return put
 
     def _get(self, keys: Sequence[BlockKey], where: _Locations) -> None:
         for start, chunk in _chunks(keys, self._request_keys):

@@ -20,6 +20,7 @@ import numpy as np
 
 from ..transfer import Admission, Caller, Region
 from ._leases import LeaseBook, Pinned, Use
+from ._puts import PutsInProgress
 from ._store import TieredStore
 
 REQUEST_SHARE = 4
@@ -44,6 +45,11 @@ class Namespace:
     unread: dict[bytes, float] = field(default_factory=dict)
     """Committed blocks still held for their first read: key -> handoff pin deadline."""
     last_used: float = field(default_factory=time.monotonic)
+    puts: PutsInProgress = field(init=False)
+    """Puts of several requests in progress, and the blocks each keeps (``_puts``)."""
+
+    def __post_init__(self) -> None:
+        self.puts = PutsInProgress(self.blocks, self.store.clock)
 
     @property
     def label(self) -> str:
@@ -66,6 +72,15 @@ class Namespace:
         return self.store.tiers[0].capacity
 
     @property
+    def blocks(self) -> int:
+        """Blocks the namespace holds in all (a write-through disk tier holds a copy of
+        every block, so it alone bounds them)."""
+        tiers = self.store.tiers
+        if self.store.write_through:
+            return max(tier.capacity for tier in tiers)
+        return sum(tier.capacity for tier in tiers)
+
+    @property
     def request_blocks(self) -> int:
         """Most blocks one stage or pin request (and one remote frame) may cover."""
         return max(1, self.slots // REQUEST_SHARE)
@@ -78,10 +93,12 @@ class Namespace:
     def sweep(self) -> None:
         """End the leases past their deadline (their slots and pins are already void)."""
         self._finish(*self.book.expired(self.store.staging_open))
+        self.puts.sweep()
 
     def end_session(self, session: int) -> None:
         """The session ended: it no longer has the namespace open, and its leases end."""
         self.openers.discard(session)
+        self.puts.end_session(session)
         self._finish(*self.book.end_session(session))
 
     def _finish(self, staged: list[int], pinned: list[Pinned]) -> None:

@@ -72,6 +72,13 @@ class Placement:
             return self._freeable(self._persistent)
         return sum(self._freeable(t) for t in range(len(self._tiers)))
 
+    def _room_beside(self, keys: Iterable[BlockKey]) -> int:
+        """How many new blocks fit while every block of ``keys`` stays: :meth:`_room`, less
+        the unpinned blocks of ``keys`` that are stored (a put keeps its own blocks: one
+        evicted for another would leave a chain with a hole, which never hits past it)."""
+        kept = {key for key in keys if key not in self._pins and self._locate(key) is not None}
+        return self._room() - len(kept)
+
     def _freeable(self, t: int) -> int:
         """Slots of tier ``t`` that are not pinned nor staged (the top tier's staged puts
         hold slots): the most it can hold after evicting everything it may."""
@@ -97,7 +104,11 @@ class Placement:
             yield
 
     def _place_all(
-        self, fresh: dict[BlockKey, int], sources: Sequence[BlockArray], source_at: Positions
+        self,
+        fresh: dict[BlockKey, int],
+        sources: Sequence[BlockArray],
+        source_at: Positions,
+        protect: Container[BlockKey],
     ) -> bool:
         """Put every new block of a batch in the top tier at once, when it is host memory
         with a free slot for each: one index update, one copy per run of adjacent slots
@@ -115,14 +126,18 @@ class Placement:
         fill_slots(top.memory.array, top.block_bytes, slots, [sources[i] for i in index], at)
         if self.write_through:
             for key, i in fresh.items():
-                self._write_through(key, sources[i], fresh.keys())
+                self._write_through(key, sources[i], protect)
         return True
 
     def _place_each(
-        self, fresh: dict[BlockKey, int], sources: Sequence[BlockArray], source_at: Positions
+        self,
+        fresh: dict[BlockKey, int],
+        sources: Sequence[BlockArray],
+        source_at: Positions,
+        protect: Container[BlockKey],
     ) -> None:
-        """Put each new block in the highest tier with room, one by one."""
-        protect = fresh.keys()
+        """Put each new block in the highest tier with room, one by one, evicting none of
+        ``protect`` (the new blocks are among them)."""
         slots: list[BlockArray] = []  # memory slots to fill, and what goes in them
         slot_at: list[int | None] = []
         filling: list[BlockArray] = []
@@ -174,7 +189,7 @@ class Placement:
         self._pins.expire()
         victims = []
         for key in self._orders[t].candidates():
-            if key not in protect:
+            if key not in protect or self._kept_below(t, key):
                 victims.append(key)
                 if len(victims) == need:
                     break
@@ -183,6 +198,12 @@ class Placement:
         for key in victims:
             self._evict(t, key, protect)
         return True
+
+    def _kept_below(self, t: int, key: BlockKey) -> bool:
+        """Whether a tier under ``t`` holds ``key`` too: evicting it from ``t`` loses
+        nothing, so a protected block may still leave a memory tier that a write-through
+        disk copy backs."""
+        return any(key in tier for tier in self._tiers[t + 1 :])
 
     def _evict(self, t: int, key: BlockKey, protect: Container[BlockKey]) -> None:
         """Move ``key`` from tier ``t`` one tier down, or out of the store from the last."""

@@ -11,7 +11,7 @@ caller already holds, check-free, for the length of one transfer.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from typing import cast
 
 import numpy as np
@@ -34,12 +34,19 @@ class RemoteAccess(Placement):
     """Staged puts and resident pins of a :class:`~kvbridge.store.TieredStore`."""
 
     def stage(
-        self, keys: Sequence[bytes], *, ttl: float | None = None, owner: int = NO_OWNER
+        self,
+        keys: Sequence[bytes],
+        *,
+        ttl: float | None = None,
+        owner: int = NO_OWNER,
+        protect: Container[BlockKey] = frozenset(),
     ) -> tuple[int, list[int | None]]:
         """Reserve top-tier slots for the keys not yet stored, for someone else to fill.
 
         ``owner`` (a cache server's session number) is who may write the slots remotely:
-        see :meth:`admit_writes`.
+        see :meth:`admit_writes`. ``protect``: blocks no room is made by evicting (the
+        rest of a put that takes several stagings, so that none evicts another's), until
+        the commit.
 
         Returns a lease id and, per key, the slot to write (``None`` for a key already
         stored, which counts as a use, or repeated earlier in ``keys``). The blocks become
@@ -66,14 +73,31 @@ class RemoteAccess(Placement):
                     f"{self._staging.slots} staged)"
                 )
             slots: list[int] = []
+            kept = _Either(fresh.keys(), protect)
             with self._batch():
-                if not self._make_room_for(0, len(fresh), fresh.keys()):
-                    raise StoreFull("no room")  # unreachable: room was checked above
+                if not self._make_room_for(0, len(fresh), kept):  # evicts nothing if not
+                    raise StoreFull(
+                        f"{len(fresh)} new block(s) but the {top.name} tier holds the rest "
+                        "of the put they belong to"
+                    )
                 for i in fresh.values():
                     slots.append(top.take_slot())
                     positions[i] = slots[-1]
-            staging = self._staging.add(tuple(fresh), tuple(slots), lifetime, owner)
+            staging = self._staging.add(tuple(fresh), tuple(slots), lifetime, owner, protect)
             return staging.id, positions
+
+    def room_for(self, keys: Sequence[bytes]) -> tuple[int, int]:
+        """How many of ``keys`` are new (not stored, each counted once) and how many new
+        blocks the tiers can take now, as :meth:`put` counts them. A client whose put takes
+        several staged requests asks this first: the requests would otherwise make room by
+        evicting one another's blocks, and a put that cannot fit whole must store nothing
+        (:class:`StoreFull`), as a local put does."""
+        checked = check_keys(keys)
+        with self._lock:
+            self._check_open()
+            self._sweep_staged()
+            new = {key for key in checked if self._locate(key) is None}
+            return len(new), self._room_beside(checked)
 
     def commit(self, lease_id: int) -> int:
         """Make a staged put visible; return how many blocks it added (a key stored by
@@ -102,7 +126,7 @@ class RemoteAccess(Placement):
                         f"{len(fresh)} new block(s) but the disk tier holds at most {room} "
                         "more for their write-through copies"
                     )
-            protect = set(staging.keys)
+            protect = _Either(set(staging.keys), staging.protect)
             adopted: dict[BlockKey, int] = {}
             try:
                 with self._batch():
@@ -260,3 +284,13 @@ class RemoteAccess(Placement):
             top.disown(key)
         self._withdraw(adopted)
         self._free_slots(self._staging.freeable(staging))
+
+
+class _Either:
+    """Keys in either of two containers (no union built: ``protect`` may be a long put's)."""
+
+    def __init__(self, first: Container[BlockKey], second: Container[BlockKey]) -> None:
+        self._first, self._second = first, second
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._first or key in self._second

@@ -55,6 +55,7 @@ from ._wire import (
     code_of,
     error_reply,
     keys_field,
+    optional_field,
 )
 from ._wire import field as message_field
 
@@ -99,6 +100,7 @@ class CacheServer:
             "open": self._open,
             "contains": self._contains,
             "match": self._match,
+            "room": self._room_for,
             "stage": self._stage,
             "commit": self._commit,
             "abort": self._abort,
@@ -268,12 +270,30 @@ class CacheServer:
         ns = self._namespace(caller, body)
         return {"count": ns.store.match_prefix(keys_field(body))}
 
+    def _room_for(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
+        """How many of the keys are new and how many new blocks fit beside the stored ones;
+        with ``put``, a put of several requests: its keys are kept from eviction by its
+        own stagings (``_puts``), when they fit."""
+        ns = self._namespace(caller, body)
+        keys = keys_field(body)
+        new, room = ns.store.room_for(keys)
+        put = _put_id(body)
+        if put is not None and new <= room:
+            ns.puts.begin(caller.session, put, keys, self.config.lease_ttl)
+        return {"new": new, "room": room}
+
     def _stage(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
         ns = self._namespace(caller, body)
         keys = keys_field(body)
+        put, last = _put_id(body), optional_field(body, "last", bool)
+        protect = set() if put is None else ns.puts.keys_of(caller.session, put)
+        if put is not None and last:
+            ns.puts.end(caller.session, put)  # its last staging protects them till its commit
+        if not keys:
+            return {"lease": 0, "slots": [], "saved_bytes": 0}
         self._room(caller, ns, len(keys))
         ttl = self.config.lease_ttl
-        lease, slots = ns.store.stage(keys, ttl=ttl, owner=caller.session)
+        lease, slots = ns.store.stage(keys, ttl=ttl, owner=caller.session, protect=protect)
         saved = (len(keys) - sum(slot is not None for slot in slots)) * ns.store.block_bytes
         self.metrics.saved.inc(saved)
         if lease:
@@ -379,6 +399,12 @@ class CacheServer:
 
     def _store_stats(self) -> dict[str, StoreStats]:
         return {ns.label: ns.store.stats() for ns in self._namespaces.snapshot()}
+
+
+def _put_id(body: dict[str, Any]) -> int | None:
+    """The ``put`` a request belongs to (a put of several requests), if it names one."""
+    put: int | None = optional_field(body, "put", int)
+    return put
 
 
 def _settings(cfg: ServerConfig) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +35,8 @@ class Staging:
     slots: tuple[int, ...]
     deadline: float
     owner: int = NO_OWNER
+    protect: Container[BlockKey] = frozenset()
+    """Blocks the commit must not evict to make room (the rest of the put it is part of)."""
 
 
 class StagingTable:
@@ -52,9 +54,14 @@ class StagingTable:
         """How many slots stagings hold (open ones, and ended ones still being written)."""
 
     def add(
-        self, keys: tuple[BlockKey, ...], slots: tuple[int, ...], ttl: float, owner: int
+        self,
+        keys: tuple[BlockKey, ...],
+        slots: tuple[int, ...],
+        ttl: float,
+        owner: int,
+        protect: Container[BlockKey] = frozenset(),
     ) -> Staging:
-        staging = Staging(next(self._ids), keys, slots, self.clock() + ttl, owner)
+        staging = Staging(next(self._ids), keys, slots, self.clock() + ttl, owner, protect)
         self._open[staging.id] = staging
         self._owner[list(slots)] = owner
         self._lease[list(slots)] = staging.id

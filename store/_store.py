@@ -219,8 +219,10 @@ class TieredStore(RemoteAccess, Closing):
         sequence of ``len(keys)`` buffers of ``block_bytes`` bytes (numpy, memoryview,
         bytes, cupy...). A key already present anywhere (or earlier in the same call) is not
         stored again and counts as a use. Raises :class:`StoreFull`, storing nothing, when
-        the new blocks do not fit in the unpinned room of the tiers or the disk refuses them
-        (full): all or nothing, no block of a failed put stays visible.
+        the new blocks do not fit in the unpinned room of the tiers beside the put's stored
+        ones, or the disk refuses them (full): all or nothing, no block of a failed put
+        stays visible, and after a put every one of its keys is stored (none is evicted to
+        make room for another of the same put).
         """
         checked = check_keys(keys)
         sources, source_at = split_blocks(blocks, len(checked), self.block_bytes, writable=False)
@@ -230,21 +232,22 @@ class TieredStore(RemoteAccess, Closing):
             fresh = self._fresh(checked)
             if not fresh:
                 return stored
-            room = self._room()
+            room = self._room_beside(checked)
             if len(fresh) > room:
                 raise StoreFull(
-                    f"{len(fresh)} new block(s) but the tiers hold at most {room} more "
-                    f"({len(self._pins.pinned())} pinned block(s) cannot be evicted)"
+                    f"{len(fresh)} new block(s) but the tiers hold at most {max(room, 0)} "
+                    f"more beside the put's stored ones ({len(self._pins.pinned())} pinned "
+                    "block(s) cannot be evicted)"
                 )
-            protect = fresh.keys()
+            protect = set(checked)  # no block of the put is evicted for another of it
             try:
                 with self._batch():
                     # One walk frees the top tier for the whole batch when it can (else each
                     # block finds its tier below); per-block walks past pinned blocks were
                     # O(pinned x batch).
                     self._make_room_for(0, len(fresh), protect)
-                    if not self._place_all(fresh, sources, source_at):
-                        self._place_each(fresh, sources, source_at)
+                    if not self._place_all(fresh, sources, source_at, protect):
+                        self._place_each(fresh, sources, source_at, protect)
             except BaseException:
                 self._withdraw(fresh)  # blocks moved to make room stay where they went
                 raise

@@ -15,12 +15,15 @@ open       namespace (bytes), block_bytes               ns, region, block_bytes,
                                                         lease_ttl, request_blocks
 contains   ns, keys                                     present (bools)
 match      ns, keys                                     count
+room       ns, keys                                     new (keys not stored), room (blocks
+                                                        the namespace can take now)
 stage      ns, keys                                     lease, slots (int or nil), saved_bytes
 commit     ns, lease                                    stored
 abort      ns, lease                                    (empty)
 pin        ns, keys                                     lease, slots
 release    ns, lease                                    (empty), or error LeaseExpired
 remove     ns, keys                                     removed (bools)
+clear      ns                                           removed (count)
 stats      (none)                                       server, namespaces, engine
 =========  ===========================================  =====================================
 """
@@ -128,6 +131,11 @@ def field(message: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> 
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
         raise BadRequest(f"field {name!r} is missing or not {getattr(kind, '__name__', kind)}")
     return value
+
+
+def optional_field(message: dict[str, Any], name: str, kind: type) -> Any:
+    """:func:`field` for a field that may be left out (``None`` then)."""
+    return None if message.get(name) is None else field(message, name, kind)
 
 
 def keys_field(message: dict[str, Any]) -> list[bytes]:

@@ -48,7 +48,9 @@ def test_limits_per_request_per_session_and_on_block_size(server: ServeProcess) 
             stage(client, keys(4, 5))
         for lease in leases:
             client._call({"op": "abort", "ns": client._ns, "lease": lease})
-        client.put(keys(20, 30), payloads(keys(20, 30), BB))  # put chunks within the limits
+        whole = keys(20, 20 + SLOTS)  # the whole namespace, in requests within the limits
+        client.put(whole, payloads(whole, BB))
+        assert client.match_prefix(whole) == SLOTS
     for tiny in (1, 4095):
         with pytest.raises(BadRequest, match="block_bytes"):
             StoreClient(server.address, block_bytes=tiny, namespace="tiny")

@@ -1,0 +1,135 @@
+"""A put larger than a namespace can hold is refused whole, by a cache server as by a local
+store, and a put of several requests never keeps its tail while it drops its head (a chain
+stored that way can never hit: ``match_prefix`` counts from the first block)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import keys, payloads
+
+from kvbridge.store import CacheServer, ServerConfig, StoreClient, StoreFull, TieredStore
+
+BB = 4096
+SLOTS = 16
+
+
+@pytest.fixture(params=["reuse", "lru", "fifo"])
+def client(request: pytest.FixtureRequest) -> Iterator[StoreClient]:
+    config = ServerConfig(
+        port=0,
+        host_capacity=SLOTS * BB,
+        max_namespaces=1,
+        handoff_ttl=0,  # no holds on fresh blocks: nothing stops a put evicting itself
+        policy=request.param,
+    )
+    with (
+        CacheServer(config) as server,
+        StoreClient(server.address, block_bytes=BB, namespace="m") as client,
+    ):
+        assert client.request_keys == SLOTS // 4
+        yield client
+
+
+@pytest.mark.parametrize("blocks", [SLOTS + 1, 4 * SLOTS])
+def test_a_put_longer_than_the_namespace_is_refused_and_stores_nothing(
+    client: StoreClient, blocks: int
+) -> None:
+    ks = keys(0, blocks)
+    with pytest.raises(StoreFull, match="nothing was stored"):
+        client.put(ks, payloads(ks, BB))
+    assert client.contains(ks) == [False] * blocks
+    assert client.stats().puts == 0
+    local = TieredStore(BB, host_capacity=SLOTS * BB)
+    with pytest.raises(StoreFull):  # the local store agrees
+        local.put(ks, payloads(ks, BB))
+    local.close()
+
+
+def test_a_put_that_fits_whole_is_stored_whole(client: StoreClient) -> None:
+    ks = keys(0, SLOTS)
+    assert client.put(ks, payloads(ks, BB)) == [True] * SLOTS
+    assert client.match_prefix(ks) == SLOTS
+    out = np.zeros((SLOTS, BB), np.uint8)
+    client.get(ks, out)
+    assert (out == payloads(ks, BB)).all()
+
+
+def test_only_new_blocks_count_against_the_room(client: StoreClient) -> None:
+    held = keys(0, 8)
+    client.put(held, payloads(held, BB))
+    again = keys(0, 16)  # 8 held + 8 new: the whole namespace, in four requests
+    assert client.put(again, payloads(again, BB)) == [False] * 8 + [True] * 8
+    assert client.match_prefix(again) == 16
+
+
+def test_a_put_whose_blocks_cannot_all_stay_is_refused_like_a_local_put(
+    client: StoreClient,
+) -> None:
+    held = keys(0, 12)
+    client.put(held, payloads(held, BB))
+    again = keys(0, 20)  # 12 held + 8 new > 16 slots: the new ones would evict held ones
+    with pytest.raises(StoreFull):
+        client.put(again, payloads(again, BB))
+    assert client.contains(again) == [True] * 12 + [False] * 8  # nothing changed
+    local = TieredStore(BB, host_capacity=SLOTS * BB)
+    local.put(held, payloads(held, BB))
+    with pytest.raises(StoreFull):
+        local.put(again, payloads(again, BB))
+    assert local.contains(again) == [True] * 12 + [False] * 8
+    local.close()
+
+
+def test_pinned_blocks_shrink_the_room_for_a_long_put(client: StoreClient) -> None:
+    pinned = keys(100, 108)
+    client.put(pinned, payloads(pinned, BB))
+    lease = client.pin(pinned[:4])
+    try:
+        ks = keys(0, SLOTS - 3)  # 13 new blocks; 12 slots are not pinned
+        with pytest.raises(StoreFull):
+            client.put(ks, payloads(ks, BB))
+        assert client.contains(ks) == [False] * len(ks)
+        assert client.contains(pinned) == [True] * 8  # nothing was evicted for it
+    finally:
+        client.release(lease)
+
+
+def test_a_put_of_several_requests_evicts_none_of_its_own_blocks(client: StoreClient) -> None:
+    others = keys(100, 100 + SLOTS)  # a full namespace of blocks read once already: the
+    client.put(others, payloads(others, BB))  # reuse policy evicts new blocks before them
+    client.get(others, np.zeros((SLOTS, BB), np.uint8))
+    ks = keys(0, 12)  # three requests; each must make room by evicting the others
+    assert client.put(ks, payloads(ks, BB)) == [True] * 12
+    assert client.match_prefix(ks) == 12
+    out = np.zeros((12, BB), np.uint8)
+    client.get(ks, out)
+    assert (out == payloads(ks, BB)).all()
+    assert client.contains(others).count(True) == SLOTS - 12
+
+
+def test_with_a_disk_tier_a_put_larger_than_memory_is_stored_whole(tmp_path: Path) -> None:
+    config = ServerConfig(
+        port=0,
+        host_capacity=SLOTS * BB,
+        disk_path=str(tmp_path / "disk"),
+        disk_capacity=8 << 20,
+        max_namespaces=1,
+        handoff_ttl=0,
+    )
+    with (
+        CacheServer(config) as server,
+        StoreClient(server.address, block_bytes=BB, namespace="m") as client,
+    ):
+        ks = keys(0, 3 * SLOTS)  # three times the memory: the disk copies hold it
+        assert client.put(ks, payloads(ks, BB)) == [True] * len(ks)
+        assert client.match_prefix(ks) == len(ks)
+        out = np.zeros((len(ks), BB), np.uint8)
+        client.get(ks, out)
+        assert (out == payloads(ks, BB)).all()
+        too_many = keys(1000, 1000 + client.stats().tiers[1].capacity_blocks + 1)
+        with pytest.raises(StoreFull):
+            client.put(too_many, payloads(too_many, BB))
+        assert not any(client.contains(too_many))
