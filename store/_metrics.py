@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import socket
-import threading
 from collections.abc import Callable, Iterator
-from socketserver import ThreadingMixIn
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from ._metrics_http import MetricsHTTP
 from ._stats import StoreStats
 
 _LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.5, 1.0)
@@ -49,62 +52,27 @@ class ServerMetrics:
             registry=self.registry,
         )
         self.registry.register(_StoreCollector(stores))
-        self._http: Any = None
-        self._thread: threading.Thread | None = None
+        self._http: MetricsHTTP | None = None
 
     def serve(self, host: str, port: int, *, token: str | None = None) -> int:
-        """Start the HTTP endpoint; return its port (useful with port 0). With ``token``,
-        a scrape must send ``Authorization: Bearer <token>`` (else 401)."""
-        app = make_wsgi_app(self.registry)
-        server = _MetricsServer6 if ":" in host else _MetricsServer
-        self._http = make_server(host, port, _authorized(app, token), server, handler_class=_Quiet)
-        self._thread = threading.Thread(
-            target=self._http.serve_forever, name="kvbridge-metrics", daemon=True
-        )
-        self._thread.start()
-        return int(self._http.server_port)
+        """Start the HTTP endpoint (``_metrics_http``); return its port (useful with port
+        0). With ``token``, a scrape must send ``Authorization: Bearer <token>`` (else 401)."""
+        self._http = MetricsHTTP(host, port, self._render, token=token)
+        return self._http.port
 
     def close(self) -> None:
         if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
-            assert self._thread is not None
-            self._thread.join()
+            self._http.close()
             self._http = None
+
+    def _render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
 def metrics_token(secret: bytes) -> str:
     """The bearer token a scraper sends to a server with ``secret``: derived one way from
     it, so the scraper's credential opens the metrics and nothing else."""
     return hmac.new(secret, b"kvbridge-metrics", hashlib.sha256).hexdigest()
-
-
-def _authorized(app: Any, token: str | None) -> Any:
-    if token is None:
-        return app
-    expected = f"Bearer {token}".encode()
-
-    def guarded(environ: dict[str, Any], start_response: Any) -> Any:
-        given = str(environ.get("HTTP_AUTHORIZATION", "")).encode()
-        if not hmac.compare_digest(given, expected):
-            start_response("401 Unauthorized", [("WWW-Authenticate", "Bearer")])
-            return [b"a bearer token is required\n"]
-        return app(environ, start_response)
-
-    return guarded
-
-
-class _MetricsServer(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
-
-
-class _MetricsServer6(_MetricsServer):
-    address_family = socket.AF_INET6
-
-
-class _Quiet(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
 
 
 class _StoreCollector(Collector):
