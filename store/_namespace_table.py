@@ -7,7 +7,6 @@ and who may use its handle.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 import threading
@@ -17,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from ..transfer import Caller, TransferEngine
+from ._disk import DiskTier, blocks_within
+from ._disk_dirs import NamespaceDirs
 from ._errors import StoreFull
 from ._namespaces import Namespace
 from ._server_config import MIN_BLOCK_BYTES, ServerConfig
@@ -50,6 +51,11 @@ class NamespaceTable:
         self._by_name: dict[bytes, int] = {}
         self._handles = itertools.count(1)
         self._lock = threading.Lock()
+        self._dirs = (
+            None
+            if config.disk_path is None
+            else NamespaceDirs(config.disk_path, config.max_namespaces)
+        )
 
     def snapshot(self) -> list[Namespace]:
         with self._lock:
@@ -98,8 +104,15 @@ class NamespaceTable:
         host_share = cfg.host_capacity // cfg.max_namespaces
         if host_share < block_bytes:  # checked before anything is reclaimed for it
             raise StoreFull(f"a namespace's {host_share} bytes of host memory hold no block")
+        disk_share = cfg.disk_capacity // cfg.max_namespaces
+        if cfg.disk_path is not None and not blocks_within(disk_share, block_bytes):
+            raise StoreFull(
+                f"a namespace's {disk_share} bytes of disk hold no {block_bytes}-byte block "
+                "beside LMDB's records"
+            )
         if len(self._by_handle) >= cfg.max_namespaces:
             self._reclaim()
+        disk = self._disk_settings(name, block_bytes)
         store = TieredStore(
             block_bytes,
             host_capacity=host_share,
@@ -108,7 +121,7 @@ class NamespaceTable:
             policy=cfg.policy,
             prefault=True,
             clock=self._clock,
-            **self._disk_settings(name, block_bytes),
+            **disk,
         )
         ns = Namespace(next(self._handles), name, store, self._state)
         top = store.tiers[0]
@@ -126,13 +139,16 @@ class NamespaceTable:
         return ns
 
     def _disk_settings(self, name: bytes, block_bytes: int) -> dict[str, Any]:
+        """The disk tier of a new namespace, its directory made room for (``_disk_dirs``)."""
         cfg = self._config
-        if cfg.disk_path is None:
+        if self._dirs is None:
             return {}
-        digest = hashlib.sha256(name).hexdigest()[:16]
+        path = self._dirs.path_for(name, block_bytes)
+        self._dirs.make_room(path, {_disk_path(ns) for ns in self._by_handle.values()})
         return {
-            "disk_path": Path(cfg.disk_path) / f"{digest}-{block_bytes}",
-            "disk_capacity": max(cfg.disk_capacity // cfg.max_namespaces, block_bytes),
+            "disk_path": path,
+            "disk_capacity": cfg.disk_capacity // cfg.max_namespaces,
+            "disk_bound": "files",  # the share bounds the files, LMDB's records included
             "write_through": True,
         }
 
@@ -151,8 +167,17 @@ class NamespaceTable:
                 del self._by_handle[ns.handle]
                 del self._by_name[ns.name]
             ns.store.close()
+            if self._dirs is not None:
+                self._dirs.used(_disk_path(ns))  # kept, the most recently used
             _log.info("namespace %s reclaimed (handle %d)", ns.label, ns.handle)
             return
         raise StoreFull(
             f"the server serves at most {self._config.max_namespaces} namespaces, all in use"
         )
+
+
+def _disk_path(ns: Namespace) -> Path:
+    """The directory of a namespace's disk tier (a server with a disk gives every one)."""
+    disk = ns.store.tiers[-1]
+    assert isinstance(disk, DiskTier)
+    return Path(disk.path)

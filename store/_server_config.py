@@ -80,6 +80,9 @@ class ServerConfig:
     disk_path: str | None = None
     """A directory, or a path where one can be created (the server creates it)."""
     disk_capacity: int = 0
+    """Bytes of disk for all namespaces together, their LMDB files whole (each namespace's
+    share bounds its files; a namespace reclaimed from memory keeps its files only while
+    the namespaces on disk stay within it)."""
     metrics_port: int | None = None
     """Prometheus metrics over HTTP on ``host``; ``None`` for none."""
     max_namespaces: int = 4
@@ -163,11 +166,15 @@ def _check_capacities(cfg: ServerConfig) -> None:
     disk = _whole("disk_capacity", cfg.disk_capacity, 0)
     if (cfg.disk_path is None) != (disk == 0):
         raise ConfigError("disk_path and disk_capacity go together", setting="disk_path")
-    if disk and disk < namespaces * MIN_BLOCK_BYTES:
-        raise ConfigError(
-            f"disk_capacity {disk} gives {namespaces} namespaces no block each",
-            setting="disk_capacity",
-        )
+    if disk:
+        from ._disk import blocks_within  # noqa: PLC0415  (LMDB only with a disk tier)
+
+        if not blocks_within(disk // namespaces, MIN_BLOCK_BYTES):
+            raise ConfigError(
+                f"disk_capacity {disk} gives each of {namespaces} namespaces "
+                f"{disk // namespaces} bytes, which hold no block beside LMDB's records",
+                setting="disk_capacity",
+            )
 
 
 def _physical_memory() -> int | None:

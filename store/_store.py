@@ -49,7 +49,7 @@ from ._slots import SlotTier
 from ._spill import spill
 from ._staging import StagingTable
 from ._stats import StoreStats, TierStats
-from ._store_build import PolicySpec, build_tiers
+from ._store_build import DiskBound, PolicySpec, build_tiers
 from ._tier import Tier
 
 _log = logging.getLogger("kvbridge.store")
@@ -61,6 +61,10 @@ class TieredStore(RemoteAccess, Closing):
     ``block_bytes`` is the fixed size of every block. Capacities are bytes or strings like
     ``"4GiB"``; a tier with capacity 0 is absent. ``disk_path`` with a ``disk_capacity``
     adds an LMDB tier that persists across restarts (see :class:`DiskTier` for ``disk_sync``).
+    ``disk_bound``: ``"blocks"`` (the default) holds ``disk_capacity`` bytes of blocks, and
+    LMDB's files take more (its pages and records: about 1.06x for 64 KiB blocks, 2x for
+    4 KiB ones, plus one transaction's room); ``"files"`` keeps the files themselves within
+    ``disk_capacity`` (fewer blocks fit), as the cache server does.
     ``namespace`` is recorded in the disk tier; reopening it with another namespace or block
     size is refused. ``policy`` names an eviction policy (``"lru"``, ``"fifo"``) or is a
     factory; each tier gets its own instance. ``pin_ttl`` is the default pin lifetime in
@@ -76,6 +80,7 @@ class TieredStore(RemoteAccess, Closing):
         host_capacity: int | str,
         disk_path: str | os.PathLike[str] | None = None,
         disk_capacity: int | str = 0,
+        disk_bound: DiskBound = "blocks",
         device_capacity: int | str = 0,
         device_id: int = 0,
         policy: PolicySpec = "lru",
@@ -93,6 +98,7 @@ class TieredStore(RemoteAccess, Closing):
             host_capacity=host_capacity,
             disk_path=disk_path,
             disk_capacity=disk_capacity,
+            disk_bound=disk_bound,
             device_capacity=device_capacity,
             device_id=device_id,
             policy=policy,

@@ -6,7 +6,7 @@ import os
 from collections.abc import Callable
 from typing import Literal
 
-from ._disk import DiskTier
+from ._disk import DiskTier, blocks_within
 from ._keys import namespace_bytes
 from ._policy import EvictionPolicy, make_policy
 from ._sizes import parse_size, positive_int
@@ -15,6 +15,9 @@ from ._slots import SlotTier
 from ._tier import Tier
 
 PolicySpec = str | Callable[[], EvictionPolicy]
+DiskBound = Literal["blocks", "files"]
+"""What ``disk_capacity`` bounds: the blocks' bytes, or the disk tier's files (LMDB's pages
+and records, and one transaction's room, included: fewer blocks fit)."""
 
 
 def build_tiers(
@@ -23,6 +26,7 @@ def build_tiers(
     host_capacity: int | str,
     disk_path: str | os.PathLike[str] | None,
     disk_capacity: int | str,
+    disk_bound: DiskBound,
     device_capacity: int | str,
     device_id: int,
     policy: PolicySpec,
@@ -38,6 +42,10 @@ def build_tiers(
     device_slots = _slots("device_capacity", device_capacity, block_bytes)
     host_slots = _slots("host_capacity", host_capacity, block_bytes)
     disk_blocks = _slots("disk_capacity", disk_capacity, block_bytes)
+    if disk_bound == "files" and disk_blocks:
+        disk_blocks = _files_blocks(parse_size(disk_capacity), block_bytes)
+    elif disk_bound not in ("files", "blocks"):
+        raise ValueError(f"disk_bound must be 'blocks' or 'files', got {disk_bound!r}")
     if disk_path is not None and not disk_blocks:
         raise ValueError("disk_path needs a disk_capacity of at least one block")
     if disk_blocks and disk_path is None:
@@ -74,3 +82,13 @@ def _slots(what: str, capacity: int | str, block_bytes: int) -> int:
     if 0 < size < block_bytes:
         raise ValueError(f"{what}={capacity!r} is smaller than one block ({block_bytes} bytes)")
     return size // block_bytes
+
+
+def _files_blocks(max_bytes: int, block_bytes: int) -> int:
+    blocks = blocks_within(max_bytes, block_bytes)
+    if not blocks:
+        raise ValueError(
+            f"disk_capacity={max_bytes} bytes of files hold no {block_bytes}-byte block "
+            "beside LMDB's records and room (about 1.3 MiB)"
+        )
+    return blocks

@@ -236,7 +236,7 @@ def test_server_config_accepts_a_creatable_disk_path_without_creating_it(
     tmp_path: Path,
 ) -> None:
     tier = tmp_path / "a" / "b"
-    config = ServerConfig(disk_path=str(tier), disk_capacity=1 << 20, handoff_ttl=0)
+    config = ServerConfig(disk_path=str(tier), disk_capacity=64 << 20, handoff_ttl=0)
     assert config.disk_path == str(tier) and not tier.exists()
     assert ServerConfig(transports=("auto",), host="::1", secret=b"s").transports == ("auto",)
 
