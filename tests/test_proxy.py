@@ -32,10 +32,7 @@ class _Upstreams:
                 {"choices": [{"text": "x"}], "kv_transfer_params": {"kvbridge_blocks": 3}}
             )
 
-        app = web.Application()
-        app.router.add_post("/v1/completions", handle)
-        app.router.add_post("/v1/chat/completions", handle)
-        return app
+        return _vllm_like(handle)
 
     def decode_app(self) -> Any:
         async def handle(request: Any) -> Any:
@@ -51,10 +48,18 @@ class _Upstreams:
             await response.write(b"data: [DONE]\n\n")
             return response
 
-        app = web.Application()
-        app.router.add_post("/v1/completions", handle)
-        app.router.add_post("/v1/chat/completions", handle)
-        return app
+        return _vllm_like(handle)
+
+
+def _vllm_like(handle: Any) -> Any:
+    async def health(request: Any) -> Any:
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", handle)
+    app.router.add_post("/v1/chat/completions", handle)
+    app.router.add_get("/health", health)  # the proxy's health checks
+    return app
 
 
 async def _through_proxy(upstreams: _Upstreams, path: str, body: Any) -> tuple[int, bytes]:

@@ -5,24 +5,52 @@ instance with ``max_tokens=1`` (it computes the prompt, and its kvbridge connect
 prompt's blocks), then to a decode instance with the ``kv_transfer_params`` the prefill's
 answer carried (its connector waits for those blocks and loads them); the decode's answer
 streams back as it comes. A prefill that fails costs time only: the request goes to decode
-without parameters, and decode computes the prompt itself. HTTP: aiohttp (client and
-server, streaming), the ``proxy`` extra.
+without parameters, and decode computes the prompt itself.
+
+With several instances per role, each request goes to the least-loaded healthy one; an
+instance leaves the rotation while it fails its health check (``GET /health``). The proxy
+answers ``/v1/models``, ``/health`` and ``/metrics`` too. The parts: ``_proxy_settings``
+(flags' limits), ``_proxy_upstreams`` + ``_proxy_health`` (instances, routing, health),
+``_proxy_forward`` (the two hops), ``_proxy_metrics``, ``_proxy_app`` (routes, server).
+HTTP: aiohttp (client and server, streaming), the ``proxy`` extra; this module imports it
+only to run, so the ``kvbridge`` command works without it.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
-import json
+import asyncio
 import logging
-import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from ._fail import fail
+from ._proxy_settings import (
+    DEFAULT_CONNECTIONS_PER_INSTANCE,
+    DEFAULT_HEALTH_INTERVAL,
+    DEFAULT_HEALTH_TIMEOUT,
+    DEFAULT_MAX_BODY,
+    DEFAULT_PREFILL_TIMEOUT,
+    ProxySettings,
+    SettingError,
+    upstream_urls,
+)
+
+if TYPE_CHECKING:
+    from aiohttp import web
 
 _log = logging.getLogger("kvbridge.proxy")
 
-ROUTES = ("/v1/completions", "/v1/chat/completions")
-_DROP_FOR_PREFILL = ("stream_options", "min_tokens", "logprobs", "top_logprobs", "n", "best_of")
+_PREFIX = "kvbridge proxy"
+_FLAGS = {
+    "max_body": "--max-body-size",
+    "connections_per_instance": "--connections-per-instance",
+    "prefill_timeout": "--prefill-timeout",
+    "health_interval": "--health-interval",
+    "health_timeout": "--health-timeout",
+}
+_SPARE_FILES = 4096
+"""Open files the proxy wants besides its upstream connections: clients, health checks."""
 
 
 def add_parser(commands: Any) -> None:
@@ -30,136 +58,128 @@ def add_parser(commands: Any) -> None:
         "proxy",
         help="OpenAI-compatible front: prefill on one vLLM, decode on another",
         description="Send each completion to a prefill instance (max_tokens=1), then to a "
-        "decode instance with the prefill's kv_transfer_params; stream the decode's answer.",
+        "decode instance with the prefill's kv_transfer_params; stream the decode's answer. "
+        "Each role may have several instances: a request goes to the least-loaded healthy one.",
     )
-    parser.add_argument(
-        "--prefill",
-        action="append",
-        required=True,
-        metavar="URL",
-        help="a prefill instance (repeat for several: round robin)",
-    )
-    parser.add_argument(
-        "--decode",
-        action="append",
-        required=True,
-        metavar="URL",
-        help="a decode instance (repeat for several: round robin)",
-    )
+    for role in ("prefill", "decode"):
+        parser.add_argument(
+            f"--{role}",
+            action="append",
+            required=True,
+            metavar="URL",
+            help=f"a {role} instance, http://host:port (repeat for several)",
+        )
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--prefill-timeout", type=float, default=600.0, metavar="SECONDS")
+    parser.add_argument("--port", type=int, default=8000, help="0: a free port (printed)")
+    _add_limits(parser)
+    parser.add_argument(
+        "--log-level", default="info", choices=("debug", "info", "warning", "error")
+    )
     parser.set_defaults(run=run)
+
+
+def _add_limits(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--max-body-size",
+        default=f"{DEFAULT_MAX_BODY >> 20}MiB",
+        metavar="SIZE",
+        help="larger request bodies are refused with 413 (default %(default)s)",
+    )
+    parser.add_argument(
+        "--connections-per-instance",
+        type=int,
+        default=DEFAULT_CONNECTIONS_PER_INSTANCE,
+        metavar="N",
+        help="upstream connections to one instance at most (default %(default)s)",
+    )
+    seconds: list[tuple[str, float, str]] = [
+        ("--prefill-timeout", DEFAULT_PREFILL_TIMEOUT, "a prefill longer than this falls back"),
+        ("--health-interval", DEFAULT_HEALTH_INTERVAL, "between health checks of an instance"),
+        ("--health-timeout", DEFAULT_HEALTH_TIMEOUT, "a health check longer than this fails"),
+    ]
+    for flag, default, text in seconds:
+        parser.add_argument(
+            flag, type=float, default=default, metavar="SECONDS", help=f"{text} (%(default)s)"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        from aiohttp import web  # noqa: PLC0415  (the optional extra)
+        settings, prefill, decode = _checked(args)
+    except ValueError as exc:
+        return fail(_PREFIX, exc)
+    try:
+        from ._proxy_app import make_app, serve  # noqa: PLC0415  (aiohttp: the optional extra)
     except ImportError:
-        from ._fail import fail  # noqa: PLC0415
-
-        return fail("kvbridge proxy", "needs aiohttp: pip install 'kvbridge[proxy]'")
-    if not 0 <= args.port < 65536 or args.prefill_timeout <= 0:
-        from ._fail import fail  # noqa: PLC0415
-
-        return fail("kvbridge proxy", "--port must be 0..65535 and --prefill-timeout positive")
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    app = make_app(args.prefill, args.decode, prefill_timeout=args.prefill_timeout)
-    print(f"kvbridge proxy listening on http://{args.host}:{args.port}", flush=True)
-    web.run_app(app, host=args.host, port=args.port, print=None)
+        return fail(_PREFIX, "needs aiohttp: pip install 'kvbridge[proxy]'")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    _raise_open_files((len(prefill) + len(decode)) * settings.connections_per_instance)
+    app = make_app(prefill, decode, settings)
+    try:
+        asyncio.run(serve(app, args.host, args.port, _announce))
+    except OSError as exc:
+        return fail(_PREFIX, f"cannot listen on {args.host}:{args.port}: {exc}")
     return 0
 
 
 def make_app(
-    prefill: Sequence[str], decode: Sequence[str], *, prefill_timeout: float = 600.0
-) -> Any:
-    """The proxy as an aiohttp application (the tests run it in-process)."""
-    from aiohttp import ClientSession, ClientTimeout, web  # noqa: PLC0415
+    prefill: Sequence[str], decode: Sequence[str], settings: ProxySettings | None = None
+) -> web.Application:
+    """The proxy as an aiohttp application (``_proxy_app.make_app``, loaded on first use)."""
+    from ._proxy_app import make_app as make  # noqa: PLC0415
 
-    session_key = web.AppKey("session", ClientSession)
-    prefills = itertools.cycle([url.rstrip("/") for url in prefill])
-    decodes = itertools.cycle([url.rstrip("/") for url in decode])
-
-    async def session_ctx(app: Any) -> Any:
-        app[session_key] = ClientSession(timeout=ClientTimeout(total=None, sock_connect=10))
-        yield
-        await app[session_key].close()
-
-    async def completions(request: Any) -> Any:
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return web.json_response({"error": {"message": "the body is not JSON"}}, status=400)
-        if not isinstance(body, dict):
-            return web.json_response(
-                {"error": {"message": "the body is not an object"}}, status=400
-            )
-        rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-        session = request.app[session_key]
-        params = await _prefill(session, next(prefills) + request.path, body, rid, prefill_timeout)
-        if params:
-            body = {**body, "kv_transfer_params": params}
-        return await _decode(request, session, next(decodes) + request.path, body, rid)
-
-    async def models(request: Any) -> Any:
-        async with request.app[session_key].get(next(decodes) + request.path) as upstream:
-            return web.Response(
-                body=await upstream.read(), status=upstream.status, content_type="application/json"
-            )
-
-    async def health(request: Any) -> Any:
-        return web.json_response({"status": "ok"})
-
-    app = web.Application()
-    app.cleanup_ctx.append(session_ctx)
-    for route in ROUTES:
-        app.router.add_post(route, completions)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/health", health)
-    return app
+    return make(prefill, decode, settings)
 
 
-async def _prefill(
-    session: Any, url: str, body: dict[str, Any], rid: str, timeout: float
-) -> dict[str, Any] | None:
-    """Run the prompt on a prefill instance; the ``kv_transfer_params`` of its answer, or
-    ``None`` (logged) when it failed: decode then computes the prompt itself."""
-    from aiohttp import ClientError, ClientTimeout  # noqa: PLC0415
+def _checked(args: argparse.Namespace) -> tuple[ProxySettings, list[str], list[str]]:
+    """The settings and instance URLs the flags give; ``ValueError`` names a bad one."""
+    from kvbridge.store import parse_size  # noqa: PLC0415
 
-    first = {k: v for k, v in body.items() if k not in _DROP_FOR_PREFILL}
-    first.update(max_tokens=1, stream=False)
-    if "max_completion_tokens" in first:
-        first["max_completion_tokens"] = 1
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port must be 0..65535, got {args.port}")
     try:
-        async with session.post(
-            url, json=first, headers={"X-Request-Id": rid}, timeout=ClientTimeout(total=timeout)
-        ) as answer:
-            if answer.status != 200:
-                _log.warning(
-                    "prefill %s answered %d: decode computes the prompt", url, answer.status
-                )
-                return None
-            params = (await answer.json()).get("kv_transfer_params")
-    except (ClientError, TimeoutError, ValueError) as exc:
-        _log.warning("prefill %s failed (%s): decode computes the prompt", url, exc)
-        return None
-    return params if isinstance(params, dict) else None
-
-
-async def _decode(request: Any, session: Any, url: str, body: dict[str, Any], rid: str) -> Any:
-    """Forward to a decode instance and stream its answer back as it comes."""
-    from aiohttp import ClientError, web  # noqa: PLC0415
-
+        max_body = parse_size(args.max_body_size)
+    except ValueError as exc:
+        raise ValueError(f"--max-body-size: {exc}") from None
     try:
-        upstream = await session.post(url, json=body, headers={"X-Request-Id": rid})
-    except ClientError as exc:
-        return web.json_response({"error": {"message": f"decode {url}: {exc}"}}, status=502)
-    async with upstream:
-        response = web.StreamResponse(status=upstream.status)
-        response.content_type = upstream.content_type
-        response.headers["X-Request-Id"] = rid
-        await response.prepare(request)
-        async for chunk in upstream.content.iter_any():
-            await response.write(chunk)
-        await response.write_eof()
-        return response
+        settings = ProxySettings(
+            max_body=max_body,
+            connections_per_instance=args.connections_per_instance,
+            prefill_timeout=args.prefill_timeout,
+            health_interval=args.health_interval,
+            health_timeout=args.health_timeout,
+        )
+    except SettingError as exc:
+        raise ValueError(f"{_FLAGS[exc.name]} {exc.problem}") from None
+    return settings, upstream_urls("prefill", args.prefill), upstream_urls("decode", args.decode)
+
+
+def _announce(url: str) -> None:
+    print(f"kvbridge proxy listening on {url}", flush=True)
+
+
+def _raise_open_files(connections: int) -> None:
+    """Raise the soft open-files limit to fit every upstream connection (as vLLM raises
+    its own); warn when the hard limit is lower."""
+    try:
+        import resource  # noqa: PLC0415  (POSIX only)
+    except ImportError:
+        return
+    wanted = connections + _SPARE_FILES
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= wanted:
+        return
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError) as exc:
+        _log.warning("cannot raise the open-files limit to %d: %s", target, exc)
+        return
+    if target < wanted:
+        _log.warning(
+            "open files are limited to %d; %d upstream connections and clients may not fit",
+            target,
+            connections,
+        )

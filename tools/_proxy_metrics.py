@@ -1,0 +1,126 @@
+"""The proxy's Prometheus metrics, in a registry of its own (one per app, so two proxies in
+one process never share a counter), served as text at ``GET /metrics``.
+
+Counters: ``kvbridge_proxy_requests_total{route,status}`` (status 499: the client went away
+first), ``kvbridge_proxy_prefill_fallbacks_total{reason}`` (decode computed the prompt),
+``kvbridge_proxy_upstream_errors_total{role,instance,kind}``,
+``kvbridge_proxy_client_disconnects_total``. Histogram: ``kvbridge_proxy_prefill_seconds``.
+Gauges, read when scraped: ``kvbridge_proxy_outstanding_requests{role,instance}``,
+``kvbridge_proxy_instance_healthy{role,instance}`` (1 in the rotation, 0 out),
+``kvbridge_proxy_requests_in_progress`` (requests being handled, the scrape's own included),
+``kvbridge_proxy_tasks`` (asyncio tasks alive in the proxy's event loop, the scrape's
+included: once idle, it is back to its count at start).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+
+from ._proxy_upstreams import Upstreams
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+PREFILL_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+"""From a cached short prompt (milliseconds) to the default prefill timeout (600 s)."""
+
+
+class ProxyMetrics:
+    def __init__(self, upstreams: Upstreams, in_progress: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry()
+        self._requests = Counter(
+            "kvbridge_proxy_requests",
+            "Requests answered, by route and HTTP status (499: the client went away first)",
+            ["route", "status"],
+            registry=self.registry,
+        )
+        self._fallbacks = Counter(
+            "kvbridge_proxy_prefill_fallbacks",
+            "Requests whose prefill failed, so decode computed the prompt, by reason",
+            ["reason"],
+            registry=self.registry,
+        )
+        self._errors = Counter(
+            "kvbridge_proxy_upstream_errors",
+            "Upstream requests that failed (refused, dropped, cut mid-answer, 5xx, timed out)",
+            ["role", "instance", "kind"],
+            registry=self.registry,
+        )
+        self._disconnects = Counter(
+            "kvbridge_proxy_client_disconnects",
+            "Requests whose client went away before the answer ended",
+            registry=self.registry,
+        )
+        self._prefill = Histogram(
+            "kvbridge_proxy_prefill_seconds",
+            "Time from a request's arrival to the end of its prefill (answer or failure)",
+            buckets=PREFILL_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(_Gauges(upstreams, in_progress))
+
+    def request(self, route: str, status: int) -> None:
+        self._requests.labels(route=route, status=str(status)).inc()
+
+    def fallback(self, reason: str) -> None:
+        self._fallbacks.labels(reason=reason).inc()
+
+    def upstream_error(self, role: str, instance: str, kind: str) -> None:
+        self._errors.labels(role=role, instance=instance, kind=kind).inc()
+
+    def client_disconnect(self) -> None:
+        self._disconnects.inc()
+
+    def prefill_time(self, seconds: float) -> None:
+        self._prefill.observe(seconds)
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _Gauges(Collector):
+    """The gauges, read from the live state at each scrape (nothing to keep in step)."""
+
+    def __init__(self, upstreams: Upstreams, in_progress: Callable[[], int]) -> None:
+        self._upstreams = upstreams
+        self._in_progress = in_progress
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["role", "instance"]
+        outstanding = GaugeMetricFamily(
+            "kvbridge_proxy_outstanding_requests",
+            "Requests sent to an instance (or waiting for its connections), not yet answered",
+            labels=labels,
+        )
+        healthy = GaugeMetricFamily(
+            "kvbridge_proxy_instance_healthy",
+            "1 while an instance is in the rotation, 0 while it is out",
+            labels=labels,
+        )
+        for instance in self._upstreams.instances():
+            outstanding.add_metric([instance.role, instance.url], instance.outstanding)
+            healthy.add_metric([instance.role, instance.url], int(instance.healthy))
+        yield outstanding
+        yield healthy
+        yield GaugeMetricFamily(
+            "kvbridge_proxy_requests_in_progress",
+            "Requests being handled (the scrape's own included)",
+            value=self._in_progress(),
+        )
+        yield GaugeMetricFamily(
+            "kvbridge_proxy_tasks",
+            "asyncio tasks alive in the proxy's event loop (the scrape's own included)",
+            value=len(_tasks()),
+        )
+
+
+def _tasks() -> set[asyncio.Task[object]]:
+    try:
+        return asyncio.all_tasks()
+    except RuntimeError:  # scraped outside the loop (a test reading the registry)
+        return set()
