@@ -10,6 +10,8 @@ Public surface:
   settings (:class:`ServerConfig`, :func:`load_config`), and :class:`StoreClient`, which has
   the surface of a local :class:`TieredStore`; :class:`ClusterClient`, the same surface
   over a cluster of servers found in etcd (``kvbridge serve --cluster``).
+- Tenants (:class:`Tenant`, :func:`load_tenants`, ``kvbridge serve --tenants``): each
+  with a secret of its own, the namespaces it may open, and its share of the server.
 - Typed errors, all subclasses of :class:`StoreError`.
 """
 
@@ -49,7 +51,8 @@ if TYPE_CHECKING:
     from ._metrics import metrics_token
     from ._server import CacheServer
     from ._server_config import DEFAULT_PORT, ConfigError, ServerConfig, load_config
-    from ._wire import BadRequest, InternalError, TooManyRequests, UnknownNamespace
+    from ._tenants import Tenant, TenantError, load_tenants
+    from ._wire import BadRequest, InternalError, NotPermitted, TooManyRequests, UnknownNamespace
 
 _LAZY = {
     "StoreClient": "._client",
@@ -63,6 +66,10 @@ _LAZY = {
     "BadRequest": "._wire",
     "InternalError": "._wire",
     "TooManyRequests": "._wire",
+    "NotPermitted": "._wire",
+    "Tenant": "._tenants",
+    "TenantError": "._tenants",
+    "load_tenants": "._tenants",
     "UnknownNamespace": "._wire",
 }
 """The client and the server load on first use: a plain store user does not pay for
@@ -101,6 +108,7 @@ __all__ = [
     "InvalidTokens",
     "Lease",
     "LeaseExpired",
+    "NotPermitted",
     "ReuseLRU",
     "ServerConfig",
     "SlotMemory",
@@ -111,6 +119,8 @@ __all__ = [
     "StoreError",
     "StoreFull",
     "StoreStats",
+    "Tenant",
+    "TenantError",
     "Tier",
     "TierStats",
     "TierUnavailable",
@@ -118,6 +128,7 @@ __all__ = [
     "TooManyRequests",
     "UnknownNamespace",
     "load_config",
+    "load_tenants",
     "metrics_token",
     "parse_size",
     "prefix_hashes",

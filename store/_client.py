@@ -27,6 +27,7 @@ import numpy as np
 
 from .._closing import Closing
 from ..transfer import (
+    DEFAULT_PRINCIPAL,
     OP_DTYPE,
     AuthenticationError,
     PeerClosed,
@@ -56,9 +57,11 @@ request left) ran under the pin for sure; later ones ask the server whether it h
 class StoreClient(Closing):
     """A connection to ``kvbridge serve`` for one namespace and block size.
 
-    ``address`` is ``host:port``. ``secret`` must match the server's. ``transports`` are
-    the client engine's (the first one the server also offers is used). Pass ``engine`` to
-    share a :class:`TransferEngine` the caller owns (it is not closed with the client).
+    ``address`` is ``host:port``. ``secret`` must match the server's: the shared secret,
+    or with ``tenant`` that tenant's own (a server with ``--tenants``; see
+    ``store/_tenants.py``). ``transports`` are the client engine's (the first one the
+    server also offers is used). Pass ``engine`` to share a :class:`TransferEngine` the
+    caller owns (it is not closed with the client; its principal is the tenant).
     """
 
     def __init__(
@@ -68,6 +71,7 @@ class StoreClient(Closing):
         block_bytes: int,
         namespace: bytes | str = b"",
         secret: bytes | str | None = None,
+        tenant: str = DEFAULT_PRINCIPAL,
         transports: Sequence[str] | str = ("tcp",),
         timeout: float = 30.0,
         engine: TransferEngine | None = None,
@@ -80,6 +84,7 @@ class StoreClient(Closing):
             f"kvbridge-client-{secrets.token_hex(4)}",
             transports=transports,
             secret=secret,
+            principal=tenant,
             timeout=timeout,
             # A dead server must not cost more than one call's timeout to find out.
             connect_timeout=min(timeout, DEFAULT_CONNECT_TIMEOUT_S),

@@ -59,9 +59,9 @@ class ClusterClient(Closing):
 
     ``cluster`` names the cluster (``kvbridge serve --cluster-name``). Keys at positions
     below ``replicated_blocks`` of their chain (``chain_start`` says where a call's first
-    key sits, 0 by default) are stored on ``replicas`` members. ``secret`` and ``timeout``
-    and ``transports`` are every member connection's (a call to a dead member fails within
-    ``timeout``).
+    key sits, 0 by default) are stored on ``replicas`` members. ``secret``, ``tenant``,
+    ``timeout`` and ``transports`` are every member connection's (a call to a dead member
+    fails within ``timeout``).
     Raises ``ConnectionError`` when etcd cannot be reached at start.
     """
 
@@ -73,6 +73,7 @@ class ClusterClient(Closing):
         namespace: bytes | str = b"",
         cluster: str = DEFAULT_CLUSTER,
         secret: bytes | str | None = None,
+        tenant: str = "",
         transports: Sequence[str] | str = ("tcp",),
         timeout: float = 10.0,
         replicas: int = 2,
@@ -91,6 +92,7 @@ class ClusterClient(Closing):
             block_bytes=block_bytes,
             namespace=namespace,
             secret=secret,
+            tenant=tenant,
             transports=transports,
             timeout=timeout,
         )

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -38,6 +39,7 @@ class Staged:
 
     session: int
     slots: int
+    principal: str = ""
 
 
 @dataclass
@@ -45,6 +47,16 @@ class Pinned:
     session: int
     lease: Lease
     slots: list[int]
+    principal: str = ""
+
+
+@dataclass(frozen=True)
+class _Holder:
+    """Who a lease's slots count against: its session and the session's principal."""
+
+    session: int
+    principal: str
+    slots: int
 
 
 class LeaseBook:
@@ -58,19 +70,22 @@ class LeaseBook:
         """Open leases per session."""
         self.held: Counter[int] = Counter()
         """Slots held per session (staged and pinned)."""
+        self.leases_by: Counter[str] = Counter()
+        """Open leases per principal (a tenant: all its sessions together)."""
+        self.held_by: Counter[str] = Counter()
+        """Slots held per principal."""
         self._readable: dict[int, dict[int, dict[int, bytes]]] = {}
         """session -> slot -> {read lease id: the key pinned there}."""
         self._inflight: Counter[Use] = Counter()
         """Remote transfers admitted on each lease and not done yet."""
-        self._ended: dict[Use, tuple[int, int]] = {}
-        """Leases ended with transfers in flight: (session, slots) still counted as held."""
+        self._ended: dict[Use, _Holder] = {}
+        """Leases ended with transfers in flight: their slots still counted as held."""
 
     # -- staged puts -------------------------------------------------------------------
 
-    def add_staging(self, session: int, lease_id: int, slots: int) -> None:
-        self.stagings[lease_id] = Staged(session, slots)
-        self.leases[session] += 1
-        self.held[session] += slots
+    def add_staging(self, session: int, lease_id: int, slots: int, principal: str = "") -> None:
+        self.stagings[lease_id] = Staged(session, slots, principal)
+        self._hold(_Holder(session, principal, slots))
 
     def take_staging(self, lease_id: int, session: int) -> Staged:
         """End the session's staging ``lease_id``; :class:`LeaseExpired` if it has none."""
@@ -78,15 +93,14 @@ class LeaseBook:
         if staged is None or staged.session != session:
             raise LeaseExpired(f"lease {lease_id} is unknown, finished or expired")
         del self.stagings[lease_id]
-        self._drop(("stage", lease_id), session, staged.slots)
+        self._drop(("stage", lease_id), _Holder(session, staged.principal, staged.slots))
         return staged
 
     # -- read leases -------------------------------------------------------------------
 
-    def add_pin(self, session: int, lease: Lease, slots: list[int]) -> None:
-        self.pins[lease.id] = Pinned(session, lease, slots)
-        self.leases[session] += 1
-        self.held[session] += len(slots)
+    def add_pin(self, session: int, lease: Lease, slots: list[int], principal: str = "") -> None:
+        self.pins[lease.id] = Pinned(session, lease, slots, principal)
+        self._hold(_Holder(session, principal, len(slots)))
         readable = self._readable.setdefault(session, {})
         for key, slot in zip(lease.keys, slots, strict=True):
             readable.setdefault(slot, {})[lease.id] = key
@@ -97,7 +111,7 @@ class LeaseBook:
         if pinned is None or pinned.session != session:
             raise LeaseExpired(f"lease {lease_id} is unknown, finished or expired")
         del self.pins[lease_id]
-        self._drop(("pin", lease_id), session, len(pinned.slots))
+        self._drop(("pin", lease_id), _Holder(session, pinned.principal, len(pinned.slots)))
         readable = self._readable.get(session, {})
         for slot in pinned.slots:
             by_lease = readable.get(slot)
@@ -154,7 +168,7 @@ class LeaseBook:
                 del self._inflight[lease]
                 ended = self._ended.pop(lease, None)
                 if ended is not None:
-                    self._unhold(*ended)
+                    self._unhold(ended)
 
     # -- lifetimes ---------------------------------------------------------------------
 
@@ -178,16 +192,26 @@ class LeaseBook:
     def __len__(self) -> int:
         return len(self.stagings) + len(self.pins)
 
-    def _drop(self, lease: Use, session: int, slots: int) -> None:
-        self.leases[session] -= 1
-        if self.leases[session] <= 0:
-            del self.leases[session]
-        if self._inflight[lease] > 0:  # still being read or written: counted until done
-            self._ended[lease] = (session, slots)
-        else:
-            self._unhold(session, slots)
+    def _hold(self, holder: _Holder) -> None:
+        self.leases[holder.session] += 1
+        self.leases_by[holder.principal] += 1
+        self.held[holder.session] += holder.slots
+        self.held_by[holder.principal] += holder.slots
 
-    def _unhold(self, session: int, slots: int) -> None:
-        self.held[session] -= slots
-        if self.held[session] <= 0:
-            del self.held[session]
+    def _drop(self, lease: Use, holder: _Holder) -> None:
+        _take(self.leases, holder.session, 1)
+        _take(self.leases_by, holder.principal, 1)
+        if self._inflight[lease] > 0:  # still being read or written: counted until done
+            self._ended[lease] = holder
+        else:
+            self._unhold(holder)
+
+    def _unhold(self, holder: _Holder) -> None:
+        _take(self.held, holder.session, holder.slots)
+        _take(self.held_by, holder.principal, holder.slots)
+
+
+def _take(counter: Counter[Any], who: Any, amount: int) -> None:
+    counter[who] -= amount
+    if counter[who] <= 0:
+        del counter[who]

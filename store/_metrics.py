@@ -31,7 +31,13 @@ _LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 
 class ServerMetrics:
     """What the server records, and the HTTP endpoint that exposes it."""
 
-    def __init__(self, stores: Callable[[], dict[str, StoreStats]]) -> None:
+    def __init__(
+        self,
+        stores: Callable[[], dict[str, StoreStats]],
+        refusals: Callable[[], dict[str, int]] = dict,
+    ) -> None:
+        """``stores``: each namespace's figures; ``refusals``: connections and handshakes
+        the engine refused, by kind (read when Prometheus scrapes)."""
         self.registry = CollectorRegistry()
         self.requests = Histogram(
             "kvbridge_request_seconds",
@@ -52,6 +58,7 @@ class ServerMetrics:
             registry=self.registry,
         )
         self.registry.register(_StoreCollector(stores))
+        self.registry.register(_RefusalCollector(refusals))
         self._http: MetricsHTTP | None = None
 
     def serve(self, host: str, port: int, *, token: str | None = None) -> int:
@@ -76,7 +83,13 @@ def metrics_token(secret: bytes) -> str:
 
 
 class _StoreCollector(Collector):
-    def __init__(self, stores: Callable[[], dict[str, StoreStats]]) -> None:
+    def __init__(
+        self,
+        stores: Callable[[], dict[str, StoreStats]],
+        refusals: Callable[[], dict[str, int]] = dict,
+    ) -> None:
+        """``stores``: each namespace's figures; ``refusals``: connections and handshakes
+        the engine refused, by kind (read when Prometheus scrapes)."""
         self._stores = stores
 
     def collect(self) -> Iterator[Any]:
@@ -116,3 +129,18 @@ class _StoreCollector(Collector):
                 tier_evictions.add_metric([namespace, tier.name], tier.evictions)
         yield from families.values()
         yield from (blocks, capacity, tier_evictions)
+
+
+class _RefusalCollector(Collector):
+    def __init__(self, refusals: Callable[[], dict[str, int]]) -> None:
+        self._refusals = refusals
+
+    def collect(self) -> Iterator[Any]:
+        family = CounterMetricFamily(
+            "kvbridge_refused",
+            "Connections, handshakes and streams the engine refused, by kind",
+            labels=["kind"],
+        )
+        for kind, count in sorted(self._refusals().items()):
+            family.add_metric([kind], count)
+        yield family

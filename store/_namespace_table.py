@@ -69,9 +69,12 @@ class NamespaceTable:
         ns.last_used = time.monotonic()
         return ns
 
-    def open(self, caller: Caller, name: bytes, block_bytes: int) -> Namespace:
-        """Open (or create) the namespace ``name`` for ``caller``'s session; every check
-        comes before anything changes (a refused open reclaims nothing)."""
+    def open(
+        self, caller: Caller, name: bytes, block_bytes: int, max_open: int | None = None
+    ) -> Namespace:
+        """Open (or create) the namespace ``name`` for ``caller``'s session, whose principal
+        (tenant) may have at most ``max_open`` namespaces open at once; every check comes
+        before anything changes (a refused open reclaims nothing)."""
         if len(name) > MAX_NAMESPACE_BYTES:
             raise BadRequest(f"a namespace is at most {MAX_NAMESPACE_BYTES} bytes")
         if not MIN_BLOCK_BYTES <= block_bytes <= MAX_BLOCK_BYTES:
@@ -88,9 +91,16 @@ class NamespaceTable:
             mine = sum(caller.session in n.openers for n in self._by_handle.values())
             if mine >= MAX_NAMESPACES_PER_SESSION:
                 raise TooManyRequests(f"a session opens at most {MAX_NAMESPACES_PER_SESSION}")
+        if max_open is not None and (ns is None or not ns.open_for(caller.principal)):
+            theirs = sum(n.open_for(caller.principal) for n in self._by_handle.values())
+            if theirs >= max_open:
+                raise TooManyRequests(
+                    f"tenant {caller.principal or 'default'} has {theirs} namespaces open "
+                    f"(at most {max_open}): close a client of one first"
+                )
         if ns is None:
             ns = self._create(name, block_bytes)
-        ns.openers.add(caller.session)
+        ns.openers[caller.session] = caller.principal
         return ns
 
     def close(self) -> None:

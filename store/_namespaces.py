@@ -40,8 +40,8 @@ class Namespace:
     """The server's state lock (leases are read by the guard on serving threads)."""
     region: Region | None = None
     book: LeaseBook = field(default_factory=LeaseBook)
-    openers: set[int] = field(default_factory=set)
-    """Sessions that opened the namespace and have not ended."""
+    openers: dict[int, str] = field(default_factory=dict)
+    """Sessions that opened the namespace and have not ended, each with its principal."""
     unread: dict[bytes, float] = field(default_factory=dict)
     """Committed blocks still held for their first read: key -> handoff pin deadline."""
     last_used: float = field(default_factory=time.monotonic)
@@ -97,7 +97,7 @@ class Namespace:
 
     def end_session(self, session: int) -> None:
         """The session ended: it no longer has the namespace open, and its leases end."""
-        self.openers.discard(session)
+        self.openers.pop(session, None)
         self.puts.end_session(session)
         self._finish(*self.book.end_session(session))
 
@@ -106,6 +106,10 @@ class Namespace:
             self.store.abort(lease_id)  # slots still being written come back after that
         for entry in pinned:
             entry.lease.release()
+
+    def open_for(self, principal: str) -> bool:
+        """Whether a live session of ``principal`` has the namespace open."""
+        return principal in self.openers.values()
 
     @property
     def idle(self) -> bool:

@@ -39,6 +39,7 @@ from typing import Any
 
 import msgpack
 
+from .._bounded_log import BoundedLog
 from ..transfer import Caller, NotifyRefused, TransferEngine
 from ._errors import BlockNotFound, BlockPinned, LeaseExpired, StoreError
 from ._handoff import hand_off, restore, take
@@ -48,9 +49,11 @@ from ._namespaces import Namespace
 from ._placement import Prefetched
 from ._server_config import ServerConfig
 from ._stats import StoreStats
+from ._tenants import Tenant, default_tenant
 from ._wire import (
     BadRequest,
     InternalError,
+    NotPermitted,
     TooManyRequests,
     code_of,
     error_reply,
@@ -60,6 +63,8 @@ from ._wire import (
 from ._wire import field as message_field
 
 _log = logging.getLogger("kvbridge.server")
+_WRITE_OPS = frozenset({"room", "stage", "commit", "abort", "remove", "clear"})
+"""Ops a read-only tenant may not send."""
 _QUIET = (BlockNotFound,)  # refusals that are the normal course of things (a cache miss)
 _QUICK_OPS = frozenset({"contains", "match", "pin", "release", "abort", "stats"})
 """Ops that never touch the disk (a pin only when its blocks are in memory): answered on
@@ -76,17 +81,20 @@ class CacheServer:
         """``clock`` times leases and handoff holds (tests pass a fake one)."""
         self.config = config or ServerConfig()
         cfg = self.config
+        tenants = cfg.tenants or (default_tenant(cfg.secret),)
+        self._tenants = {tenant.name: tenant for tenant in tenants}
         self.engine = TransferEngine(
             "kvbridge-server",
             host=cfg.host,
             port=cfg.port,
             transports=cfg.transports,
-            secret=cfg.secret,
+            principals=[tenant.principal() for tenant in tenants],
         )
         self._state = threading.Lock()  # leases and stores: control and serving threads
         self._namespaces = NamespaceTable(cfg, self.engine, self._state, clock)
         self._started = time.time()
-        self.metrics = ServerMetrics(self._store_stats)
+        self._refusals = BoundedLog(_log)
+        self.metrics = ServerMetrics(self._store_stats, lambda: self.engine.stats()["refused"])
         self.metrics_port: int | None = None
         try:
             if cfg.metrics_port is not None:
@@ -163,6 +171,8 @@ class CacheServer:
                 raise BadRequest(f"unknown op {op!r}; known: {sorted(self._ops)}")
             if op == "pin" and wait:  # disk reads first, outside the lock all requests need
                 handler = functools.partial(self._pin, early=self._prefetch(caller, body))
+            if op in _WRITE_OPS and self._tenant(caller).read_only:
+                raise NotPermitted(f"tenant {self._tenant(caller).label} is read-only: no {op}")
             if not self._state.acquire(blocking=wait):
                 answered = False
                 return None
@@ -194,10 +204,13 @@ class CacheServer:
         return all(key in top for key in keys_field(body))
 
     def _refused(self, caller: Caller, op: str, exc: StoreError) -> None:
+        """Count a refused request; log it at a bounded rate per op and kind (a client may
+        send refused requests as fast as it likes)."""
         kind = type(exc).__name__
         self.metrics.errors.labels(op, kind).inc()
         level = logging.DEBUG if isinstance(exc, _QUIET) else logging.INFO
-        _log.log(level, "refused %s from session %d: %s: %s", op, caller.session, kind, exc)
+        message = "refused %s from session %d: %s: %s"
+        self._refusals.refused(f"{op}/{kind}", level, message, op, caller.session, kind, exc)
 
     def _on_notify(self, caller: Caller, message: bytes) -> None:
         """A write's notification: ``{"op": "commit", "ns", "lease"}`` commits the put whose
@@ -226,6 +239,10 @@ class CacheServer:
     def _namespace(self, caller: Caller, body: dict[str, Any]) -> Namespace:
         return self._namespaces.get(caller, message_field(body, "ns", int))
 
+    def _tenant(self, caller: Caller) -> Tenant:
+        """The tenant a session proved at its handshake (the engine admits no other)."""
+        return self._tenants[caller.principal]
+
     def _room(self, caller: Caller, ns: Namespace, blocks: int) -> None:
         """Refuse a request that would take more than its share (TooManyRequests)."""
         ns.sweep()
@@ -235,6 +252,7 @@ class CacheServer:
                 f"session {caller.session} holds {leases} open leases "
                 f"(at most {self.config.max_leases_per_client}): commit or release some"
             )
+        self._tenant_room(caller, ns, blocks)
         if blocks > ns.request_blocks:
             raise TooManyRequests(
                 f"{blocks} blocks in one request; at most {ns.request_blocks} in {ns.label}"
@@ -246,12 +264,33 @@ class CacheServer:
                 f"more it would pass its share of {ns.session_blocks}: release some first"
             )
 
+    def _tenant_room(self, caller: Caller, ns: Namespace, blocks: int) -> None:
+        """The tenant's shares: every session of it together (more sessions gain nothing)."""
+        tenant = self._tenant(caller)
+        if tenant.max_leases is not None:
+            leases = sum(n.book.leases_by[tenant.name] for n in self._namespaces.snapshot())
+            if leases >= tenant.max_leases:
+                raise TooManyRequests(
+                    f"tenant {tenant.label} holds {leases} open leases "
+                    f"(at most {tenant.max_leases}): commit or release some"
+                )
+        share = int(ns.slots * tenant.slots)
+        held = ns.book.held_by[tenant.name]
+        if tenant.slots < 1 and held + blocks > share:
+            raise TooManyRequests(
+                f"tenant {tenant.label} holds {held} slots of {ns.label}; with {blocks} more "
+                f"it would pass its share of {share}: release some first"
+            )
+
     # -- ops ---------------------------------------------------------------------------
 
     def _open(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
         name = message_field(body, "namespace", bytes)
         block_bytes = message_field(body, "block_bytes", int)
-        ns = self._namespaces.open(caller, name, block_bytes)
+        tenant = self._tenant(caller)
+        if not tenant.may_open(name):
+            raise NotPermitted(f"tenant {tenant.label} may not open this namespace")
+        ns = self._namespaces.open(caller, name, block_bytes, tenant.max_namespaces)
         assert ns.region is not None
         return {
             "ns": ns.handle,
@@ -297,7 +336,8 @@ class CacheServer:
         saved = (len(keys) - sum(slot is not None for slot in slots)) * ns.store.block_bytes
         self.metrics.saved.inc(saved)
         if lease:
-            ns.book.add_staging(caller.session, lease, sum(s is not None for s in slots))
+            taken = sum(s is not None for s in slots)
+            ns.book.add_staging(caller.session, lease, taken, caller.principal)
         return {"lease": lease, "slots": slots, "saved_bytes": saved}
 
     def _commit(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
@@ -342,7 +382,7 @@ class CacheServer:
             return {"lease": 0, "slots": []}  # nothing to read: no lease to count
         self._room(caller, ns, len(keys))
         lease, slots = ns.store.pin_resident(keys, ttl=self.config.lease_ttl, early=early)
-        ns.book.add_pin(caller.session, lease, slots)
+        ns.book.add_pin(caller.session, lease, slots, caller.principal)
         take(ns, keys)  # their first read: the handoff holds have done their job
         return {"lease": lease.id, "slots": slots}
 
@@ -374,12 +414,18 @@ class CacheServer:
 
     def _stats(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
         """Server figures. A namespace this session has not opened is named by a digest of
-        its name: tenant names are not every client's business."""
-        return self._server_stats(caller.session)
+        its name, and one its tenant may not open is not listed at all: other tenants'
+        namespaces are not every client's business."""
+        return self._server_stats(caller.session, self._tenant(caller))
 
-    def _server_stats(self, session: int | None = None) -> dict[str, Any]:
-        """Every namespace's figures; with ``session``, names hidden where it is not open."""
-        namespaces = self._namespaces.snapshot()
+    def _server_stats(
+        self, session: int | None = None, tenant: Tenant | None = None
+    ) -> dict[str, Any]:
+        """Every namespace's figures; with ``session``, names hidden where it is not open,
+        with ``tenant`` only the namespaces it may open."""
+        namespaces = [
+            ns for ns in self._namespaces.snapshot() if tenant is None or tenant.may_open(ns.name)
+        ]
         return {
             "server": {
                 "address": self.address,
@@ -390,7 +436,7 @@ class CacheServer:
             "namespaces": [
                 {
                     "handle": ns.handle,
-                    "name": ns.label if session in (None, *ns.openers) else ns.anonymous,
+                    "name": ns.label if session is None or session in ns.openers else ns.anonymous,
                     **ns.store.stats().as_dict(),
                 }
                 for ns in namespaces
@@ -409,6 +455,8 @@ def _put_id(body: dict[str, Any]) -> int | None:
 
 def _settings(cfg: ServerConfig) -> str:
     """The settings as one log line, the secret left out (only whether there is one)."""
-    shown = {k: v for k, v in vars(cfg).items() if k != "secret"}
+    shown = {k: v for k, v in vars(cfg).items() if k not in ("secret", "tenants")}
     shown["secret"] = "set" if cfg.secret is not None else "none"
+    if cfg.tenants is not None:  # their names, never their secrets
+        shown["tenants"] = "/".join(tenant.name for tenant in cfg.tenants)
     return ", ".join(f"{k}={v}" for k, v in shown.items())

@@ -17,6 +17,7 @@ TOML (``kvbridge serve --config server.toml``), every key optional, top level or
     policy = "reuse"
     transports = ["tcp"]
     secret_file = "/etc/kvbridge/secret"
+    tenants_file = "/etc/kvbridge/tenants.toml"   # kvbridge serve --tenants
     insecure = false
 
 Environment: the same names upper-cased with a ``KVBRIDGE_`` prefix (``KVBRIDGE_PORT=7601``,
@@ -36,6 +37,7 @@ from typing import Any
 
 from ._policy import POLICIES
 from ._sizes import parse_size
+from ._tenants import Tenant, TenantError, load_tenants
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -99,6 +101,11 @@ class ServerConfig:
     transports: tuple[str, ...] = ("tcp",)
     """Among :data:`SERVER_TRANSPORTS`, in order of preference."""
     secret: bytes | None = None
+    """The shared secret of the default tenant; with ``tenants``, the operator's own (it
+    opens the metrics endpoint and no namespace)."""
+    tenants: tuple[Tenant, ...] | None = None
+    """Principals with a secret each, the namespaces each may open and its share of the
+    server (``store/_tenants.py``); ``None``: one tenant, the shared secret's."""
     insecure: bool = False
 
     def __post_init__(self) -> None:
@@ -229,6 +236,9 @@ def _check_security(cfg: ServerConfig) -> None:
         raise ConfigError(
             f"insecure must be true or false, got {cfg.insecure!r}", setting="insecure"
         )
+    if cfg.tenants is not None:
+        _check_tenants(cfg)
+        return  # every tenant proves a secret of its own
     if cfg.secret is None and not cfg.insecure and cfg.host not in _LOOPBACK:
         raise ConfigError(
             f"refusing to serve on {cfg.host} without a secret: give --secret-file "
@@ -237,11 +247,30 @@ def _check_security(cfg: ServerConfig) -> None:
         )
 
 
+def _check_tenants(cfg: ServerConfig) -> None:
+    tenants = cfg.tenants
+    if not isinstance(tenants, tuple) or not tenants:
+        raise ConfigError("tenants must be a non-empty tuple of Tenant", setting="tenants")
+    if not all(isinstance(t, Tenant) and t.secret for t in tenants):
+        raise ConfigError("every tenant is a Tenant with a secret", setting="tenants")
+    if len({t.name for t in tenants}) != len(tenants):
+        raise ConfigError("tenants are named once each", setting="tenants")
+    if cfg.metrics_port is not None and cfg.secret is None:
+        raise ConfigError(
+            "with tenants, the metrics endpoint needs secret_file: the operator's secret, "
+            "from which a scrape's token is derived (no tenant's opens it)",
+            setting="metrics_port",
+        )
+
+
 _SIZES = {"host_capacity", "disk_capacity"}
 _INTS = {"port", "metrics_port", "max_namespaces", "max_leases_per_client"}
 _FLOATS = {"lease_ttl", "handoff_ttl"}
 _BOOLS = {"insecure"}
-_FIELDS = {f.name for f in fields(ServerConfig)} - {"secret"} | {"secret_file"}
+_FIELDS = {f.name for f in fields(ServerConfig)} - {"secret", "tenants"} | {
+    "secret_file",
+    "tenants_file",
+}
 
 
 def load_config(
@@ -269,12 +298,26 @@ def load_config(
     secret = merged.pop("secret", None)
     if secret_file is not None:
         secret = read_secret(secret_file)
+    tenants = _read_tenants(merged.pop("tenants_file", None), merged, origin)
     try:
-        return ServerConfig(**merged, secret=secret)
+        return ServerConfig(**merged, secret=secret, tenants=tenants)
     except ConfigError as exc:
         if exc.setting not in origin:  # an embedded default, or the combination
             raise
         raise ConfigError(f"{origin[exc.setting]}: {exc}", setting=exc.setting) from None
+
+
+def _read_tenants(
+    path: str | None, merged: Mapping[str, Any], origin: Mapping[str, str]
+) -> tuple[Tenant, ...] | None:
+    if path is None:
+        return None
+    try:
+        return load_tenants(path, merged.get("max_namespaces", ServerConfig.max_namespaces))
+    except TenantError as exc:
+        raise ConfigError(
+            f"{origin['tenants_file']}: tenants_file: {exc}", setting="tenants"
+        ) from None
 
 
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:

@@ -61,6 +61,11 @@ class UnknownNamespace(StoreError, LookupError):
     did not open."""
 
 
+class NotPermitted(StoreError, PermissionError):
+    """The session's tenant may not do this: open a namespace outside its prefixes, or
+    write as a read-only tenant (``store/_tenants.py``)."""
+
+
 class InternalError(StoreError):
     """The server failed inside while answering (a bug, logged there with its traceback);
     the request may or may not have taken effect."""
@@ -80,6 +85,7 @@ CODES: dict[type[StoreError], int] = {
             TooManyRequests,
             UnknownNamespace,
             InternalError,
+            NotPermitted,
         ),
         start=1,
     )

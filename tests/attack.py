@@ -17,6 +17,7 @@ import numpy as np
 import zmq
 
 from kvbridge.store import StoreClient
+from kvbridge.transfer._control import CONTROL_VERSION
 from kvbridge.transfer._events import Event
 from kvbridge.transfer._pipes import SocketPipe
 from kvbridge.transfer._protocol import DESCRIPTOR, Connection, Role
@@ -97,13 +98,23 @@ def control_request(
         context.term()
 
 
-def guess_auth(address: str, name: str = "mallory") -> Any:
+def guess_auth(address: str, name: str = "mallory", principal: str = "") -> Any:
     """A handshake by someone without the secret: a real hello, then an auth whose proof is
-    a guess. Returns the server's answer to the auth."""
-    hello = control_request(address, {"op": "hello", "v": 2, "name": name, "nonce": bytes(16)})
+    a guess (for ``principal``). Returns the server's answer to the auth."""
+    hello = control_request(
+        address,
+        {
+            "op": "hello",
+            "v": CONTROL_VERSION,
+            "name": name,
+            "principal": principal,
+            "nonce": bytes(16),
+        },
+    )
     guess = {
         "op": "auth",
         "name": name,
+        "principal": principal,
         "nonce": bytes(16),
         "server_nonce": hello["nonce"],
         "ticket": hello["ticket"],

@@ -35,6 +35,12 @@ class ServeProcess:
         out, _ = self.proc.communicate(timeout=30)
         return str(out)
 
+    def stop_and_read_log(self) -> str:
+        """Stop the server; its log (standard error), read only now."""
+        self.proc.send_signal(signal.SIGTERM)
+        _, err = self.proc.communicate(timeout=30)
+        return str(err)
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.stop(signal.SIGKILL)

@@ -30,20 +30,18 @@ class _Started:
     address: str
     line: str
     """Its ``listening on`` line."""
+    settings: str
+    """The settings it logged at start (``name=value, ...``)."""
     proc: subprocess.Popen[str]
 
-    def stop(self) -> str:
-        """Stop it; the settings it logged at start (``name=value, ...``)."""
+    def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
-        _, err = self.proc.communicate(timeout=30)
-        logged = [line for line in err.splitlines() if _SETTINGS_LOG in line]
-        assert logged, err
-        return logged[0].split(": ", 2)[-1]
+        self.proc.communicate(timeout=30)
 
 
-def _serve(env: dict[str, str]) -> _Started:
+def _serve(env: dict[str, str], *args: str) -> _Started:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvbridge", "serve"],
+        [sys.executable, "-m", "kvbridge", "serve", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -55,7 +53,10 @@ def _serve(env: dict[str, str]) -> _Started:
     except RuntimeError:
         proc.wait(30)
         raise AssertionError(proc.stderr.read()) from None
-    return _Started(address, line, proc)
+    for logged in proc.stderr:  # logged before the listening line was printed
+        if _SETTINGS_LOG in logged:
+            return _Started(address, line, logged.rstrip("\n").split(": ", 2)[-1], proc)
+    raise AssertionError("the server logged no settings")
 
 
 def _clean_environ() -> dict[str, str]:
@@ -85,6 +86,20 @@ def _case(tmp: Path) -> dict[str, tuple[dict[str, str], Check]]:
     def on_metrics(started: _Started, settings: str) -> None:
         assert f"metrics on :{metrics}" in started.line
 
+    tenants = tmp / "tenants.toml"
+    tenants.write_text('[[tenant]]\nname = "alpha"\nsecret = "alpha secret"\n')
+
+    def on_tenants(started: _Started, settings: str) -> None:
+        assert "tenants=alpha" in settings and "alpha secret" not in settings
+        with StoreClient(
+            started.address,
+            block_bytes=BB,
+            namespace="alpha/m",
+            secret="alpha secret",
+            tenant="alpha",
+        ) as client:
+            assert client.match_prefix(keys(0, 1)) == 0
+
     def on_disk(started: _Started, settings: str) -> None:
         assert f"disk {disk}" in started.line and f"disk_capacity={32 << 20}" in settings
 
@@ -108,23 +123,26 @@ def _case(tmp: Path) -> dict[str, tuple[dict[str, str], Check]]:
         "transports": ({"KVBRIDGE_TRANSPORTS": "tcp"}, _logged("transports=('tcp',)")),
         "insecure": ({"KVBRIDGE_INSECURE": "true"}, _logged("insecure=True")),
         "secret_file": ({"KVBRIDGE_SECRET_FILE": str(secret_file)}, _logged("secret=set")),
+        "tenants_file": ({"KVBRIDGE_TENANTS_FILE": str(tenants)}, on_tenants),
     }
 
 
 _ENVIRONMENT_ONLY = {"secret"}  # tested on its own below: a secret is never logged
+_FROM_A_FILE = {"secret_file": "secret", "tenants_file": "tenants"}
 _COVERED_ELSEWHERE = {"disk_capacity"}  # goes with disk_path
 
 
 def test_every_setting_has_an_environment_case(tmp_path: Path) -> None:
     names = {f.name for f in fields(ServerConfig)}
     assert set(_case(tmp_path)) == set(_SETTINGS)
-    assert names - _ENVIRONMENT_ONLY - _COVERED_ELSEWHERE == set(_SETTINGS) - {"secret_file"}
+    read_from = {_FROM_A_FILE.get(name, name) for name in _SETTINGS}
+    assert names - _ENVIRONMENT_ONLY - _COVERED_ELSEWHERE == read_from - {"secret"}
 
 
 _SETTINGS = (
     *("host", "port", "host_capacity", "disk_path", "metrics_port", "max_namespaces"),
     *("lease_ttl", "max_leases_per_client", "handoff_ttl", "policy", "transports"),
-    *("insecure", "secret_file"),
+    *("insecure", "secret_file", "tenants_file"),
 )
 
 
@@ -132,7 +150,10 @@ _SETTINGS = (
 def test_a_setting_from_the_environment_reaches_the_server(tmp_path: Path, setting: str) -> None:
     env, check = _case(tmp_path)[setting]
     started = _serve(env)
-    check(started, started.stop())
+    try:
+        check(started, started.settings)
+    finally:
+        started.stop()
 
 
 def test_kvbridge_secret_is_the_servers_secret() -> None:
@@ -146,23 +167,16 @@ def test_kvbridge_secret_is_the_servers_secret() -> None:
         for wrong in ("sesame", None):
             with pytest.raises(AuthenticationError):
                 StoreClient(started.address, block_bytes=BB, namespace="m", secret=wrong)
+        assert "secret=set" in started.settings
     finally:
-        assert "secret=set" in started.stop()
+        started.stop()
 
 
 def test_a_secret_file_flag_wins_over_kvbridge_secret(tmp_path: Path) -> None:
     secret_file = tmp_path / "secret"
     secret_file.write_text("from the flag\n")
-    env = {**_clean_environ(), "KVBRIDGE_SECRET": "from the environment", "KVBRIDGE_PORT": "0"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvbridge", "serve", "--secret-file", str(secret_file)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    assert proc.stdout is not None
-    started = _Started(*read_listening(proc.stdout), proc)
+    env = {"KVBRIDGE_SECRET": "from the environment"}
+    started = _serve(env, "--secret-file", str(secret_file))
     try:
         with StoreClient(started.address, block_bytes=BB, namespace="m", secret="from the flag"):
             pass

@@ -58,13 +58,15 @@ def format_cluster(url: str, cluster: str, stats: list[tuple[Member, dict[str, A
     return "\n".join(lines)
 
 
-def gather(members: list[Member], secret: bytes | None) -> list[tuple[Member, Figures]]:
+def gather(
+    members: list[Member], secret: bytes | None, tenant: str = ""
+) -> list[tuple[Member, Figures]]:
     """Each member's stats, all asked at once (dead members cost one timeout together)."""
     from ._serve_cmds import server_stats  # noqa: PLC0415
 
     def ask(member: Member) -> Figures:
         try:
-            return server_stats(member.address, secret)
+            return server_stats(member.address, secret, tenant)
         except (TransferError, OSError) as exc:
             return str(exc)
 

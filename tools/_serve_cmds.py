@@ -59,6 +59,13 @@ def add_parsers(commands: Any) -> None:
     serve.add_argument("--policy", help="eviction policy: reuse (default), lru, fifo")
     serve.add_argument("--secret-file", help="file holding the shared secret clients must know")
     serve.add_argument(
+        "--tenants",
+        dest="tenants_file",
+        metavar="FILE",
+        help="TOML file of tenants, each with its own secret, namespace prefixes, access and "
+        "shares (the shared secret then opens only the metrics)",
+    )
+    serve.add_argument(
         "--insecure",
         action="store_const",
         const=True,
@@ -86,6 +93,7 @@ def add_parsers(commands: Any) -> None:
         help="host:port of the server, or etcd://HOST:PORT for a whole cluster",
     )
     stats.add_argument("--secret-file", help="file holding the server's shared secret")
+    stats.add_argument("--tenant", default="", help="the tenant the secret is of (--tenants)")
     stats.add_argument("--cluster-name", default="kvbridge", help="with etcd://: the cluster")
     stats.set_defaults(run=_stats)
 
@@ -94,6 +102,7 @@ def _serve(args: argparse.Namespace) -> int:
     names = [
         *("host", "port", "host_capacity", "disk_path", "disk_capacity", "metrics_port"),
         *("max_namespaces", "lease_ttl", "transports", "secret_file", "insecure", "policy"),
+        "tenants_file",
         "handoff_ttl",
         "max_leases_per_client",
     ]
@@ -165,9 +174,9 @@ def _stats(args: argparse.Namespace) -> int:
         if not secret:
             return fail("kvbridge stats", f"--secret-file {args.secret_file} is empty")
     if args.address.startswith("etcd://"):
-        return _cluster_stats(args.address, args.cluster_name, secret)
+        return _cluster_stats(args.address, args.cluster_name, secret, args.tenant)
     try:
-        stats = server_stats(args.address, secret)
+        stats = server_stats(args.address, secret, args.tenant)
     except TransferError as exc:
         where = "" if args.address in str(exc) else f"{args.address}: "
         return fail("kvbridge stats", f"{where}{exc}", 1)
@@ -175,14 +184,14 @@ def _stats(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cluster_stats(url: str, cluster: str, secret: bytes | None) -> int:
+def _cluster_stats(url: str, cluster: str, secret: bytes | None, tenant: str) -> int:
     from ._cluster_stats import cluster_members, format_cluster, gather  # noqa: PLC0415
 
     try:
         members = cluster_members(url, cluster)
     except (ConnectionError, ValueError) as exc:
         return fail("kvbridge stats", exc, 1)
-    print(format_cluster(url, cluster, gather(members, secret)))
+    print(format_cluster(url, cluster, gather(members, secret, tenant)))
     return 0
 
 
@@ -198,10 +207,10 @@ def read_listening(stdout: IO[str]) -> tuple[str, str]:
     raise RuntimeError("the cache server exited before it was listening")
 
 
-def server_stats(address: str, secret: bytes | None = None) -> dict[str, Any]:
-    """Ask a server for its figures (opens no namespace)."""
+def server_stats(address: str, secret: bytes | None = None, tenant: str = "") -> dict[str, Any]:
+    """Ask a server for its figures (opens no namespace): those its tenant may see."""
     with TransferEngine(
-        "kvbridge-stats", secret=secret, timeout=5.0, connect_timeout=5.0
+        "kvbridge-stats", secret=secret, principal=tenant, timeout=5.0, connect_timeout=5.0
     ) as engine:
         return engine.dial(address).call({"op": "stats"})
 

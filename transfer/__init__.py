@@ -12,8 +12,9 @@ Register memory, exchange metadata, connect, then submit batches of reads and wr
 Public surface: :class:`TransferEngine`, :class:`Peer`, :class:`Region`,
 :class:`RegionInfo`, :class:`TransferHandle`, :class:`Notification`,
 :class:`TransferSettings`, :data:`OP_DTYPE`, :class:`Caller` and :class:`Admission` (what a
-request handler and a region guard are given and return), and the errors (all
-:class:`TransferError`).
+request handler and a region guard are given and return), :class:`Principal` (whom an
+engine answers, each with a secret: ``TransferEngine(principals=...)``), and the errors
+(all :class:`TransferError`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from ._errors import (
 if TYPE_CHECKING:
     from ._engine import TRANSPORTS, Notification, TransferEngine
     from ._handle import TransferHandle
+    from ._keyring import DEFAULT_PRINCIPAL, Principal
     from ._ops import OP_DTYPE
     from ._peer import Peer
     from ._regions import Admission, Region, RegionInfo
@@ -49,6 +51,8 @@ _LAZY = {
     "Notification": "._engine",
     "TransferEngine": "._engine",
     "TransferHandle": "._handle",
+    "DEFAULT_PRINCIPAL": "._keyring",
+    "Principal": "._keyring",
     "OP_DTYPE": "._ops",
     "Peer": "._peer",
     "Admission": "._regions",
@@ -67,6 +71,7 @@ __getattr__ = lazy(__name__, _LAZY, globals())
 
 
 __all__ = [
+    "DEFAULT_PRINCIPAL",
     "OP_DTYPE",
     "TRANSPORTS",
     "AccessDenied",
@@ -79,6 +84,7 @@ __all__ = [
     "NotifyRefused",
     "Peer",
     "PeerClosed",
+    "Principal",
     "Region",
     "RegionBusy",
     "RegionInfo",

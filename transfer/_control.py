@@ -3,20 +3,24 @@
 Each engine binds a ROUTER socket; a connecting engine talks to it with a DEALER. Messages
 are msgpack maps (never pickle) and every field is checked.
 
-Handshake (two round trips)::
+Handshake (two round trips), for principal ``P`` (see ``_keyring``; ``""`` by default)::
 
-    initiator -> {op: hello, v, name, nonce: Na}
-    responder <- {ok, nonce: Nb, ticket, proof: HMAC(secret, "responder" Na Nb) or b"", secured}
-    initiator -> {op: auth, name, nonce: Na, server_nonce: Nb, ticket,
-                  proof: HMAC(secret, "initiator" Nb Na) or b""}
+    initiator -> {op: hello, v, name, principal: P, nonce: Na}
+    responder <- {ok, nonce: Nb, ticket, secured,
+                  proof: HMAC(secret of P, "responder" Na Nb P) or b""}
+    initiator -> {op: auth, name, principal: P, nonce: Na, server_nonce: Nb, ticket,
+                  proof: HMAC(secret of P, "initiator" Nb Na P) or b""}
     responder <- {ok, session, metadata}
 
-Each side proves that it knows the shared secret without sending it; an engine with a
-secret refuses a peer without one, either way round. The responder keeps no state between
-the two round trips: ``ticket`` is its own MAC over ``Na``, ``Nb`` and the name, valid for
-:data:`TICKET_TTL_S` and accepted once, so a flood of unanswered hellos costs it nothing
-and cannot push out a real handshake. Both ends then derive the session key (see
-``_sessions``); later requests are signed with it::
+Each side proves that it knows the principal's secret without sending it; an engine with a
+secret refuses a peer without one, either way round, and a principal it does not know is
+refused as a wrong secret is. The principal is inside every MAC, so it cannot be swapped
+in flight. The responder keeps no state between the two round trips: ``ticket`` is its own
+MAC over ``Na``, ``Nb``, the name and the principal, valid for :data:`TICKET_TTL_S` and
+accepted once, so a flood of unanswered hellos costs it nothing and cannot push out a real
+handshake. Refusals are counted and logged at a bounded rate (``kvbridge/_bounded_log``).
+Both ends then derive the session key (see ``_sessions``); later requests are signed with
+it::
 
     {op: call | metadata | bye, session, seq, body: bytes, mac}
 
@@ -41,11 +45,13 @@ from typing import Any
 import msgpack
 import zmq
 
+from .._bounded_log import BoundedLog
 from ._calls import CallPool
-from ._errors import AuthenticationError, RemoteProtocolError
+from ._errors import AuthenticationError, LocalProtocolError, RemoteProtocolError
+from ._keyring import DEFAULT_PRINCIPAL, Keyring, check_principal
 from ._sessions import Caller, SessionsFull, SessionTable, mac, session_key
 
-CONTROL_VERSION = 2
+CONTROL_VERSION = 3
 MAX_CONTROL_MESSAGE = 1 << 20
 """Control messages are small maps; metadata of thousands of regions fits in 1 MiB."""
 TICKET_TTL_S = 30.0
@@ -72,8 +78,9 @@ class ControlCode(enum.IntEnum):
     INTERNAL = 4
 
 
-def proof_of(secret: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
-    return mac(secret, b"kvbridge-" + role, first, second)
+def proof_of(secret: bytes, role: bytes, first: bytes, second: bytes, principal: str) -> bytes:
+    """A handshake proof (the two nonces are 16 bytes each: the parts cannot run together)."""
+    return mac(secret, b"kvbridge-" + role, first, second, principal.encode())
 
 
 def pack(message: dict[str, Any]) -> bytes:
@@ -101,14 +108,16 @@ class ControlServer:
         context: zmq.Context[Any],
         endpoint: str,
         *,
-        secret: bytes | None,
+        keyring: Keyring,
         metadata: Callable[[], bytes],
         sessions: SessionTable,
+        refusals: BoundedLog,
     ) -> None:
         self.handler: RequestHandler | None = None
         self.quick: QuickHandler | None = None
         self.sessions = sessions
-        self._secret = secret
+        self._keyring = keyring
+        self._refusals = refusals
         self._metadata = metadata
         self._ticket_key = secrets.token_bytes(32)
         self._used: OrderedDict[bytes, float] = OrderedDict()  # tickets taken, by expiry
@@ -182,7 +191,7 @@ class ControlServer:
             if answer is None:
                 return  # a call: queued, answered by the pool
         except Exception as exc:  # every bad request gets an answer; the loop goes on
-            answer = _refusal(exc)
+            answer = _refusal(exc, self._refusals)
         self._socket.send_multipart(_frames(identity, rid, answer))
 
     def _answer(self, message: dict[str, Any], identity: bytes, rid: Any) -> dict[str, Any] | None:
@@ -218,21 +227,27 @@ class ControlServer:
         if message.get("v") != CONTROL_VERSION:
             raise RemoteProtocolError(f"control version {message.get('v')!r} is not supported")
         their_nonce = check_bytes(message.get("nonce"), 16)
-        name = _name(message.get("name"))
+        name, principal = _name(message.get("name")), _principal(message.get("principal"))
         nonce = _STAMP.pack(int(time.monotonic() * 1000)) + secrets.token_bytes(8)
-        ticket = mac(self._ticket_key, b"ticket", their_nonce, nonce, name.encode())
+        ticket = self._ticket(their_nonce, nonce, name, principal)
         proof = b""
-        if self._secret is not None:
-            proof = proof_of(self._secret, b"responder", their_nonce, nonce)
-        secured = self._secret is not None
+        secured = self._keyring.secured
+        if secured:
+            secret = self._keyring.secret(principal)
+            assert secret is not None
+            proof = proof_of(secret, b"responder", their_nonce, nonce, principal)
         return {"ok": True, "nonce": nonce, "ticket": ticket, "proof": proof, "secured": secured}
+
+    def _ticket(self, their_nonce: bytes, nonce: bytes, name: str, principal: str) -> bytes:
+        who = name.encode() + b"\0" + principal.encode()  # a principal never holds a NUL
+        return mac(self._ticket_key, b"ticket", their_nonce, nonce, who)
 
     def _auth(self, message: dict[str, Any]) -> dict[str, Any]:
         their_nonce = check_bytes(message.get("nonce"), 16)
         nonce = check_bytes(message.get("server_nonce"), 16)
-        name = _name(message.get("name"))
+        name, principal = _name(message.get("name")), _principal(message.get("principal"))
         ticket = check_bytes(message.get("ticket"), 32)
-        expected_ticket = mac(self._ticket_key, b"ticket", their_nonce, nonce, name.encode())
+        expected_ticket = self._ticket(their_nonce, nonce, name, principal)
         issued = _STAMP.unpack(nonce[:8])[0] / 1000
         now = time.monotonic()
         if (
@@ -241,13 +256,23 @@ class ControlServer:
         ):
             raise AuthenticationError("unknown or expired handshake")
         self._take_ticket(ticket, issued + TICKET_TTL_S, now)
+        secret = self._keyring.secret(principal)
         expected = b""
-        if self._secret is not None:
-            expected = proof_of(self._secret, b"initiator", nonce, their_nonce)
+        if self._keyring.secured:
+            assert secret is not None
+            expected = proof_of(secret, b"initiator", nonce, their_nonce, principal)
         if not hmac.compare_digest(expected, check_bytes(message.get("proof"), len(expected))):
             raise AuthenticationError("wrong shared secret")
-        session = self.sessions.open(session_key(self._secret, their_nonce, nonce), name)
-        _log.debug("control: session %d opened for %r", session.caller.session, name)
+        self._keyring.admit(principal)
+        key = session_key(secret, their_nonce, nonce, principal)
+        limit = self._keyring.max_sessions(principal)
+        session = self.sessions.open(key, name, principal, limit)
+        _log.debug(
+            "control: session %d opened for %r (%s)",
+            session.caller.session,
+            name,
+            principal or "default principal",
+        )
         return {"ok": True, "session": session.id, "metadata": self._metadata()}
 
     def _take_ticket(self, ticket: bytes, expiry: float, now: float) -> None:
@@ -271,7 +296,7 @@ class ControlServer:
                 raise RemoteProtocolError("this engine answers no calls")
             return {"ok": True, "body": self.handler(caller, body)}
         except Exception as exc:
-            return _refusal(exc)
+            return _refusal(exc, self._refusals)
 
 
 def _frames(identity: bytes, rid: Any, answer: dict[str, Any]) -> list[bytes]:
@@ -287,15 +312,18 @@ def _frames(identity: bytes, rid: Any, answer: dict[str, Any]) -> list[bytes]:
     return [identity, b"", reply]
 
 
-def _refusal(exc: Exception) -> dict[str, Any]:
+def _refusal(exc: Exception, refusals: BoundedLog) -> dict[str, Any]:
     if isinstance(exc, SessionsFull):
         code = ControlCode.SESSIONS_FULL
+        refusals.refused("sessions_full", logging.WARNING, "control: %s", exc)
     elif isinstance(exc, AuthenticationError):
         code = ControlCode.AUTHENTICATION
-        _log.warning("control: authentication refused: %s", exc)
+        refusals.refused(
+            "authentication", logging.WARNING, "control: authentication refused: %s", exc
+        )
     elif isinstance(exc, RemoteProtocolError):
         code = ControlCode.PROTOCOL
-        _log.info("control: malformed request: %s", exc)
+        refusals.refused("malformed", logging.INFO, "control: malformed request: %s", exc)
     else:
         code = ControlCode.INTERNAL
         _log.error("control: internal error", exc_info=exc)
@@ -318,6 +346,16 @@ def _int(value: Any) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not 0 < value < 2**63:
         raise RemoteProtocolError("expected a positive integer")
     return value
+
+
+def _principal(value: Any) -> str:
+    """The principal a handshake names (left out: the default principal)."""
+    if value is None:
+        return DEFAULT_PRINCIPAL
+    try:
+        return check_principal(value)
+    except LocalProtocolError as exc:
+        raise RemoteProtocolError(str(exc)) from None
 
 
 def _name(value: Any) -> str:

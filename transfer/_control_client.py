@@ -21,6 +21,7 @@ from ._control import (
     unpack,
 )
 from ._errors import AuthenticationError, PeerClosed, RemoteInternalError, RemoteProtocolError
+from ._keyring import DEFAULT_PRINCIPAL
 from ._sessions import Credentials, SessionsFull, session_key
 
 _RAISES: dict[int, type[Exception]] = {
@@ -71,24 +72,29 @@ class ControlClient:
             raise (error or RemoteProtocolError)(f"{self._endpoint}: {reply.get('error')}")
         return reply
 
-    def handshake(self, name: str, secret: bytes | None) -> tuple[Credentials, bytes]:
-        """Authenticate; return the session's credentials and the peer's metadata."""
+    def handshake(
+        self, name: str, secret: bytes | None, principal: str = DEFAULT_PRINCIPAL
+    ) -> tuple[Credentials, bytes]:
+        """Authenticate as ``principal`` (which ``secret`` is the secret of); return the
+        session's credentials and the peer's metadata."""
         nonce = secrets.token_bytes(16)
-        reply = self.request({"op": "hello", "v": CONTROL_VERSION, "name": name, "nonce": nonce})
+        hello = {"op": "hello", "v": CONTROL_VERSION, "name": name, "nonce": nonce}
+        reply = self.request({**hello, "principal": principal})
         their_nonce = check_bytes(reply.get("nonce"), 16)
         proof = b""
         if secret is not None:
             if not reply.get("secured"):
                 raise AuthenticationError(f"{self._endpoint} has no shared secret")
-            expected = proof_of(secret, b"responder", nonce, their_nonce)
+            expected = proof_of(secret, b"responder", nonce, their_nonce, principal)
             if not hmac.compare_digest(expected, check_bytes(reply.get("proof"), len(expected))):
                 raise AuthenticationError(f"{self._endpoint} does not know the shared secret")
-            proof = proof_of(secret, b"initiator", their_nonce, nonce)
+            proof = proof_of(secret, b"initiator", their_nonce, nonce, principal)
         elif reply.get("secured"):
             raise AuthenticationError(f"{self._endpoint} requires a shared secret")
         auth = {
             "op": "auth",
             "name": name,
+            "principal": principal,
             "nonce": nonce,
             "server_nonce": their_nonce,
             "ticket": reply.get("ticket"),
@@ -96,7 +102,8 @@ class ControlClient:
         }
         reply = self.request(auth)
         credentials = Credentials(
-            check_bytes(reply.get("session"), 16), session_key(secret, nonce, their_nonce)
+            check_bytes(reply.get("session"), 16),
+            session_key(secret, nonce, their_nonce, principal),
         )
         return credentials, check_blob(reply.get("metadata"))
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import zmq
 
+from .._bounded_log import BoundedLog
 from .._closing import Closing
 from ._address import tcp_endpoint
 from ._control import ControlServer, QuickHandler, RequestHandler
@@ -33,6 +34,7 @@ from ._control_client import ControlClient
 from ._device import is_device
 from ._errors import EngineClosed, LocalProtocolError
 from ._handle import TransferHandle
+from ._keyring import DEFAULT_PRINCIPAL, Keyring, Principal, check_principal
 from ._metadata import EngineInfo
 from ._peer import EngineSide, Peer
 from ._pipes import Pipe
@@ -68,7 +70,11 @@ class TransferEngine(Closing):
     (``ucx`` then ``tcp`` where ucxx imports, else ``tcp``); a peer gets the first one it
     also offers (``peer.transport``). ``secret``: a
     shared secret (bytes or str); engines then authenticate each other and refuse peers
-    that do not know it. ``settings``: see :class:`TransferSettings`.
+    that do not know it. ``principal``: who this engine speaks for when it connects
+    (``secret`` is then that principal's secret; see ``_keyring``). ``principals``: whom it
+    answers, each with a secret of its own, instead of the one ``secret`` (a cache server's
+    tenants); the principal a peer proved is ``Caller.principal``. ``settings``: see
+    :class:`TransferSettings`.
     """
 
     def __init__(
@@ -79,12 +85,17 @@ class TransferEngine(Closing):
         port: int = 0,
         transports: Sequence[str] | str = ("tcp",),
         secret: bytes | str | None = None,
+        principal: str = DEFAULT_PRINCIPAL,
+        principals: Sequence[Principal] | None = None,
         **settings: Any,
     ) -> None:
         self.settings = TransferSettings.from_kwargs(settings)
         chosen = _chosen(transports)
         self.name = name or f"kvbridge-{secrets.token_hex(4)}"
         self._secret = secret.encode() if isinstance(secret, str) else secret
+        self.principal = check_principal(principal)
+        self._keyring = Keyring(principals) if principals else Keyring.shared(self._secret)
+        self._refusals = BoundedLog(_log)
         self._regions = RegionTable()
         self._sessions = SessionTable()
         self._lock = threading.Lock()
@@ -108,6 +119,7 @@ class TransferEngine(Closing):
             name=self.name,
             settings=self.settings,
             secret=self._secret,
+            principal=self.principal,
             context=self._context,
             regions=self._regions,
             watchdog=self._watchdog,
@@ -121,9 +133,10 @@ class TransferEngine(Closing):
             self._control = ControlServer(
                 self._context,
                 f"tcp://{host}:{port or '*'}",
-                secret=self._secret,
+                keyring=self._keyring,
                 metadata=self.metadata,
                 sessions=self._sessions,
+                refusals=self._refusals,
             )
         except BaseException:
             self._shutdown()
@@ -227,7 +240,7 @@ class TransferEngine(Closing):
         endpoint = tcp_endpoint(address)
         client = ControlClient(self._context, endpoint, self.settings.connect_timeout)
         try:
-            credentials, metadata = client.handshake(self.name, self._secret)
+            credentials, metadata = client.handshake(self.name, self._secret, self.principal)
             client.bye(credentials)  # connect() opens a session of its own
         finally:
             client.close()
@@ -269,7 +282,13 @@ class TransferEngine(Closing):
             peers = [
                 {"name": p.name, "transport": p.transport, "closed": p.closed} for p in self._peers
             ]
-        return {**counters, "transports": list(self._transports), "peers": peers}
+        refused = self._refusals.counts()
+        return {
+            **counters,
+            "refused": refused,
+            "transports": list(self._transports),
+            "peers": peers,
+        }
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -313,6 +332,7 @@ class TransferEngine(Closing):
             frame_timeout=self.settings.timeout,
             watch=self._watchdog.watch,
             greeted=greeted,
+            refusals=self._refusals,
         )
 
     def _notify(self, caller: Caller, message: bytes) -> None:

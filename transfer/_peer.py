@@ -36,6 +36,7 @@ class EngineSide:
     name: str
     settings: TransferSettings
     secret: bytes | None
+    principal: str
     context: zmq.Context[Any]
     regions: RegionTable
     watchdog: Watchdog
@@ -120,7 +121,8 @@ class Peer:
         settings = self._engine.settings
         client = ControlClient(self._engine.context, self._info.control, settings.connect_timeout)
         try:
-            credentials, fresh = client.handshake(self._engine.name, self._engine.secret)
+            engine = self._engine
+            credentials, fresh = client.handshake(engine.name, engine.secret, engine.principal)
         finally:
             client.close()
         info = EngineInfo.decode(fresh)  # a restarted peer listens on new data ports

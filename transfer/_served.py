@@ -64,7 +64,13 @@ class ServedStreams:
             pushed_out.close()  # its serve thread wakes with an error and ends
         if refused:
             if not self._closed:
-                _log.warning("%s: %d streams served: one refused", self._name, MAX_SERVED_STREAMS)
+                self._hooks.refusals.refused(
+                    "streams_full",
+                    logging.WARNING,
+                    "%s: %d streams served: one refused",
+                    self._name,
+                    MAX_SERVED_STREAMS,
+                )
             pipe.close()
             return
         try:

@@ -28,7 +28,7 @@ import secrets
 import struct
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,9 +64,13 @@ def mac(key: bytes, *parts: bytes) -> bytes:
     return hmac.new(key, b"".join(parts), hashlib.sha256).digest()
 
 
-def session_key(secret: bytes | None, initiator_nonce: bytes, responder_nonce: bytes) -> bytes:
+def session_key(
+    secret: bytes | None, initiator_nonce: bytes, responder_nonce: bytes, principal: str
+) -> bytes:
     """The key both ends derive at the end of a handshake (never sent)."""
-    return mac(secret or b"", b"kvbridge-session", initiator_nonce, responder_nonce)
+    return mac(
+        secret or b"", b"kvbridge-session", initiator_nonce, responder_nonce, principal.encode()
+    )
 
 
 def call_mac(key: bytes, session_id: bytes, op: str, seq: int, body: bytes) -> bytes:
@@ -87,11 +91,13 @@ class SessionsFull(AuthenticationError):
 @dataclass(frozen=True)
 class Caller:
     """Who sent a request or opened a stream: the session's serial number (unique for the
-    engine's lifetime, never reused) and the name the peer gave at its handshake (for logs
-    only: a peer chooses its name)."""
+    engine's lifetime, never reused), the name the peer gave at its handshake (for logs
+    only: a peer chooses its name) and the principal it proved it speaks for (see
+    ``_keyring``: what the application decides and counts by)."""
 
     session: int
     peer: str
+    principal: str = ""
 
 
 @dataclass
@@ -152,27 +158,31 @@ class SessionTable:
         self._clock = clock
         self._sessions: OrderedDict[bytes, Session] = OrderedDict()  # least recently used first
         self._ids: dict[int, bytes] = {}  # serial -> session id
+        self._per_principal: Counter[str] = Counter()  # open sessions by principal
         self._serials = itertools.count(1)
         self._lock = threading.Lock()
 
-    def open(self, key: bytes, peer: str) -> Session:
-        """A new session after a successful handshake; may end idle streamless ones."""
-        ended: list[Caller] = []
+    def open(
+        self, key: bytes, peer: str, principal: str = "", limit: int = MAX_SESSIONS
+    ) -> Session:
+        """A new session after a successful handshake, for ``principal``, which may have
+        at most ``limit`` sessions at once; may end idle streamless ones (of that principal
+        first when it is at its limit, so that it never pushes out another's)."""
         with self._lock:
-            if len(self._sessions) >= self._max:
-                ended = self._expire_idle() or self._evict_one()
-            if len(self._sessions) >= self._max:
-                self._notify(ended)
-                raise SessionsFull(f"{self._max} sessions with open streams: try again later")
-            session = Session(
-                secrets.token_bytes(SESSION_ID_BYTES),
-                key,
-                Caller(next(self._serials), peer),
-                last_used=self._clock(),
-            )
-            self._sessions[session.id] = session
-            self._ids[session.caller.session] = session.id
-        self._notify(ended)
+            ended, full = self._make_room(principal, limit)
+            if full is None:
+                session = Session(
+                    secrets.token_bytes(SESSION_ID_BYTES),
+                    key,
+                    Caller(next(self._serials), peer, principal),
+                    last_used=self._clock(),
+                )
+                self._sessions[session.id] = session
+                self._ids[session.caller.session] = session.id
+                self._per_principal[principal] += 1
+        self._notify(ended)  # outside the lock: the handler takes the application's locks
+        if full is not None:
+            raise full
         return session
 
     def verify_call(
@@ -256,9 +266,29 @@ class SessionTable:
         ]
         return [s.caller for s in (self._pop(sid) for sid in idle) if s is not None]
 
-    def _evict_one(self) -> list[Caller]:
+    def _make_room(self, principal: str, limit: int) -> tuple[list[Caller], SessionsFull | None]:
+        """Sessions ended to make room for one more of ``principal``, and why there is
+        none if there is none."""
+        ended: list[Caller] = []
+        if self._per_principal[principal] >= limit:
+            ended = self._evict_one(principal)
+            if self._per_principal[principal] >= limit:
+                who = principal or "default"
+                return ended, SessionsFull(
+                    f"principal {who} has {limit} sessions with open streams: try again later"
+                )
+        if len(self._sessions) >= self._max:
+            ended += self._expire_idle() or self._evict_one()
+        if len(self._sessions) >= self._max:
+            return ended, SessionsFull(f"{self._max} sessions with open streams: try again later")
+        return ended, None
+
+    def _evict_one(self, principal: str | None = None) -> list[Caller]:
+        """End the least recently used session without a stream (of ``principal`` only,
+        when given)."""
         for sid, session in self._sessions.items():  # least recently used first
-            if session.streams <= 0:
+            mine = principal is None or session.caller.principal == principal
+            if mine and session.streams <= 0:
                 self._pop(sid)
                 return [session.caller]
         return []
@@ -267,6 +297,7 @@ class SessionTable:
         session = self._sessions.pop(session_id, None)
         if session is not None:
             self._ids.pop(session.caller.session, None)
+            self._per_principal[session.caller.principal] -= 1
         return session
 
     def _notify(self, ended: list[Caller]) -> None:

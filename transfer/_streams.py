@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._bounded_log import BoundedLog
 from ._errors import (
     AccessDenied,
     AuthenticationError,
@@ -234,6 +235,8 @@ class ServeHooks:
     whose frame is still unfinished at its deadline (a peer that went silent mid-frame)."""
     greeted: Callable[[Pipe], None]
     """The stream proved its session (it no longer counts as a stranger's connection)."""
+    refusals: BoundedLog
+    """Counts refused streams and logs them at a bounded rate (anyone may knock)."""
 
 
 @dataclass(frozen=True)
@@ -284,7 +287,7 @@ def _greet(conn: Connection, pipe: Pipe, hooks: ServeHooks) -> Caller | None:
     try:
         caller = hooks.sessions.admit_stream(hello.token, hello.stream)
     except AuthenticationError as exc:
-        _log.warning("stream refused: %s", exc)
+        hooks.refusals.refused("stream", logging.WARNING, "stream refused: %s", exc)
         pipe.send([conn.error(0, ErrorCode.AUTHENTICATION, str(exc))])
         return None
     try:

@@ -15,10 +15,14 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from .._bounded_log import BoundedLog
 from ._errors import PeerClosed
 from ._pipes import MemoryPipe, Pipe, SocketPipe
 
 _log = logging.getLogger("kvbridge.transfer")
+_failures = BoundedLog(_log)
+"""Accept failures, at a bounded rate: a burst of them (out of descriptors, peers that
+reset at once) must not write a line each."""
 _ACCEPT_BACKOFF_S = 0.05
 """Pause after a failed accept (no file descriptor left): a retry at once would spin."""
 
@@ -88,7 +92,7 @@ class TcpTransport:
             except OSError as exc:
                 if self._closed:
                     return
-                _log.error("tcp: accept failed: %s", exc)
+                _failures.refused("accept", logging.ERROR, "tcp: accept failed: %s", exc)
                 time.sleep(_ACCEPT_BACKOFF_S)
                 continue
             if self._closed:
@@ -97,8 +101,10 @@ class TcpTransport:
             try:
                 self._tune(sock)
                 self._accept(SocketPipe(sock))
-            except Exception:
-                _log.exception("tcp: a connection could not be served")
+            except Exception as exc:  # a peer that reset at once, say: one line per interval
+                _failures.refused(
+                    "serve", logging.ERROR, "tcp: a connection could not be served: %r", exc
+                )
                 sock.close()
 
     def close(self) -> None:
