@@ -73,6 +73,7 @@ class ServerBackend(Closing):
         timeout: float,
         *,
         connections: int = 1,
+        tenant: str = "",
     ) -> None:
         self._lanes: list[_Lane] = []
         self._timeout = timeout
@@ -83,6 +84,7 @@ class ServerBackend(Closing):
                     block_bytes=block_bytes,
                     namespace=namespace,
                     secret=secret,
+                    tenant=tenant,
                     timeout=timeout,
                 )
                 self._lanes.append(_Lane(client))

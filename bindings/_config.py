@@ -10,6 +10,7 @@ from typing import Any
 
 from ..store import ConfigError, parse_size
 from ..store._server_config import read_secret
+from ..transfer import LocalProtocolError, Principal
 from ..transfer._address import BadAddress, parse_address
 
 _MAX_SECONDS = 86400.0
@@ -28,7 +29,12 @@ class ConnectorConfig:
     server: str | None = None
     """``host:port`` of a ``kvbridge serve``."""
     secret_file: str | None = None
-    """The server's shared secret (a file, so that it never shows in a command line)."""
+    """The server's shared secret, or the tenant's (a file, so that it never shows in a
+    command line)."""
+    tenant: str = ""
+    """The server's tenant this engine is (``kvbridge serve --tenants``; its secret in
+    ``secret_file``): namespaces are then named ``<tenant>/...``, inside the tenant's
+    default prefix."""
     host_capacity: int = 1 << 30
     """In-process store: bytes of host memory."""
     disk_path: str | None = None
@@ -52,6 +58,13 @@ class ConnectorConfig:
             raise ConfigError("disk_path and disk_capacity go together")
         if self.server is not None and (self.disk_path is not None):
             raise ConfigError("disk_path is for the in-process store; a server has its own")
+        if self.tenant and self.server is None:
+            raise ConfigError("tenant is a server's (set server too)", setting="tenant")
+        if self.tenant:
+            try:
+                Principal(self.tenant, b"-")  # the engine's check of a tenant's name
+            except LocalProtocolError as exc:
+                raise ConfigError(f"tenant: {exc}", setting="tenant") from None
         for name in ("timeout", "failed_key_ttl", "pd_wait"):
             value = getattr(self, name)
             if not (0 < value <= _MAX_SECONDS and math.isfinite(value)):
@@ -102,6 +115,6 @@ def _convert(name: str, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{name} must be a number, got {value!r}", setting=name)
         return float(value)
-    if not isinstance(value, str) or (name != "namespace" and not value):
+    if not isinstance(value, str) or (name not in ("namespace", "tenant") and not value):
         raise ConfigError(f"{name} must be a non-empty string, got {value!r}", setting=name)
     return value

@@ -57,7 +57,8 @@ class ConnectorCore(Closing):
         self.config = config
         self._connections = connections
         self.identity = identity
-        self.namespace = identity.namespace()
+        tenant = f"{config.tenant}/".encode() if config.tenant else b""
+        self.namespace = tenant + identity.namespace()  # inside the tenant's default prefix
         self._name_key = hashlib.blake2b(self.namespace, digest_size=32).digest()
         self.block_tokens = identity.block_tokens
         self.stats = ConnectorStats()
@@ -346,6 +347,7 @@ class ConnectorCore(Closing):
                     self.identity.block_bytes,
                     self.config.timeout,
                     connections=self._connections,
+                    tenant=self.config.tenant,
                 )
             except FAULTS as exc:
                 self._fault("connect", exc)
