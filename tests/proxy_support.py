@@ -30,14 +30,15 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiohttp import ClientSession, ClientTimeout, web
-from helpers import free_port
-from prometheus_client.parser import text_string_to_metric_families
 
-from kvbridge.tools._proxy_app import ProxyServer, make_app
-from kvbridge.tools._proxy_settings import ProxySettings
+# The rest of this module's imports are made where they are used: a fake's process (the
+# soak starts them again and again) imports aiohttp only, and starts in half the time.
+if TYPE_CHECKING:
+    from kvbridge.tools._proxy_app import ProxyServer
+    from kvbridge.tools._proxy_settings import ProxySettings
 
 T = TypeVar("T")
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,6 +58,7 @@ class FakeVllm:
         self.health_hangs = False
         self.bodies: list[dict[str, Any]] = []
         self.request_ids: list[str] = []
+        self.authorizations: list[str] = []
         self.in_progress = 0
         self.max_in_progress = 0
         self._released = asyncio.Event()
@@ -122,6 +124,7 @@ class FakeVllm:
         body = await request.json()
         self.bodies.append(body)
         self.request_ids.append(request.headers.get("X-Request-Id", ""))
+        self.authorizations.append(request.headers.get("Authorization", ""))
         self.in_progress += 1
         self.max_in_progress = max(self.max_in_progress, self.in_progress)
         try:
@@ -231,11 +234,16 @@ async def until_async(
 
 
 async def settled(tasks: list[asyncio.Task[T]], what: str, timeout: float = 30.0) -> list[T]:
-    """The results of ``tasks``; fail the test (naming ``what``) if they hang."""
+    """The results of ``tasks``; fail the test (naming ``what``) if they hang. When one
+    fails or they hang, the others are cancelled and awaited first."""
     try:
         return await asyncio.wait_for(asyncio.gather(*tasks), timeout)
     except asyncio.TimeoutError:
         raise AssertionError(f"not within {timeout} s: {what}") from None
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _as_async(check: Callable[[], bool]) -> Callable[[], Awaitable[bool]]:
@@ -249,6 +257,8 @@ class Metrics:
     """One scrape of a proxy's ``/metrics``."""
 
     def __init__(self, text: str) -> None:
+        from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
+
         self.samples: list[tuple[str, dict[str, str], float]] = [
             (sample.name, sample.labels, sample.value)
             for family in text_string_to_metric_families(text)
@@ -291,6 +301,8 @@ class ProxyProcess:
     """``kvbridge proxy`` as an operator runs it: its own process, its log in a file."""
 
     def __init__(self, prefill: list[str], decode: list[str], log: Path, *flags: str) -> None:
+        from helpers import free_port  # noqa: PLC0415
+
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._args = [
@@ -403,11 +415,13 @@ class Deployment:
     ) -> None:
         self.prefills = [FakeVllm("prefill") for _ in range(prefills)]
         self.decodes = [FakeVllm("decode", model=f"model-{i}") for i in range(decodes)]
-        self._settings = settings or ProxySettings()
+        self._settings = settings
         self._server: ProxyServer | None = None
         self.url = ""
 
     async def __aenter__(self) -> Deployment:
+        from kvbridge.tools._proxy_app import ProxyServer, make_app  # noqa: PLC0415
+
         for fake in (*self.prefills, *self.decodes):
             await fake.start()
         app = make_app(

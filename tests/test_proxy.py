@@ -1,17 +1,25 @@
 """``kvbridge proxy`` against fake prefill and decode instances (the real two-vLLM run is
-in tests/with_vllm): what each side is sent, what the client gets, and a failed prefill."""
+in tests/with_vllm): what each side is sent, what the client gets, a failed prefill, and
+the command line's one-line errors. Faults: test_proxy_faults.py; several instances per
+role, health and metrics: test_proxy_routing.py; the soak: test_proxy_soak.py."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import subprocess
+import sys
 from typing import Any
 
 import pytest
 
 web = pytest.importorskip("aiohttp.web", reason="kvbridge proxy needs aiohttp (the proxy extra)")
+from aiohttp import ClientSession  # noqa: E402
 from aiohttp.test_utils import TestClient, TestServer  # noqa: E402
+from proxy_support import Deployment, completion, whole_stream  # noqa: E402
 
+from kvbridge.tools import cli  # noqa: E402
 from kvbridge.tools._proxy import make_app  # noqa: E402
 
 
@@ -113,3 +121,70 @@ def test_a_body_that_is_not_json_is_a_400_and_reaches_nobody() -> None:
     status, data = asyncio.run(_through_proxy(up, "/v1/completions", b"{not json"))
     assert status == 400 and b"not JSON" in data
     assert not up.prefill_bodies and not up.decode_bodies
+
+
+def test_the_request_id_and_credentials_pass_through_and_prefill_skips_extras() -> None:
+    """X-Request-Id (the client's) and Authorization (vLLM's --api-key) reach both
+    instances and the answer; a one-token prefill is not asked for logprobs or n."""
+
+    async def scenario() -> None:
+        async with Deployment() as d, ClientSession() as session:
+            body = completion(logprobs=2, prompt_logprobs=1, n=1, min_tokens=4)
+            headers = {"X-Request-Id": "req-17", "Authorization": "Bearer k"}
+            async with session.post(
+                f"{d.url}/v1/completions", json=body, headers=headers
+            ) as answer:
+                assert answer.status == 200 and answer.headers["X-Request-Id"] == "req-17"
+                assert whole_stream(await answer.read())
+            (prefill,), (decode,) = d.prefills, d.decodes
+            assert prefill.request_ids == decode.request_ids == ["req-17"]
+            assert prefill.authorizations == decode.authorizations == ["Bearer k"]
+            first, second = prefill.bodies[0], decode.bodies[0]
+            assert not {"logprobs", "prompt_logprobs", "n", "min_tokens"} & first.keys()
+            assert second["logprobs"] == 2 and second["min_tokens"] == 4
+            assert second["kv_transfer_params"] == {"prefill": prefill.port, "rid": "req-17"}
+
+    asyncio.run(scenario())
+
+
+BASE_FLAGS = ["proxy", "--prefill", "http://127.0.0.1:8100", "--decode", "http://127.0.0.1:8200"]
+BAD_FLAGS = {
+    "no scheme": (["--prefill", "127.0.0.1:8101"], "give http://host:port"),
+    "not http": (["--decode", "ftp://127.0.0.1:8201"], "give http://host:port"),
+    "port out of range": (["--decode", "http://127.0.0.1:99999"], "out of range"),
+    "no host": (["--decode", "http://:8201"], "no host"),
+    "a query": (["--prefill", "http://h:1/?x=1"], "no query"),
+    "given twice": (["--decode", "http://127.0.0.1:8200/"], "given twice"),
+    "listen port": (["--port", "70000"], "--port must be 0..65535"),
+    "body size": (["--max-body-size", "lots"], "--max-body-size"),
+    "connections": (["--connections-per-instance", "0"], "--connections-per-instance"),
+    "health timeout": (["--health-timeout", "-1"], "--health-timeout"),
+    "prefill timeout": (["--prefill-timeout", "nan"], "--prefill-timeout"),
+}
+
+
+@pytest.mark.parametrize("flags", BAD_FLAGS.values(), ids=BAD_FLAGS.keys())
+def test_bad_flags_are_one_line_errors(
+    flags: tuple[list[str], str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    extra, says = flags
+    assert cli.main([*BASE_FLAGS, *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kvbridge proxy: ") and says in err, err
+
+
+def test_a_port_in_use_is_a_one_line_error_before_anything_else() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "kvbridge", *BASE_FLAGS, "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith(f"kvbridge proxy: cannot listen on 127.0.0.1:{port}: ")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
@@ -37,6 +38,10 @@ CLIENT_GONE = 499
 
 SHUTDOWN_GRACE_S = 30.0
 """On stop, answers in flight get this long to end before they are cut."""
+
+LISTEN_BACKLOG = 1024
+"""Connections the kernel queues before the proxy accepts them (capped by the kernel's
+somaxconn): a burst of clients is queued, not refused (aiohttp's default is 128)."""
 
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -221,15 +226,17 @@ class ProxyServer:
         self.url = ""
 
     async def start(self) -> str:
-        """Start the app (its first health checks included) and listen; the URL."""
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self._host, self._port)
+        """Take the port (``OSError`` when it is not free: before anything else), start
+        the app (its first health checks included), serve; the URL."""
+        sock = _listen(self._host, self._port)
         try:
-            await site.start()
+            await self._runner.setup()
+            await web.SockSite(self._runner, sock).start()
         except BaseException:
+            sock.close()
             await self._runner.cleanup()
             raise
-        host, port = self._runner.addresses[0][:2]
+        host, port = sock.getsockname()[:2]
         self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
         return self.url
 
@@ -242,6 +249,11 @@ class ProxyServer:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
 
 
 async def serve(app: web.Application, host: str, port: int, announce: Callable[[str], Any]) -> None:

@@ -145,7 +145,7 @@ class Forwarder:
         if params is None:
             self._metrics.fallback(reason)
             log = _log.debug if reason == "unavailable" else _log.warning
-            log("prefill %s: decode computes the prompt (request %s)", why, _rid(headers))
+            log("prefill %s; decode computes the prompt (request %s)", why, _rid(headers))
         return params
 
     async def decode(
@@ -157,7 +157,10 @@ class Forwarder:
             async with exchange as (instance, answer):
                 return await self._relay(request, instance, answer, _rid(headers))
         except NoAnswer as exc:
-            return exc.response()
+            response = exc.response()
+            log = _log.debug if exc.reason == "unavailable" else _log.warning
+            log("decode %s; answered %d (request %s)", exc.why, response.status, _rid(headers))
+            return response
 
     async def models(self, headers: Mapping[str, str]) -> web.Response:
         """``/v1/models`` of a healthy decode instance, passed through."""
@@ -229,7 +232,7 @@ class Forwarder:
         none came. A try that got no status is tried once more."""
         tried: list[Instance] = []
         reason, why = "unavailable", "no healthy instance"
-        for _ in range(ATTEMPTS):
+        for attempt in range(1, ATTEMPTS + 1):
             instance = pool.pick(exclude=tried) or pool.pick()
             if instance is None:
                 break
@@ -245,18 +248,19 @@ class Forwarder:
                     )
                 except (ClientError, asyncio.TimeoutError) as exc:
                     reason, why = self._failed(instance, exc)
-                    if reason in ("refused", "dropped"):
-                        continue
-                    break
+                    if reason not in ("refused", "dropped"):
+                        break
+                    if attempt < ATTEMPTS:
+                        _log.warning("%s %s; trying again", pool.role, why)
+                    continue
                 async with answer:
                     yield instance, answer
                     return
         raise NoAnswer(pool.role, reason, why)
 
     def _failed(self, instance: Instance, exc: BaseException) -> tuple[str, str]:
-        """Count and log a try that got no status; ``(kind, why)``. A refused connection
-        takes the instance out of the rotation."""
-        why = f"{instance.url}: {_describe(exc)}"
+        """Count a try that got no status; ``(kind, why)``. A refused connection takes the
+        instance out of the rotation."""
         if isinstance(exc, ClientConnectorError):
             kind = "refused"
             self._upstreams.suspect(instance, _describe(exc))
@@ -267,8 +271,7 @@ class Forwarder:
         else:
             kind = "failed"
         self._error(instance, kind)
-        _log.warning("%s %s", instance.role, why)
-        return kind, why
+        return kind, f"{instance.url}: {_describe(exc)}"
 
     def _error(self, instance: Instance, kind: str) -> None:
         self._metrics.upstream_error(instance.role, instance.url, kind)
@@ -326,6 +329,8 @@ async def _read_at_most(content: StreamReader, limit: int) -> bytes | None:
 
 
 def _describe(exc: BaseException) -> str:
+    if isinstance(exc, asyncio.TimeoutError) and not str(exc):
+        return "timed out"
     return one_line(str(exc) or type(exc).__name__)
 
 
