@@ -123,6 +123,16 @@ def test_a_body_that_is_not_json_is_a_400_and_reaches_nobody() -> None:
     assert not up.prefill_bodies and not up.decode_bodies
 
 
+@pytest.mark.parametrize(
+    "body", [b"[" * 100_000 + b"]" * 100_000, b"[1, 2]", b'"prompt"'], ids=["deep", "list", "str"]
+)
+def test_a_body_that_is_not_a_json_object_is_a_400_and_reaches_nobody(body: bytes) -> None:
+    up = _Upstreams()
+    status, data = asyncio.run(_through_proxy(up, "/v1/completions", body))
+    assert status == 400 and json.loads(data)["error"]["code"] == 400
+    assert not up.prefill_bodies and not up.decode_bodies
+
+
 def test_the_request_id_and_credentials_pass_through_and_prefill_skips_extras() -> None:
     """X-Request-Id (the client's) and Authorization (vLLM's --api-key) reach both
     instances and the answer; a one-token prefill is not asked for logprobs or n."""

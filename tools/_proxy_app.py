@@ -21,6 +21,7 @@ import logging
 import socket
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextvars import ContextVar
 from typing import Any
 
 from aiohttp import hdrs, web
@@ -35,6 +36,10 @@ _log = logging.getLogger("kvbridge.proxy")
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 CLIENT_GONE = 499
 """The status counted for a request whose client went away first (nginx's convention)."""
+
+_REQUEST_ID: ContextVar[str] = ContextVar("kvbridge_proxy_request_id")
+"""The request's id (the client's X-Request-Id, or one made for it), set by ``observe``:
+aiohttp runs each request in a task of its own, so each sees its own."""
 
 SHUTDOWN_GRACE_S = 30.0
 """On stop, answers in flight get this long to end before they are cut."""
@@ -93,6 +98,7 @@ class _Proxy:
         """Count every request by route and status; end a request whose client left."""
         route = _route(request)
         status = 500
+        _REQUEST_ID.set(request.headers.get("X-Request-Id") or uuid.uuid4().hex)
         self.in_progress += 1
         try:
             response = await handler(request)
@@ -116,41 +122,37 @@ class _Proxy:
 
     def _gone(self, request: web.Request) -> None:
         self.metrics.client_disconnect()
-        rid = request.headers.get("X-Request-Id", "-")
+        rid = _REQUEST_ID.get()
         _log.debug("client went away: %s %s (request %s)", request.method, request.path, rid)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
+        raw = await self._read(request)
+        if isinstance(raw, web.StreamResponse):
+            return raw
+        body = await _json_object(raw)
         if isinstance(body, web.StreamResponse):
             return body
         if not self.upstreams.decode.healthy():
             return self._unavailable()
         headers = _upstream_headers(request)
-        size = request.content_length or 0
+        size = len(raw)
         params = await self.forward.prefill(request.path, body, headers, size)
         if params is not None:
             body = {**body, "kv_transfer_params": params}
         data = await to_json(body, size)
         return await self.forward.decode(request, request.path, data, headers)
 
-    async def _body(self, request: web.Request) -> dict[str, Any] | web.StreamResponse:
-        """The request's JSON object, or the error answer (413, 400)."""
+    async def _read(self, request: web.Request) -> bytes | web.StreamResponse:
+        """The request's body, or a 413 when it is longer than the limit."""
         limit = self.settings.max_body
         if request.content_length is not None and request.content_length > limit:
             return _too_large(limit)
         try:
-            raw = await request.read()
+            return await request.read()
         except web.HTTPRequestEntityTooLarge:
             return _too_large(limit)
         except ConnectionError:
             raise ClientGone(None) from None
-        try:
-            body = await from_json(raw)
-        except (ValueError, RecursionError):
-            return error_response(400, "the body is not JSON", "invalid_request_error")
-        if not isinstance(body, dict):
-            return error_response(400, "the body is not a JSON object", "invalid_request_error")
-        return body
 
     def _unavailable(self) -> web.Response:
         response = error_response(503, "no healthy decode instance", "service_unavailable")
@@ -177,6 +179,17 @@ class _Proxy:
         return web.Response(body=self.metrics.text(), headers={hdrs.CONTENT_TYPE: CONTENT_TYPE})
 
 
+async def _json_object(raw: bytes) -> dict[str, Any] | web.StreamResponse:
+    """The body's JSON object, or a 400."""
+    try:
+        body = await from_json(raw)
+    except (ValueError, RecursionError):
+        return error_response(400, "the body is not JSON", "invalid_request_error")
+    if not isinstance(body, dict):
+        return error_response(400, "the body is not a JSON object", "invalid_request_error")
+    return body
+
+
 def _too_large(limit: int) -> web.Response:
     response = error_response(
         413,
@@ -197,7 +210,7 @@ def _upstream_headers(request: web.Request) -> dict[str, str]:
     """What an instance is sent besides the body: the request id (made when the client
     gave none), the client's credentials (vLLM's ``--api-key``), the content type."""
     headers = {
-        "X-Request-Id": request.headers.get("X-Request-Id") or uuid.uuid4().hex,
+        "X-Request-Id": _REQUEST_ID.get(),
         hdrs.CONTENT_TYPE: "application/json",
     }
     if hdrs.AUTHORIZATION in request.headers:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -124,7 +124,9 @@ def error_response(status: int, message: str, kind: str) -> web.Response:
 class Forwarder:
     """Sends a completion's prefill and decode to the instances ``Upstreams`` picks."""
 
-    def __init__(self, upstreams: Upstreams, metrics: ProxyMetrics, settings: ProxySettings):
+    def __init__(
+        self, upstreams: Upstreams, metrics: ProxyMetrics, settings: ProxySettings
+    ) -> None:
         self._upstreams = upstreams
         self._metrics = metrics
         self._prefill_timeout = ClientTimeout(total=settings.prefill_timeout)
@@ -308,7 +310,7 @@ class Forwarder:
             request.transport.close()
 
 
-async def _to_client(response: web.StreamResponse, sending: Any) -> None:
+async def _to_client(response: web.StreamResponse, sending: Awaitable[object]) -> None:
     """Await a write to the client; ``ClientGone`` when it is no longer there."""
     try:
         await sending
