@@ -183,6 +183,30 @@ def test_bad_flags_are_one_line_errors(
     assert err.count("\n") == 1 and err.startswith("kvbridge proxy: ") and says in err, err
 
 
+def test_port_0_takes_a_free_port_and_prints_it_and_sigterm_stops_cleanly() -> None:
+    async def scenario() -> None:
+        async with Deployment() as d:  # instances for the proxy process to check
+            prefill, decode = d.prefills[0].url, d.decodes[0].url
+            proxy = await asyncio.create_subprocess_exec(
+                *(sys.executable, "-m", "kvbridge", "proxy", "--port", "0"),
+                *("--prefill", prefill, "--decode", decode),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+            )
+            assert proxy.stdout is not None
+            try:
+                line = await asyncio.wait_for(proxy.stdout.readline(), 60)
+                url = line.decode().removeprefix("kvbridge proxy listening on ").strip()
+                assert url.startswith("http://127.0.0.1:") and not url.endswith(":0"), line
+                async with ClientSession() as session, session.get(f"{url}/health") as answer:
+                    assert answer.status == 200
+            finally:
+                proxy.terminate()
+                assert await asyncio.wait_for(proxy.wait(), 60) == 0
+
+    asyncio.run(scenario())
+
+
 def test_a_port_in_use_is_a_one_line_error_before_anything_else() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -56,7 +56,7 @@ _SPARE_FILES = 4096
 def add_parser(commands: Any) -> None:
     parser = commands.add_parser(
         "proxy",
-        help="OpenAI-compatible front: prefill on one vLLM, decode on another",
+        help="OpenAI-compatible front for prefill and decode vLLM instances",
         description="Send each completion to a prefill instance (max_tokens=1), then to a "
         "decode instance with the prefill's kv_transfer_params; stream the decode's answer. "
         "Each role may have several instances: a request goes to the least-loaded healthy one.",
