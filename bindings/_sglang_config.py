@@ -1,4 +1,5 @@
-"""The SGLang backend's settings and identity, from SGLang's ``HiCacheStorageConfig``.
+"""The SGLang backend's settings and identity, from SGLang's ``HiCacheStorageConfig``,
+its host pool, and the model settings SGLang publishes in the scheduler's process.
 
 Settings come from ``--hicache-storage-backend-extra-config``: SGLang's own keys there
 (``backend_name``, ``module_path``, ``class_name``, ``interface_v1``, ...) are SGLang's;
@@ -7,13 +8,14 @@ every other key is a :class:`ConnectorConfig` setting, checked, an unknown one n
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import sglang
 
 from ..store import ConfigError
 from ._config import ConnectorConfig
-from ._identity import Identity, model_identity
+from ._identity import Identity, Weights, settings_digest, settle, weights
 
 SGLANG_KEYS = frozenset(
     {
@@ -72,19 +74,23 @@ def backend_config(storage: Any) -> tuple[ConnectorConfig, bool]:
 
 
 def identity(storage: Any, pool: Any, block_bytes: int, path: str, namespace: str) -> Identity:
-    """What a block's bytes mean: SGLang's version, the model, the host pool's dtype,
-    layout and geometry, the page size, the interface (``path``: the zero-copy one moves a
-    page's segments in the pool's order, the copying one SGLang's flat page, which differ
-    for ``layer_first``) and the shard. MLA caches are the same on every TP rank."""
-    tag = getattr(pool, "storage_format_tag", None)
-    model = storage.model_name or ""
-    if tag and model.endswith(f"-{tag}"):  # SGLang appends the pool's format tag
-        model = model[: -len(tag) - 1]
+    """What a block's bytes mean: SGLang's version; the weights, by their bytes or commit,
+    from the model settings SGLang published in this process (never ``model_name``, which
+    is ``--served-model-name`` when one is set); the settings that change the bytes
+    (:func:`_settings`); the host pool's dtype, layout and geometry; the page size; the
+    interface (``path``: the zero-copy one moves a page's segments in the pool's order,
+    the copying one SGLang's flat page, which differ for ``layer_first``); and the shard
+    (MLA caches are the same on every TP rank). Weights in doubt (none published, or a
+    hub branch with no commit in the local cache) make a namespace of this process's own
+    unless ``namespace`` is set."""
+    model = _published_model()
+    named = _weights(model, storage)
     geometry = ",".join(f"{n}={getattr(pool, n)}" for n in _GEOMETRY if hasattr(pool, n))
     rank = "mla" if storage.is_mla_model else f"tp{storage.tp_rank}/{storage.tp_size}"
-    return Identity(
+    tag = getattr(pool, "storage_format_tag", None)
+    ident = Identity(
         engine=f"sglang-{sglang.__version__}",
-        model=model_identity(model, None),
+        model=named.name,
         dtype=str(pool.dtype),
         layout=f"{type(pool).__name__}/{pool.layout}/{tag}/{path}/{geometry}",
         block_tokens=int(pool.page_size),
@@ -92,4 +98,53 @@ def identity(storage: Any, pool: Any, block_bytes: int, path: str, namespace: st
         shard=f"{rank},pp{storage.pp_rank}/{storage.pp_size},"
         f"cp{storage.attn_cp_rank}/{storage.attn_cp_size}",
         extra=namespace,
+        settings="" if model is None else _settings(model),
     )
+    return settle(ident, named.doubt)
+
+
+_SETTINGS = (
+    "dtype",
+    "quantization",
+    "modelopt_quant",
+    "kv_cache_dtype",
+    "load_format",
+    "model_impl",
+    "model_config_parser",
+    "trust_remote_code",
+    "context_length",
+)
+"""SGLang's model settings that change the KV bytes of the same token ids, besides the
+weights, ``json_model_override_args`` and ``quantization_param_path`` (docs/SGLANG.md,
+"Keys and namespaces", says why each is here and why others are not)."""
+
+
+def _published_model() -> Any | None:
+    """The model settings SGLang resolved and published in this process (its ``model``
+    config bag: the scheduler publishes it before it builds the cache controller), or
+    None where none is published."""
+    from sglang.srt.runtime_context import get_model  # noqa: PLC0415
+
+    try:
+        return get_model()
+    except ValueError:  # "... not published"
+        return None
+
+
+def _weights(model: Any | None, storage: Any) -> Weights:
+    if model is None:
+        return Weights(
+            "",
+            f"SGLang published no model settings in this process, and its storage config "
+            f"names the model only as {storage.model_name!r}, which may be an alias "
+            "(--served-model-name)",
+        )
+    return weights(str(model.model_path), model.revision, model.download_dir)
+
+
+def _settings(model: Any) -> str:
+    values = {name: getattr(model, name, None) for name in _SETTINGS}
+    values["json_model_override_args"] = json.loads(model.json_model_override_args or "{}")
+    scales = model.quantization_param_path  # fp8 KV scales: named by the file's bytes
+    values["quantization_param_path"] = weights(scales).name if scales else None
+    return settings_digest(values)

@@ -16,6 +16,7 @@ vLLM's calls: ``docs/VLLM.md``.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -26,13 +27,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ._config import ConnectorConfig
 from ._core import ConnectorCore
-from ._identity import Identity, model_identity
+from ._identity import Identity, effective_config, settings_digest, settle, weights
 from ._vllm_meta import Handshake, KVBridgeStats, StepMeta, WorkerReport
 from ._vllm_metrics import KVBridgePromMetrics
 from ._vllm_scheduler import SchedulerSide
 from ._vllm_worker import WorkerSide
 
 __all__ = ["KVBridgeConnector"]
+
+_log = logging.getLogger("kvbridge.bindings")
 
 
 class KVBridgeConnector(KVConnectorBase_V1):  # type: ignore[misc]
@@ -181,22 +184,67 @@ def _rank() -> int:
 def _identity(
     vllm_config: Any, kv_cache_config: Any, config: ConnectorConfig, rank: int
 ) -> Identity:
-    """What the KV bytes mean, from vLLM's configs (equal on the scheduler and workers)."""
+    """What the KV bytes mean, from vLLM's configs (equal on the scheduler and workers):
+    the weights by their bytes or commit (never ``served_model_name``), the settings that
+    change the bytes (:func:`_settings`), the cache's dtype, layout and geometry, and the
+    shard. Weights in doubt (a hub branch with no commit in the local cache) make a
+    namespace salted with vLLM's ``engine_id``, which the scheduler and workers share."""
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise ValueError(f"kvbridge supports one KV cache group, this model has {len(groups)}")
     spec, layers = groups[0].kv_cache_spec, len(groups[0].layer_names)
-    parallel, model = vllm_config.parallel_config, vllm_config.model_config
+    model = vllm_config.model_config
     from vllm.platforms import current_platform  # noqa: PLC0415
 
-    return Identity(
+    named = weights(model.model, model.revision, vllm_config.load_config.download_dir)
+    identity = Identity(
         engine="vllm-0.32",
-        model=model_identity(model.model, model.revision),
+        model=named.name,
         dtype=str(spec.dtype),
         layout=f"{current_platform.device_type}/{type(spec).__name__}/"
-        f"{spec.num_kv_heads}x{spec.head_size}/{layers}",
+        f"{spec.num_kv_heads}x{spec.head_size}/{layers}/{kv_cache_config.kv_cache_layout}",
         block_tokens=int(spec.block_size),
         block_bytes=int(spec.page_size_bytes) * layers,
-        shard=f"tp{rank}/{parallel.tensor_parallel_size},pp{parallel.pipeline_parallel_size}",
+        shard=_shard(vllm_config.parallel_config, rank),
         extra=config.namespace,
+        settings=_settings(vllm_config),
+    )
+    identity = settle(identity, named.doubt, salt=str(vllm_config.kv_transfer_config.engine_id))
+    _log.info(
+        "kvbridge namespace %s: weights %s, settings %s",
+        identity.namespace().decode(),
+        identity.model,
+        identity.settings,
+    )
+    return identity
+
+
+def _shard(parallel: Any, rank: int) -> str:
+    """Which part of each block's KV this worker holds: its TP rank, and the context
+    parallelism that spreads a block's tokens over ranks."""
+    return (
+        f"tp{rank}/{parallel.tensor_parallel_size},pp{parallel.pipeline_parallel_size},"
+        f"dcp{parallel.decode_context_parallel_size},pcp{parallel.prefill_context_parallel_size}"
+        f"/{parallel.cp_kv_cache_interleave_size}"
+    )
+
+
+def _settings(vllm_config: Any) -> str:
+    """vLLM's settings that change the KV bytes of the same token ids (docs/VLLM.md, "Keys
+    and namespaces", says why each is here and why others are not)."""
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    return settings_digest(
+        {
+            "hf_config": effective_config(model.hf_config.to_dict()),  # hf_overrides applied
+            "dtype": str(model.dtype),
+            "quantization": model.quantization,
+            "quantization_config": model.quantization_config,
+            "load_format": vllm_config.load_config.load_format,
+            "model_impl": model.model_impl,
+            "trust_remote_code": model.trust_remote_code,
+            "code_revision": model.code_revision,
+            "max_model_len": model.max_model_len,
+            "cache_dtype": cache.cache_dtype,
+            "cache_dtype_skip_layers": cache.kv_cache_dtype_skip_layers,
+        }
     )

@@ -22,7 +22,7 @@ from kvbridge.bindings import (
     SaveJob,
     pages_of,
 )
-from kvbridge.bindings._identity import model_identity
+from kvbridge.bindings._identity import effective_config, settings_digest, settle, weights
 from kvbridge.bindings._jobs import Saver
 from kvbridge.store import BlockNotFound, ConfigError, InvalidBlock, StoreClient
 
@@ -97,6 +97,7 @@ def test_a_missing_secret_file_is_a_config_error(tmp_path: Path) -> None:
         {"block_bytes": PAGE},
         {"shard": "tp1/2"},
         {"extra": "tenant-b"},
+        {"settings": "0123"},
     ],
 )
 def test_any_difference_in_identity_changes_namespace_and_keys(change: dict[str, object]) -> None:
@@ -224,21 +225,154 @@ def test_an_unreachable_server_is_a_miss_and_a_warning(caplog: pytest.LogCapture
 
 def test_a_local_model_is_named_by_its_bytes_not_its_path(tmp_path: Path) -> None:
     """Copies agree wherever they are; weights changed in place (one changed stretch in
-    the middle of a 3 MiB file, as a merged adapter leaves) are another model."""
-    weights = np.random.default_rng(0).integers(0, 256, 3 << 20, np.uint8)
+    the middle of a 3 MiB file, as a merged adapter leaves) are another model; a single
+    file (GGUF) is named by its bytes too."""
+    data = np.random.default_rng(0).integers(0, 256, 3 << 20, np.uint8)
     names = []
     for where, change in (("a", False), ("b", False), ("c", True)):
         folder = tmp_path / where / "llama"
         folder.mkdir(parents=True)
-        data = weights.copy()
+        written = data.copy()
         if change:
-            data[(3 << 20) // 2 : (3 << 20) // 2 + 64 * 1024] ^= 1
-        data.tofile(folder / "model.safetensors")
+            written[(3 << 20) // 2 : (3 << 20) // 2 + 64 * 1024] ^= 1
+        written.tofile(folder / "model.safetensors")
         (folder / "config.json").write_text("{}")
-        names.append(model_identity(str(folder), None))
+        named = weights(str(folder))
+        assert not named.doubt
+        names.append(named.name)
     assert names[0] == names[1] != names[2]
     assert names[0].startswith("llama#")
-    assert model_identity("org/model", "abc") == "org/model@abc"
+    single = weights(str(tmp_path / "a" / "llama" / "model.safetensors"))
+    assert single.name.startswith("model.safetensors#") and not single.doubt
+
+
+def _hub_snapshot(cache: Path, repo: str, commit: str, ref: str = "main") -> None:
+    """A model in a Hugging Face cache as huggingface_hub lays it out: the snapshot of
+    ``commit`` and the ref that points to it."""
+    folder = cache / ("models--" + repo.replace("/", "--"))
+    (folder / "snapshots" / commit).mkdir(parents=True, exist_ok=True)
+    (folder / "refs").mkdir(exist_ok=True)
+    (folder / "refs" / ref).write_text(commit)
+
+
+class _ResolvedRevision(str):
+    """huggingface_hub's ResolvedRevision as vLLM 0.32 passes it: the text asked for
+    ("main"), with the commit it resolved to."""
+
+    resolved: str
+
+
+def test_a_hub_model_is_named_by_its_commit_not_its_branch(tmp_path: Path) -> None:
+    """``main`` moved between two engines: other weights, another name. A commit, or a
+    revision vLLM resolved, names itself; a branch with no commit in the cache is in doubt."""
+    old, new = "a" * 40, "b" * 40
+    _hub_snapshot(tmp_path, "org/model", old)
+    before = weights("org/model", None, str(tmp_path))
+    _hub_snapshot(tmp_path, "org/model", new)
+    after = weights("org/model", "main", str(tmp_path))
+    assert (before.name, after.name) == (f"org/model@{old}", f"org/model@{new}")
+    assert not before.doubt and not after.doubt
+    assert weights("org/model", old, str(tmp_path / "empty")).name == f"org/model@{old}"
+    resolved = _ResolvedRevision("main")
+    resolved.resolved = old
+    assert weights("org/model", resolved, str(tmp_path / "empty")).name == f"org/model@{old}"
+    unknown = weights("org/model", "dev", str(tmp_path))
+    assert "org/model" in unknown.doubt and "'dev'" in unknown.doubt
+
+
+_LLAMA = {
+    "_name_or_path": "/models/llama",
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 128,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+    "max_position_embeddings": 2048,
+    "sliding_window": None,
+    "quantization_config": None,
+    "eos_token_id": 2,
+    "transformers_version": "5.19.0",
+    "dtype": "bfloat16",
+    "text_config": {"model_type": "llama", "_name_or_path": "/models/llama", "head_dim": 32},
+}
+
+
+def _config_digest(**change: object) -> str:
+    return settings_digest({"hf_config": effective_config({**_LLAMA, **change})})
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"rms_norm_eps": 0.5},
+        {"rope_parameters": {"rope_theta": 10000.0, "rope_type": "yarn", "factor": 4.0}},
+        {"max_position_embeddings": 8192},
+        {"sliding_window": 4096},
+        {"quantization_config": {"quant_method": "fp8"}},
+        {"architectures": ["LlamaBidirectionalModel"]},
+        {"text_config": {"model_type": "llama", "head_dim": 64}},
+    ],
+)
+def test_config_fields_that_change_kv_bytes_change_the_settings(change: dict[str, object]) -> None:
+    assert _config_digest(**change) != _config_digest()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"_name_or_path": "/elsewhere/copy-of-llama"},
+        {"transformers_version": "5.16.1"},
+        {"eos_token_id": [2, 7]},
+        {"dtype": "float32"},  # the engine's compute dtype is a setting of its own
+        {"text_config": {"model_type": "llama", "_name_or_path": "/x", "head_dim": 32}},
+    ],
+)
+def test_config_fields_that_do_not_change_kv_bytes_keep_the_settings(
+    change: dict[str, object],
+) -> None:
+    assert _config_digest(**change) == _config_digest()
+
+
+def _shared_blocks(server: ServeProcess, saved: Identity, asked: Identity) -> int:
+    """How many of the blocks an engine of identity ``saved`` stored one of identity
+    ``asked`` finds, through one server."""
+    config = ConnectorConfig(server=server.address)
+    with ConnectorCore(config, saved, saves=True) as first, ConnectorCore(config, asked) as second:
+        _, kv = _kv(seed=8)
+        first.attach(kv)
+        tokens = list(range(16 * 3))
+        assert first.save(first.keys(tokens), [0, 1, 2])
+        return second.lookup(second.keys(tokens))
+
+
+def test_other_settings_share_no_block_and_equal_ones_share_all(server: ServeProcess) -> None:
+    """The finding of a review: the same files with hf_overrides={"rms_norm_eps": 0.5}
+    took the first engine's blocks. A changed setting is another namespace: 0 hits; a
+    copy of the config at another path (a served name is no part of it) keeps them all."""
+    base = _identity(extra="settings", settings=_config_digest())
+    other = _identity(extra="settings", settings=_config_digest(rms_norm_eps=0.5))
+    moved = _identity(extra="settings", settings=_config_digest(_name_or_path="/b/llama"))
+    assert _shared_blocks(server, base, other) == 0
+    assert _shared_blocks(server, base, moved) == 3
+
+
+def test_weights_in_doubt_share_nothing_unless_a_namespace_names_them(
+    server: ServeProcess, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An engine that cannot name its weights says so, and its blocks are its own (two
+    processes draw two salts); a ``namespace`` setting names them, and is shared."""
+    doubt = "model 'org/model' at revision 'main' names no commit"
+    alone = _identity(model="org/model@main")
+    one, two = settle(alone, doubt, salt="p1"), settle(alone, doubt, salt="p2")
+    assert "org/model" in caplog.text and "namespace of their own" in caplog.text
+    assert _shared_blocks(server, one, two) == 0
+    caplog.clear()
+    named = _identity(model="org/model@main", extra="llama-3-8b-2024-07")
+    assert settle(named, doubt, salt="p1") == named == settle(named, doubt, salt="p2")
+    assert "shared by the namespace setting 'llama-3-8b-2024-07'" in caplog.text
+    assert _shared_blocks(server, named, named) == 3
+    caplog.clear()
+    assert settle(alone, "", salt="p1") == alone and not caplog.text
 
 
 def test_a_server_down_at_start_is_a_warning_and_is_used_once_it_is_up() -> None:

@@ -265,7 +265,6 @@ def test_clear_empties_this_namespace_only(server: CacheServer) -> None:
 # -- namespaces -----------------------------------------------------------------------------
 
 APART = [
-    pytest.param(MHAPool, {"model_name": "org/other"}, id="model"),
     pytest.param(lambda: MHAPool(dtype=torch.float16), {}, id="dtype"),
     pytest.param(lambda: MHAPool(page_size=8, pages=8), {}, id="page size"),
     pytest.param(lambda: MHAPool("page_first_direct"), {}, id="layout"),
