@@ -4,7 +4,8 @@ that every engine is a fresh process (as a restarted or second instance is).
 
 SPEC: model, prompts (lists of token ids), rounds, max_tokens, batched (max_num_batched_tokens),
 prefix_caching, blocks (num_gpu_blocks_override), connector (extra config, or null for
-none), role, failure_policy, abort (request index to abort after the first step).
+none), role, failure_policy, abort (request index to abort after the first step), engine
+(more arguments of ``LLM``: ``hf_overrides``, ``served_model_name``, ...).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ def _engine(spec: dict[str, Any]) -> Any:
         enable_prefix_caching=spec.get("prefix_caching", False),
         num_gpu_blocks_override=spec.get("blocks"),
         kv_transfer_config=transfer,
+        **spec.get("engine", {}),
     )
 
 
