@@ -8,14 +8,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbridge.transfer import LocalProtocolError, RemoteProtocolError
-from kvbridge.transfer._events import Ack, Data, Error, Hello, Notify, Read, Write
+from kvbridge.transfer._events import Ack, Data, Error, Hello, Notify, Ping, Pong, Read, Write
 from kvbridge.transfer._protocol import (
     DESCRIPTOR,
     HEADER,
     MAX_OPS_PER_FRAME,
+    PING_IDS,
     VERSION,
     Connection,
     ErrorCode,
+    Frame,
     Role,
 )
 
@@ -129,6 +131,37 @@ def test_frame_limits() -> None:
     _fails(responder, HEADER.pack(b"KV", 9, 2, 1, 1, 0), "version")
 
 
+def test_the_greeting_names_the_keepalive_and_a_ping_is_answered_once() -> None:
+    initiator, responder = Connection(Role.INITIATOR), Connection(Role.RESPONDER)
+    deliver(responder, initiator.hello(TOKEN, 0))
+    assert deliver(initiator, responder.welcome(2.5)) == [Ack(0)]
+    assert initiator.keepalive == 2.5
+    (ping,) = deliver(responder, initiator.ping())
+    assert isinstance(ping, Ping) and ping.request_id >= PING_IDS
+    assert deliver(initiator, responder.pong(ping.request_id)) == [Pong(ping.request_id)]
+    _fails(initiator, responder.pong(ping.request_id), "unknown request")  # answered already
+
+
+def test_keepalive_frames_follow_the_rules() -> None:
+    initiator, responder = pair()
+    ping = deliver(responder, initiator.ping())[0]
+    assert isinstance(ping, Ping)
+    _fails(initiator, responder.error(ping.request_id, ErrorCode.REFUSED, "no"), "answers a PING")
+    initiator, responder = pair()
+    deliver(responder, initiator.ping())
+    _fails(initiator, HEADER.pack(b"KV", VERSION, Frame.PONG, 0, PING_IDS, 3), "with a body")
+    initiator = Connection(Role.INITIATOR)
+    initiator.hello(TOKEN, 0)
+    _fails(initiator, HEADER.pack(b"KV", VERSION, Frame.ACK, 10, 0, 0), "below 50")
+    initiator, responder = pair()
+    initiator.write(3, ops(1))
+    _fails(initiator, HEADER.pack(b"KV", VERSION, Frame.ACK, 5000, 3, 0), "ACK with a count")
+    with pytest.raises(LocalProtocolError):
+        responder.welcome(0.001)
+    with pytest.raises(LocalProtocolError, match="may not send PING"):
+        responder.ping()
+
+
 def test_local_misuse_is_a_local_error() -> None:
     initiator, responder = pair()
     with pytest.raises(LocalProtocolError):
@@ -156,7 +189,7 @@ def test_any_bytes_give_events_or_a_protocol_error(data: bytes, role: Role) -> N
     except RemoteProtocolError:
         return
     for event in events:
-        assert isinstance(event, (Hello, Write, Read, Notify, Ack, Data, Error, bytes))
+        assert isinstance(event, (Hello, Write, Read, Notify, Ack, Data, Error, Ping, Pong, bytes))
 
 
 @settings(max_examples=200, deadline=None)

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import msgpack
 import numpy as np
@@ -26,6 +26,8 @@ from kvbridge.transfer import (
     TransferError,
     ucx_available,
 )
+from kvbridge.transfer._protocol import KEEPALIVE_MISSES
+from kvbridge.transfer._settings import DEFAULT_STREAMS
 
 MiB = 1 << 20
 
@@ -180,3 +182,113 @@ def test_fuzzing_the_control_port_while_a_client_works() -> None:
             thread.join()
         assert not errors
         assert (np.frombuffer(dst.view, np.uint8) == 5).all()
+
+
+# -- peers that die or freeze while idle: the keepalive ----------------------------------
+
+KEEPALIVE = 0.5
+SLACK = 3.0
+"""Beyond a bound, for scheduling on a loaded two-core machine (three processes, a thread
+each per stream): what a wait allows on top of the bound under test, never what it asserts."""
+
+
+def _until(check: Callable[[], bool], timeout: float = 20.0) -> None:
+    """Wait for ``check()`` to hold; fail the test past ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def _spawn(script: str, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", script, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _reap(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+    proc.wait(30)
+
+
+_IDLE_CLIENT = """
+import sys
+from kvbridge.transfer import TransferEngine
+
+engine = TransferEngine("client", transports=sys.argv[1])
+engine.connect(bytes.fromhex(sys.argv[2]))
+print("connected", flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
+def test_an_idle_client_that_dies_or_freezes_loses_its_session(transport: str, fault: int) -> None:
+    """The server ends the session of a client that went silent within the keepalive's
+    bound (three intervals): its streams, and with them its leases, are not held for good."""
+    ended = threading.Event()
+    with TransferEngine("server", transports=transport, keepalive=KEEPALIVE) as server:
+        server.set_session_end_handler(lambda caller: ended.set())
+        client = _spawn(_IDLE_CLIENT, transport, server.metadata().hex())
+        try:
+            assert client.stdout is not None
+            assert client.stdout.readline().strip() == "connected"
+            _until(lambda: len(server._served) == DEFAULT_STREAMS)
+            os.kill(client.pid, fault)
+            assert ended.wait(KEEPALIVE_MISSES * KEEPALIVE + SLACK), "the session lives on"
+            _until(lambda: len(server._served) == 0)
+        finally:
+            _reap(client)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_an_idle_stream_that_keeps_its_peer_alive_lives_on(transport: str) -> None:
+    """The other side of the bound: a live client idle for many keepalive limits keeps its
+    session (its PINGs are answered), and its next write goes through."""
+    ended = threading.Event()
+    with (
+        TransferEngine("server", transports=transport, keepalive=0.1) as server,
+        TransferEngine("client", transports=transport) as client,
+    ):
+        server.set_session_end_handler(lambda caller: ended.set())
+        dst = server.register(np.zeros(4096, np.uint8))
+        src = client.register(np.ones(4096, np.uint8))
+        peer = client.connect(server.metadata())
+        assert not ended.wait(10 * KEEPALIVE_MISSES * 0.1)  # ten silence limits, all pinged
+        peer.write([(src, 0, dst.id, 0, 4096)]).wait(10)
+        assert not peer.closed
+
+
+_IDLE_SERVER = """
+import sys
+from kvbridge.transfer import TransferEngine
+
+engine = TransferEngine("server", transports=sys.argv[1], keepalive=float(sys.argv[2]))
+print(engine.metadata().hex(), flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
+def test_a_client_notices_its_idle_server_died_or_froze(transport: str, fault: int) -> None:
+    """The other way round: the client's peer closes once its PING, sent while nothing
+    else was outstanding, has no answer for the keepalive's limit (it pings within two
+    intervals of its last frame and looks once an interval), so the next call reconnects
+    instead of waiting out a transfer timeout."""
+    server = _spawn(_IDLE_SERVER, transport, str(KEEPALIVE))
+    try:
+        assert server.stdout is not None
+        metadata = bytes.fromhex(server.stdout.readline())
+        with TransferEngine("client", transports=transport) as client:
+            peer = client.connect(metadata)
+            os.kill(server.pid, fault)
+            _until(lambda: peer.closed, timeout=(2 + 2 * KEEPALIVE_MISSES) * KEEPALIVE + SLACK)
+    finally:
+        _reap(server)

@@ -333,6 +333,7 @@ class TransferEngine(Closing):
             watch=self._watchdog.watch,
             greeted=greeted,
             refusals=self._refusals,
+            keepalive=self.settings.keepalive,
         )
 
     def _notify(self, caller: Caller, message: bytes) -> None:

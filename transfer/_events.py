@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Ack", "Data", "Error", "Event", "Hello", "Notify", "Read", "Write"]
+__all__ = ["Ack", "Data", "Error", "Event", "Hello", "Notify", "Ping", "Pong", "Read", "Write"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,16 @@ class Data:
 
 
 @dataclass(frozen=True)
+class Ping:
+    request_id: int
+
+
+@dataclass(frozen=True)
+class Pong:
+    request_id: int
+
+
+@dataclass(frozen=True)
 class Error:
     request_id: int
     op_index: int | None
@@ -54,4 +64,4 @@ class Error:
     message: str
 
 
-Event = Hello | Write | Read | Notify | Ack | Data | Error
+Event = Hello | Write | Read | Notify | Ack | Data | Error | Ping | Pong

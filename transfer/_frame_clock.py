@@ -1,4 +1,4 @@
-"""A served stream's frame deadline, and the watchdog entry that enforces it."""
+"""A served stream's deadlines, and the watchdog entry that enforces them."""
 
 from __future__ import annotations
 
@@ -13,50 +13,71 @@ Watch = Callable[[float, Callable[[], bool], Callable[[], None]], None]
 
 
 class FrameClock:
-    """A served stream's frame deadline: checked between reads by the pipe, and enforced by
-    the engine's watchdog for a peer that stops sending at all (it closes the pipe). One
-    watchdog entry per stream at a time, re-armed when it comes due during a later frame,
-    so a busy stream does not leave an entry per frame in the watchdog's heap."""
+    """A served stream's deadline: a frame's, from its header to its end (checked between
+    reads by the pipe), and between frames the keepalive's (``silence``: how long the peer
+    may send nothing at all; ``None``: for ever). The engine's watchdog enforces both for a
+    peer that stops sending altogether: it closes the pipe. A watchdog entry is added only
+    when a deadline comes before every entry already armed, and an entry that comes due
+    re-arms for the deadline of the moment: a busy stream keeps one or two entries in the
+    watchdog's heap, not one per frame."""
 
-    def __init__(
-        self, pipe: Pipe, watch: Callable[[float, Callable[[], bool], Callable[[], None]], None]
-    ) -> None:
+    def __init__(self, pipe: Pipe, watch: Watch, silence: float | None = None) -> None:
         self._pipe = pipe
         self._watch = watch
+        self._silence = silence
         self._deadline: float | None = None
-        self._watched = False
+        self._armed: float | None = None  # when the earliest live watchdog entry is due
+        self._stopped = False
         self._lock = threading.Lock()
 
     def start(self, timeout: float) -> None:
+        """A frame began: all of it must arrive within ``timeout``."""
         deadline = time.monotonic() + timeout
         self._pipe.set_deadline(deadline)
-        with self._lock:
-            self._deadline = deadline
-            arm = not self._watched
-            self._watched = True
-        if arm:
-            self._watch(timeout, self._idle, self._due)
+        self._set(deadline)
 
     def end(self) -> None:
+        """The frame is done: the peer may now be silent for the keepalive's limit."""
         self._pipe.set_deadline(None)
+        silence = self._silence
+        self._set(None if silence is None else time.monotonic() + silence)
+
+    def stop(self) -> None:
+        """The stream is over: the watchdog drops its entries."""
         with self._lock:
             self._deadline = None
+            self._stopped = True
 
-    def _idle(self) -> bool:
+    def _set(self, deadline: float | None) -> None:
         with self._lock:
-            if self._deadline is None:
-                self._watched = False  # the watchdog drops the entry
-                return True
-            return False
+            self._deadline = deadline
+            arm = deadline is not None and (self._armed is None or deadline < self._armed)
+            if arm:
+                self._armed = deadline
+        if arm:
+            assert deadline is not None
+            self._arm(deadline)
 
-    def _due(self) -> None:
+    def _arm(self, due: float) -> None:
+        self._watch(due - time.monotonic(), self._is_stopped, lambda: self._due(due))
+
+    def _is_stopped(self) -> bool:
         with self._lock:
+            return self._stopped
+
+    def _due(self, due: float) -> None:
+        """An entry armed for ``due`` came due: close an overdue stream, or re-arm for the
+        deadline of the moment unless an earlier entry already covers it."""
+        with self._lock:
+            if self._armed == due:
+                self._armed = None
             deadline = self._deadline
-            left = None if deadline is None else deadline - time.monotonic()
-            rearm = left is not None and left > 0  # a later frame's deadline
-            self._watched = rearm
-        if rearm:
-            assert left is not None
-            self._watch(left, self._idle, self._due)
-        elif left is not None:
-            self._pipe.close()  # the frame is overdue: the stream ends, its holds with it
+            overdue = deadline is not None and deadline <= time.monotonic()
+            rearm = not overdue and deadline is not None and self._armed is None
+            if rearm:
+                self._armed = deadline
+        if overdue:
+            self._pipe.close()  # the stream ends, its holds with it
+        elif rearm:
+            assert deadline is not None
+            self._arm(deadline)

@@ -15,15 +15,33 @@ Frame = 24-byte header + body::
     WRITE   initiator -> responder; count = n ops, body = n descriptors + their payloads
     READ    initiator -> responder; count = n ops, body = n descriptors
     NOTIFY  initiator -> responder; body = message (after every byte of a batch landed)
-    ACK     responder -> initiator; empty (HELLO, WRITE and NOTIFY are acknowledged)
+    PING    initiator -> responder; empty, request_id from PING_IDS up (see Keepalive)
+    ACK     responder -> initiator; empty (HELLO, WRITE and NOTIFY are acknowledged); the
+            HELLO's ACK carries the keepalive interval in ms in count (0: none)
     DATA    responder -> initiator; count = n, body = the payloads of READ request_id
     ERROR   responder -> initiator; count = failing op index (NO_OP if none),
             body = code u32 (:class:`ErrorCode`, or an application's own from 1000) + message
+    PONG    responder -> initiator; empty, answers the PING of request_id
 
     descriptor (32 bytes): region u32 | flags u32 (0) | key u64 | offset u64 | length u64
 
 All integers are little-endian. A frame breaking a rule is a :class:`RemoteProtocolError`
-and the connection stays failed (sticky) with the reason."""
+and the connection stays failed (sticky) with the reason.
+
+Keepalive. A peer that dies or freezes without closing its streams must not hold what its
+session holds for good, on any transport: TCP reports a killed process at once, but not a
+host that vanished or a frozen process, and UCX over shared memory reports neither. So the
+protocol carries its own: the responder names an interval in its answer to HELLO; an
+initiator whose stream sent nothing for that long sends a PING, which the responder answers
+with a PONG; a responder that hears nothing at all for :data:`KEEPALIVE_MISSES` intervals
+closes the stream (its session then ends as after a TCP close), and an initiator whose PING,
+sent while nothing else was outstanding, has no answer after as long closes the stream too.
+The initiator pings because only it starts exchanges: a responder's one serving thread stays
+the only writer of its stream and no timer thread ever writes to a pipe; the responder needs
+only a deadline, which its engine's watchdog already keeps for frames. A busy stream never
+pings (any frame proves its sender alive), so the data path pays one integer increment per
+frame on the initiator and one clock read per frame on the responder.
+"""
 
 from __future__ import annotations
 
@@ -35,10 +53,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ._errors import LocalProtocolError, RemoteProtocolError
-from ._events import Ack, Data, Error, Event, Hello, Notify, Read, Write
+from ._events import Ack, Data, Error, Event, Hello, Notify, Ping, Pong, Read, Write
 
 MAGIC = b"KV"
-VERSION = 2
+VERSION = 3
 HEADER = struct.Struct("<2sBBIQQ")
 HELLO_BYTES = 64
 """A HELLO body: session id (16), nonce (16), HMAC-SHA256 (32); see ``_sessions``."""
@@ -60,6 +78,18 @@ MAX_PAYLOAD_BYTES = 1 << 30
 """No frame carries more than 1 GiB; senders cut frames far smaller (settings.frame_bytes)."""
 
 MAX_CONTROL_BYTES = 64 << 10  # HELLO, ERROR and NOTIFY bodies are small messages
+
+KEEPALIVE_MISSES = 3
+"""A responder closes a stream that sent nothing for this many keepalive intervals. An idle
+initiator pings within two intervals of its last frame (it looks once per interval); the
+third is slack for a peer's scheduling (a busy host, a long-held GIL)."""
+
+MIN_KEEPALIVE_MS = 50
+"""The shortest keepalive interval a responder may ask for: shorter would have initiators
+ping as fast as they can."""
+
+PING_IDS = 1 << 63
+"""PING request ids count up from here, apart from the ids of an initiator's requests."""
 
 
 class ErrorCode(enum.IntEnum):
@@ -83,6 +113,8 @@ class Frame(enum.IntEnum):
     ACK = 5
     ERROR = 6
     NOTIFY = 7
+    PING = 8
+    PONG = 9
 
 
 class Role(enum.Enum):
@@ -91,8 +123,8 @@ class Role(enum.Enum):
 
 
 SENDS: dict[Role, frozenset[Frame]] = {
-    Role.INITIATOR: frozenset({Frame.HELLO, Frame.WRITE, Frame.READ, Frame.NOTIFY}),
-    Role.RESPONDER: frozenset({Frame.ACK, Frame.DATA, Frame.ERROR}),
+    Role.INITIATOR: frozenset({Frame.HELLO, Frame.WRITE, Frame.READ, Frame.NOTIFY, Frame.PING}),
+    Role.RESPONDER: frozenset({Frame.ACK, Frame.DATA, Frame.ERROR, Frame.PONG}),
 }
 """Which frames each role may send; each role receives exactly what the other sends."""
 
@@ -101,8 +133,9 @@ ACKED_BY: dict[Frame, Frame] = {
     Frame.WRITE: Frame.ACK,
     Frame.NOTIFY: Frame.ACK,
     Frame.READ: Frame.DATA,
+    Frame.PING: Frame.PONG,
 }
-"""The successful answer to each request (any request may be answered by ERROR instead)."""
+"""The successful answer to each request (any request but PING may be answered by ERROR)."""
 
 
 class _State(enum.Enum):
@@ -134,6 +167,8 @@ class Connection:
         self._payload_left = 0
         self._greeted = role is Role.INITIATOR  # a responder must first see HELLO
         self._outstanding: dict[int, _Outstanding] = {}
+        self._pings = PING_IDS
+        self._keepalive = 0.0
         self._lock = threading.Lock()
 
     # -- receiving ---------------------------------------------------------------------
@@ -142,6 +177,12 @@ class Connection:
     def failure(self) -> str | None:
         """Why the connection failed, or ``None``."""
         return self._failure
+
+    @property
+    def keepalive(self) -> float:
+        """Seconds after which an idle initiator must send a frame (a PING if nothing else),
+        as the responder asked in its answer to HELLO; 0 for no keepalive."""
+        return self._keepalive
 
     def wanted(self) -> int:
         """How many framing bytes ``feed`` needs next (0: move a payload first)."""
@@ -213,10 +254,9 @@ class Connection:
         if frame is Frame.DATA:
             return self._on_data(request_id, count, body)
         if frame is Frame.ACK:
-            if body or count:
-                raise RemoteProtocolError("ACK with a body")
-            self._settle(request_id, Frame.ACK)
-            return Ack(request_id)
+            return self._on_ack(request_id, count, body)
+        if frame in (Frame.PING, Frame.PONG):
+            return self._on_ping(frame, request_id, count, body)
         if body > MAX_CONTROL_BYTES:
             raise RemoteProtocolError(f"{frame.name} body of {body} bytes exceeds the limit")
         if frame is Frame.HELLO and body != HELLO_BYTES:
@@ -227,6 +267,26 @@ class Connection:
         if body == 0:
             return self._on_control(b"")
         return None
+
+    def _on_ack(self, request_id: int, count: int, body: int) -> Event:
+        if body:
+            raise RemoteProtocolError("ACK with a body")
+        if self._settle(request_id, Frame.ACK) is not Frame.HELLO:
+            if count:
+                raise RemoteProtocolError("ACK with a count")
+        elif count and count < MIN_KEEPALIVE_MS:
+            raise RemoteProtocolError(f"keepalive of {count} ms is below {MIN_KEEPALIVE_MS}")
+        else:
+            self._keepalive = count / 1000
+        return Ack(request_id)
+
+    def _on_ping(self, frame: Frame, request_id: int, count: int, body: int) -> Event:
+        if body or count:
+            raise RemoteProtocolError(f"{frame.name} with a body")
+        if frame is Frame.PING:
+            return Ping(request_id)
+        self._settle(request_id, Frame.PONG)
+        return Pong(request_id)
 
     def _on_descriptors(self, data: bytes) -> Event:
         assert self._header is not None
@@ -276,13 +336,18 @@ class Connection:
             raise RemoteProtocolError("ERROR message is not UTF-8") from None
         return Error(request_id, None if count == NO_OP else count, code, message)
 
-    def _settle(self, request_id: int, answer: Frame) -> None:
+    def _settle(self, request_id: int, answer: Frame) -> Frame:
+        """Take the outstanding request ``answer`` answers; return its kind."""
         with self._lock:
             pending = self._outstanding.pop(request_id, None)
         if pending is None:
             raise RemoteProtocolError(f"{answer.name} for unknown request {request_id}")
-        if answer is not Frame.ERROR and ACKED_BY[pending.kind] is not answer:
+        legal = ACKED_BY[pending.kind] is answer or (
+            answer is Frame.ERROR and pending.kind is not Frame.PING
+        )
+        if not legal:
             raise RemoteProtocolError(f"{answer.name} answers a {pending.kind.name}")
+        return pending.kind
 
     # -- sending -----------------------------------------------------------------------
 
@@ -313,6 +378,26 @@ class Connection:
 
     def ack(self, request_id: int) -> bytes:
         return self._frame(Frame.ACK, 0, request_id, 0)
+
+    def welcome(self, keepalive: float) -> bytes:
+        """The answer to HELLO: an ACK that asks for a frame at least every ``keepalive``
+        seconds (0: no keepalive)."""
+        ms = round(keepalive * 1000)
+        if ms and not MIN_KEEPALIVE_MS <= ms <= 0xFFFFFFFF:
+            raise LocalProtocolError(f"a keepalive is 0 or {MIN_KEEPALIVE_MS} ms to 49 days")
+        return self._frame(Frame.ACK, ms, 0, 0)
+
+    def ping(self) -> bytes:
+        """A PING, answered by a PONG of its request id (PINGs are answered in order)."""
+        with self._lock:
+            request_id = self._pings
+            self._pings += 1
+        frame = self._frame(Frame.PING, 0, request_id, 0)
+        self._expect(request_id, Frame.PING, 0, 0)
+        return frame
+
+    def pong(self, request_id: int) -> bytes:
+        return self._frame(Frame.PONG, 0, request_id, 0)
 
     def data(self, request_id: int, count: int, payload_bytes: int) -> bytes:
         """Header of a DATA frame; the payloads follow untouched."""

@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ._errors import LocalProtocolError
-from ._protocol import MAX_PAYLOAD_BYTES
+from ._protocol import KEEPALIVE_MISSES, MAX_PAYLOAD_BYTES, MIN_KEEPALIVE_MS
 
 DEFAULT_STREAMS = 2
 """TCP streams per peer. Raw Python sockets on the 2-core development machine, 1 MiB sends:
@@ -31,6 +31,16 @@ than moving any sane batch, short enough that a hung peer is noticed."""
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
 """Handshake and stream set-up must finish within this."""
 
+DEFAULT_KEEPALIVE_S = 5.0
+"""An engine asks the peers whose streams it serves for a frame this often, a PING when
+they have nothing else to send, and closes a stream silent for ``KEEPALIVE_MISSES`` (3)
+intervals: a peer that died or froze without closing its streams (killed over UCX shared
+memory, a host gone from a TCP link, a stopped process) loses them, and with them its
+session and leases, within 15 s. Each idle stream then costs a 24-byte PING and PONG every
+5 s (a thousand idle streams: 200 of each a second); a busy stream sends none. Shorter
+bounds cost more wake-ups; TCP's own keepalive would notice neither a frozen peer nor a UCX
+one."""
+
 
 @dataclass(frozen=True)
 class TransferSettings:
@@ -43,6 +53,8 @@ class TransferSettings:
     """Port of the TCP data listener (0: any free port)."""
     socket_buffer: int = 0
     """SO_SNDBUF/SO_RCVBUF in bytes; 0 keeps the kernel's autotuning."""
+    keepalive: float = DEFAULT_KEEPALIVE_S
+    """Keepalive interval asked of the peers of served streams (s); 0 turns it off."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.streams <= 64:
@@ -51,6 +63,13 @@ class TransferSettings:
             raise LocalProtocolError("need 4096 <= slice_bytes <= frame_bytes <= 1 GiB")
         if self.timeout <= 0 or self.connect_timeout <= 0:
             raise LocalProtocolError("timeouts must be positive")
+        if self.keepalive and not MIN_KEEPALIVE_MS / 1000 <= self.keepalive <= 86400:
+            raise LocalProtocolError("keepalive must be 0 (off) or 0.05 to 86400 s")
+
+    @property
+    def silence_limit(self) -> float | None:
+        """How long a served stream may send nothing before it is closed (None: for ever)."""
+        return self.keepalive * KEEPALIVE_MISSES if self.keepalive else None
 
     @classmethod
     def from_kwargs(cls, settings: dict[str, Any]) -> TransferSettings:

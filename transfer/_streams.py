@@ -4,12 +4,14 @@ Transports only provide a :class:`~kvbridge.transfer._pipes.Pipe`; everything he
 same for TCP, memory and (later) UCX pipes.
 
 Initiator end (:class:`InitiatorStream`): a sender thread sends queued frames (header plus
-memoryviews of the source region, untouched) and a receiver thread takes ACK, DATA (read
-payloads land with one scatter ``recvmsg_into`` into the destination views) and ERROR.
+memoryviews of the source region, untouched), and a PING when the stream has been idle for
+the keepalive interval the responder asked for; a receiver thread takes ACK, DATA (read
+payloads land with one scatter ``recvmsg_into`` into the destination views), ERROR and PONG.
 
 Responder end (:func:`serve`): one thread reads frames, checks every op against the
 region table before moving a byte, receives payloads straight into the target region,
-and answers ACK, DATA or ERROR.
+and answers ACK, DATA, ERROR or PONG. A stream silent past the keepalive's limit is closed
+by the engine's watchdog (see ``_protocol``, Keepalive).
 """
 
 from __future__ import annotations
@@ -30,10 +32,10 @@ from ._errors import (
     RemoteProtocolError,
     TransferError,
 )
-from ._events import Ack, Data, Error, Event, Hello, Notify, Read, Write
+from ._events import Ack, Data, Error, Event, Hello, Notify, Ping, Pong, Read, Write
 from ._frame_clock import FrameClock
 from ._pipes import Pipe
-from ._protocol import Connection, ErrorCode, Role
+from ._protocol import KEEPALIVE_MISSES, Connection, ErrorCode, Role
 from ._regions import RegionTable, Use
 from ._sessions import Caller, SessionTable
 
@@ -62,6 +64,19 @@ class Pending:
     describe: Callable[[int | None], int | None] = lambda index: index
 
 
+@dataclass(frozen=True)
+class _Ping:
+    """A PING on its way: when it went out, and whether its answer was due at once (nothing
+    else was outstanding, so a responder alive answers it within a round trip)."""
+
+    sent: float
+    judged: bool
+
+    def overdue(self, keepalive: float) -> bool:
+        late = time.monotonic() - self.sent >= KEEPALIVE_MISSES * keepalive
+        return self.judged and late
+
+
 class InitiatorStream:
     """The sending end of one stream to a peer; owns its two threads."""
 
@@ -76,6 +91,10 @@ class InitiatorStream:
         self._pending: dict[int, Pending] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self._keepalive = 0.0  # as the responder asked in its greeting
+        self._sent = 0  # frames sent so far (one look per keepalive interval)
+        self._sent_seen = 0
+        self._ping: _Ping | None = None  # the PING not answered yet
         self._threads = [
             threading.Thread(target=self._send_loop, name=f"kvbridge-send-{index}", daemon=True),
             threading.Thread(target=self._recv_loop, name=f"kvbridge-recv-{index}", daemon=True),
@@ -95,6 +114,7 @@ class InitiatorStream:
             )
         if not isinstance(event, Ack):
             raise RemoteProtocolError(f"stream {self.index}: unexpected {event!r}")
+        self._keepalive = self.conn.keepalive
         self.pipe.set_timeout(None)
 
     def start(self) -> None:
@@ -143,13 +163,33 @@ class InitiatorStream:
     def _send_loop(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: (self._queue and not self._sending) or self._closed)
+                work = self._cond.wait_for(self._ready, self._keepalive or None)
                 if self._closed:
                     return
-                frame = self._queue.popleft()
-                self._sending = True
-            if not self._send(frame):
+                frame = self._queue.popleft() if work else self._idle_frame()
+                if frame is not None:
+                    self._sending = True
+            if frame is None:
+                ping = self._ping  # the receiver thread clears it when the PONG comes
+                if ping is not None and ping.overdue(self._keepalive):
+                    self._broken(f"stream {self.index}: the peer answers no keepalive")
+                    return
+            elif not self._send(frame):
                 return
+
+    def _ready(self) -> bool:
+        return bool(self._queue and not self._sending) or self._closed
+
+    def _idle_frame(self) -> list[bytes | memoryview] | None:
+        """After a keepalive interval without new work (under ``_cond``): a PING if nothing
+        went out since the last look and no PING is unanswered, else nothing."""
+        sent, self._sent_seen = self._sent_seen != self._sent, self._sent
+        if sent or self._sending or self._ping is not None:
+            return None
+        with self._lock:
+            judged = not self._pending
+        self._ping = _Ping(time.monotonic(), judged)
+        return [self.conn.ping()]
 
     def _send(self, frame: list[bytes | memoryview]) -> bool:
         """Send one frame while holding the ``_sending`` flag; False if the stream broke."""
@@ -161,6 +201,7 @@ class InitiatorStream:
         finally:
             with self._cond:
                 self._sending = False
+                self._sent += 1
                 if self._queue:
                     self._cond.notify()
         return True
@@ -169,6 +210,9 @@ class InitiatorStream:
         try:
             while True:
                 event = next_event(self.conn, self.pipe)
+                if isinstance(event, Pong):
+                    self._ping = None
+                    continue
                 pending = self._take(event)
                 if isinstance(event, Data):
                     self.pipe.recv_into_views(pending.views)
@@ -237,6 +281,9 @@ class ServeHooks:
     """The stream proved its session (it no longer counts as a stranger's connection)."""
     refusals: BoundedLog
     """Counts refused streams and logs them at a bounded rate (anyone may knock)."""
+    keepalive: float = 0.0
+    """The keepalive interval asked of the initiator in the greeting (s; 0: none): the stream
+    is closed once it sent nothing for ``KEEPALIVE_MISSES`` intervals."""
 
 
 @dataclass(frozen=True)
@@ -260,22 +307,33 @@ def serve(pipe: Pipe, regions: RegionTable, hooks: ServeHooks) -> None:
             return
         hooks.greeted(pipe)
         served = _Served(conn, pipe, regions, caller, hooks)
-        frame = FrameClock(pipe, hooks.watch)
-        while True:
-            frame.end()  # idle between frames for as long as the peer likes
-            event = _next_frame(conn, pipe, hooks.frame_timeout, frame)
-            if isinstance(event, Write):
-                _receive_write(served, event)
-            elif isinstance(event, Read):
-                _send_read(served, event)
-            elif isinstance(event, Notify):
-                _notify(served, event)
+        silence = hooks.keepalive * KEEPALIVE_MISSES or None
+        frame = FrameClock(pipe, hooks.watch, silence)
+        try:
+            _serve_frames(served, frame)
+        finally:
+            frame.stop()
     except (OSError, EOFError, RemoteProtocolError):
         return  # the initiator went away, stalled or misbehaved: only this stream ends
     finally:
         pipe.close()
         if caller is not None:
             hooks.sessions.stream_closed(caller)
+
+
+def _serve_frames(served: _Served, frame: FrameClock) -> None:
+    conn, pipe = served.conn, served.pipe
+    while True:
+        frame.end()  # between frames the peer may be silent up to the keepalive's limit
+        event = _next_frame(conn, pipe, served.hooks.frame_timeout, frame)
+        if isinstance(event, Write):
+            _receive_write(served, event)
+        elif isinstance(event, Read):
+            _send_read(served, event)
+        elif isinstance(event, Notify):
+            _notify(served, event)
+        elif isinstance(event, Ping):
+            pipe.send([conn.pong(event.request_id)])
 
 
 def _greet(conn: Connection, pipe: Pipe, hooks: ServeHooks) -> Caller | None:
@@ -291,7 +349,7 @@ def _greet(conn: Connection, pipe: Pipe, hooks: ServeHooks) -> Caller | None:
         pipe.send([conn.error(0, ErrorCode.AUTHENTICATION, str(exc))])
         return None
     try:
-        pipe.send([conn.ack(0)])
+        pipe.send([conn.welcome(hooks.keepalive)])
         pipe.set_timeout(None)
     except BaseException:
         hooks.sessions.stream_closed(caller)
