@@ -64,6 +64,7 @@ class _Batch:
         self.ops = ops  # as the caller gave them: normalised only to describe a failed op
         self.handle = handle
         self.notify = notify
+        self.expired: TransferError | None = None  # the error it fails with, once overdue
         self._writes_left = frames
         self._lock = threading.Lock()
 
@@ -78,6 +79,7 @@ class _Batch:
             self.peer._send_notify(self)
 
     def fail(self, error: TransferError) -> None:
+        error = self.expired or error
         index = error.op_index
         if index is not None and 0 <= index < len(self.ops):
             op = normalize(self.ops)[index]
@@ -113,6 +115,8 @@ class Peer:
         self._error: str | None = None
         self._next_stream = 0
         self._lock = threading.Lock()
+        self._closing = 0  # threads closing streams of this peer right now
+        self._all_closed = threading.Condition(self._lock)
         self._connect()
 
     # -- connection --------------------------------------------------------------------
@@ -223,9 +227,7 @@ class Peer:
         with self._lock:
             if self._error is None:
                 self._error = reason
-            streams, self._streams = self._streams, []
-        for stream in streams:
-            stream.close(reason)
+        self._close_streams(reason)
         with self._calls_lock:
             if self._calls is not None:
                 self._calls.close()
@@ -237,9 +239,21 @@ class Peer:
             if self._error is not None:
                 return
             self._error = reason
+        self._close_streams(reason)
+
+    def _close_streams(self, reason: str) -> None:
+        """Close every stream and join their threads (from a stream's own thread, close()
+        skips joining itself)."""
+        with self._lock:
             streams, self._streams = self._streams, []
-        for stream in streams:  # from a stream's own thread: close() skips joining itself
-            stream.close(reason)
+            self._closing += 1
+        try:
+            for stream in streams:
+                stream.close(reason)
+        finally:
+            with self._lock:
+                self._closing -= 1
+                self._all_closed.notify_all()
 
     # -- batches -----------------------------------------------------------------------
 
@@ -359,9 +373,16 @@ class Peer:
             batch.fail(exc)
 
     def _expired(self, batch: _Batch) -> None:
+        """Close the streams first, then fail: once the caller sees the failure, no byte of
+        the batch may still land in (or be read from) its memory."""
         timeout = self._engine.settings.timeout
-        batch.fail(TransferError(f"not done after {timeout} s; closing the streams to {self.name}"))
+        batch.expired = TransferError(
+            f"not done after {timeout} s; closed the streams to {self.name}"
+        )
         self._broken(f"a transfer timed out after {timeout} s")
+        with self._lock:  # another thread may be closing them: wait until it is done
+            self._all_closed.wait_for(lambda: self._closing == 0)
+        batch.fail(batch.expired)
 
     def __repr__(self) -> str:
         state = f"closed: {self._error}" if self._error else f"{len(self._streams)} streams"

@@ -38,13 +38,20 @@ class Pipe(Protocol):
         """Exactly ``n`` bytes; ``EOFError`` if the other end closed first."""
 
     def recv_into_views(self, views: Sequence[memoryview]) -> None:
-        """Fill every view in order; ``EOFError`` if the other end closed first."""
+        """Fill every view in order; ``EOFError`` if the other end closed first. Returns or
+        raises only once no byte can land in the views any more (the caller may then hand
+        their memory to someone else)."""
 
     def discard(self, lengths: Sequence[int]) -> None:
         """Read and drop the payloads of refused ops (one length per op)."""
 
     def send(self, buffers: Sequence[bytes | memoryview]) -> None:
-        """Send every buffer in order, whole."""
+        """Send every buffer in order, whole. The buffers may still be read after it
+        returns, until :meth:`flush` (a transport that sends in the background)."""
+
+    def flush(self) -> None:
+        """Return once no buffer passed to :meth:`send` is read any more: sent, or dropped
+        with the stream (raises as ``send`` does then)."""
 
     def set_timeout(self, seconds: float | None) -> None:
         """Bound each blocking call (``TimeoutError``), or ``None`` for no bound."""
@@ -148,6 +155,9 @@ class SocketPipe:
             end = _small_run(pending, first)
             first = _advance(pending, first, sock.sendmsg(pending[first:end]))
             self._check_deadline()
+
+    def flush(self) -> None:
+        """Nothing to wait for: ``sendall`` returns once the kernel holds the bytes."""
 
     def set_timeout(self, seconds: float | None) -> None:
         self.sock.settimeout(seconds)
@@ -270,6 +280,9 @@ class MemoryPipe:
             for buffer in buffers:
                 box.data += buffer
             box.cond.notify_all()
+
+    def flush(self) -> None:
+        """Nothing to wait for: ``send`` copied the bytes."""
 
     def set_timeout(self, seconds: float | None) -> None:
         self._timeout = seconds

@@ -12,6 +12,9 @@ Responder end (:func:`serve`): one thread reads frames, checks every op against 
 region table before moving a byte, receives payloads straight into the target region,
 and answers ACK, DATA, ERROR or PONG. A stream silent past the keepalive's limit is closed
 by the engine's watchdog (see ``_protocol``, Keepalive).
+
+What a region holds ends only once the pipe has let go of its bytes: a receive into it has
+returned or raised (no byte can land any more), a send from it has been flushed.
 """
 
 from __future__ import annotations
@@ -401,6 +404,7 @@ def _send_read(served: _Served, event: Read) -> None:
     total = sum(v.nbytes for v in views)
     try:
         served.pipe.send([served.conn.data(event.request_id, len(views), total), *views])
+        served.pipe.flush()  # the transport no longer reads the views
     finally:
         served.regions.finish(use)
     served.hooks.on_bytes(0, total)

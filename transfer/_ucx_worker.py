@@ -1,7 +1,8 @@
 """The UCX worker of a transport: a UCX context and worker, and the one thread that makes
 every call on them (ucxx objects are not thread-safe). Stream threads hand it closures and
 wait on futures; it drives the worker in blocking mode (``arm`` then ``poll`` on its event
-fd: no busy loop).
+fd: no busy loop). A future settles only once UCX says each of its requests is finished
+or cancelled: whoever waits on one knows that UCX no longer touches its buffers after.
 """
 
 from __future__ import annotations
@@ -15,8 +16,13 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-UCX_DEFAULTS = {"TLS": "^cma", "TCP_RX_SEG_SIZE": "512K", "TCP_TX_SEG_SIZE": "512K"}
-"""UCX settings applied unless the user set ``UCX_<name>`` (see the module docstring)."""
+UCX_DEFAULTS = {
+    "TLS": "^cma",
+    "TCP_RX_SEG_SIZE": "512K",
+    "TCP_TX_SEG_SIZE": "512K",
+    "MM_ERROR_HANDLING": "y",
+}
+"""UCX settings applied unless the user set ``UCX_<name>`` (see ``_ucx``'s docstring)."""
 
 _CLOSE_PROGRESS_ROUNDS = 100
 
@@ -59,6 +65,24 @@ class Worker:
             self._commands.append((fn, future))
             self._wake()
         return future
+
+    def run(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the worker thread and return once it ran: at once when called
+        there, not at all once the worker is closed (nothing runs or progresses then)."""
+        if threading.current_thread() is self._thread:
+            fn()
+            return
+
+        def step() -> Any:
+            fn()
+            return [], None
+
+        with contextlib.suppress(EOFError):
+            self.call(step).result()
+
+    def posted(self) -> int:
+        """Operations posted and not yet finished or cancelled (for tests and stats)."""
+        return sum(not future.done() for _, future, _ in list(self._pending))
 
     def close(self) -> None:
         """Run what is queued (endpoint closes), stop the thread, then free UCX objects in
