@@ -1,4 +1,4 @@
-"""Transport conformance: every transport passes the same suite (tcp, memory; ucx later)."""
+"""Transport conformance: every transport passes the same suite (tcp, memory, ucx)."""
 
 from __future__ import annotations
 
@@ -324,7 +324,7 @@ def test_metadata_garbage_is_refused() -> None:
                 a.connect(junk)
 
 
-def test_a_notify_handler_can_refuse_a_batch() -> None:
+def test_a_notify_handler_can_refuse_a_batch(transport: str) -> None:
     from kvbridge.transfer import NotifyRefused  # noqa: PLC0415
 
     seen: list[tuple[str, bytes]] = []
@@ -334,7 +334,10 @@ def test_a_notify_handler_can_refuse_a_batch() -> None:
             raise NotifyRefused("not today", code=1234)
         seen.append((caller.peer, message))
 
-    with TransferEngine("a", timeout=5.0) as a, TransferEngine("b", timeout=5.0) as b:
+    with (
+        TransferEngine("a", transports=transport, timeout=5.0) as a,
+        TransferEngine("b", transports=transport, timeout=5.0) as b,
+    ):
         b.set_notify_handler(handler)
         src, dst = np.ones(4096, np.uint8), np.zeros(4096, np.uint8)
         here, there = a.register(src), b.register(dst)
