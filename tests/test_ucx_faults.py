@@ -315,7 +315,8 @@ def test_no_message_a_stranger_sends_opens_a_stream_or_stops_the_listener() -> N
 
         def connects(own: bytes) -> list[bytes]:
             wrong_key = ucx_module._connect_message(secrets.token_bytes(16), 7, own)
-            return [wrong_key, ucx_module._connect_message(bytes(listener["key"]), 7, own)]
+            good = ucx_module._connect_message(bytes(listener["key"]), 7, own)
+            return [bytes(wrong_key), bytes(good)]
 
         answer_tag = (7 << 32) | (1 << 31)  # ACCEPT: the first control message on channel 7
         answer = _stranger_sends(bytes(listener["worker"]), connects, answer_tag)
