@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 import sglang
+from sglang.srt import runtime_context
 
 from ..store import ConfigError
 from ._config import ConnectorConfig
@@ -123,10 +124,8 @@ def _published_model() -> Any | None:
     """The model settings SGLang resolved and published in this process (its ``model``
     config bag: the scheduler publishes it before it builds the cache controller), or
     None where none is published."""
-    from sglang.srt.runtime_context import get_model  # noqa: PLC0415
-
     try:
-        return get_model()
+        return runtime_context.get_model()
     except ValueError:  # "... not published"
         return None
 
