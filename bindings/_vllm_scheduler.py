@@ -14,6 +14,7 @@ prompt embeddings is neither loaded nor saved (its token ids do not say what its
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from typing import Any
 
 from ..store import BlockKey
 from ._core import ConnectorCore
+from ._identity import PROCESS_SALT, weights
 from ._vllm_meta import StepMeta, Transfer, WorkerReport
 
 PD_PARAM = "kvbridge_blocks"
@@ -259,12 +261,24 @@ def _transfer(request: str, keys: Iterable[BlockKey], block_ids: Iterable[int]) 
 
 
 def _extra(request: Any) -> bytes:
-    """What besides the token ids decides a request's KV: its LoRA adapter, its salt."""
+    """What besides the token ids decides a request's KV: its LoRA adapter (by its files,
+    :func:`_adapter`), its salt."""
     parts = []
     lora = getattr(request, "lora_request", None)
     if lora is not None:
-        parts.append(f"lora={lora.lora_name}")
+        parts.append(f"lora={_adapter(str(lora.lora_path))}")
     salt = getattr(request, "cache_salt", None)
     if salt:
         parts.append(f"salt={salt}")
     return "\n".join(parts).encode()
+
+
+@functools.lru_cache(maxsize=256)
+def _adapter(path: str) -> str:
+    """A LoRA adapter named by its files, as the model's weights are (``weights``), never
+    by the name it was loaded under: two adapters loaded as ``chat`` on one base model
+    would otherwise load each other's KV. An adapter whose files cannot be named (a hub
+    branch with no commit in the local cache) gets this process's salt: it shares nothing
+    with another engine. Cached per path (a digest reads up to 1 MiB of each file)."""
+    named = weights(path)
+    return f"{named.name}#{PROCESS_SALT}" if named.doubt else named.name

@@ -111,3 +111,41 @@ def test_requests_whose_kv_token_ids_do_not_decide_are_left_alone() -> None:
     media = _request("m", 100, mm_features=[object()])
     assert side.matched(embeds, 0) == (0, False) and side.matched(media, 0) == (0, False)
     assert side.finished(embeds) == (False, None)
+
+
+class _KeyCore(_Core):
+    """Records what besides the tokens each request's keys were made from."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extras: dict[bytes, bytes] = {}
+
+    def keys(self, tokens: list[int], extra: bytes = b"") -> list[bytes]:
+        keys = [bytes([i]) * 31 + extra[:1] for i in range(len(tokens) // 32)]
+        self.extras[bytes(tokens[:1])] = extra
+        return keys
+
+
+def _adapter_folder(folder: Any, weights: bytes) -> str:
+    folder.mkdir(parents=True)
+    (folder / "adapter_config.json").write_text('{"r": 8}')
+    (folder / "adapter_model.safetensors").write_bytes(weights)
+    return str(folder)
+
+
+def test_lora_adapters_are_keyed_by_their_files_not_their_names(tmp_path: Any) -> None:
+    core = _KeyCore()
+    side = SchedulerSide(core, loads=True, saves=True)  # type: ignore[arg-type]
+    one = _adapter_folder(tmp_path / "one", b"\x01" * 4096)
+    other = _adapter_folder(tmp_path / "other", b"\x02" * 4096)
+    copy = _adapter_folder(tmp_path / "elsewhere" / "one", b"\x01" * 4096)
+    seen = []
+    for n, (name, path) in enumerate([("chat", one), ("chat", other), ("tuned", copy)]):
+        lora = SimpleNamespace(lora_name=name, lora_int_id=n + 1, lora_path=path)
+        request = _request(f"r{n}", 64, lora_request=lora)
+        request.prompt_token_ids = [n, *range(1, 64)]
+        side.matched(request, 0)
+        seen.append(core.extras[bytes([n])])
+    assert seen[0] != seen[1]  # one name, two adapters: never each other's KV
+    assert seen[0] == seen[2]  # a copy of the same files under another name shares it
+    assert b"chat" not in seen[0] and b"tuned" not in seen[2]
