@@ -45,6 +45,13 @@ IPC ``UCX_RNDV_SCHEME=get_zcopy`` keeps every copy on the receiving side.
 A peer that dies or freezes without closing is noticed by the protocol's keepalive
 (``_protocol``), on every transport.
 
+What UCX does not check, and this module cannot: a tag receive accepts a message shorter
+than its buffer as if it were whole (ucxx 0.52 drops the received length:
+rapidsai/ucxx#104), so a peer that sends less than its frame says has it acknowledged, the
+rest of the destination unchanged; and UCX keeps every message for a tag nobody receives
+on until someone does, so anyone who can reach the worker can make it buffer them. The
+UCX transport belongs among hosts that trust each other (see the README).
+
 UCX settings kvbridge applies unless the matching ``UCX_*`` variable is set:
 ``TLS=^cma`` (every transport UCX has: RDMA, CUDA, shared memory, TCP; but not ``cma``,
 which hangs where ptrace is restricted, as in containers),
@@ -286,17 +293,29 @@ class UcxPipe:
         messages: list[Any] = [first[:_HEADER_BYTES]]
         if len(first) > _HEADER_BYTES:
             messages.append(first[_HEADER_BYTES:])
+        borrowed = False  # a message is a caller's view, not a packed copy
         for start, end in _runs([v.nbytes for v in views]):
+            borrowed = borrowed or end - start == 1
             messages.append(views[start] if end - start == 1 else _pack(views[start:end]))
         seq = self._numbers(len(messages), send=True)
-        self._post(messages, self._tags(self._send_channel, seq, len(messages)), seq)
+        tags = self._tags(self._send_channel, seq, len(messages))
+        self._post(messages, tags, seq, borrowed=borrowed)
 
-    def _post(self, messages: list[Any], tags: list[Any], seq: int | None = None) -> None:
+    def _post(
+        self,
+        messages: list[Any],
+        tags: list[Any],
+        seq: int | None = None,
+        *,
+        borrowed: bool = False,
+    ) -> None:
         """Post sends (``seq``: the first message's sequence number; None for the pipe's own
         messages). They complete in the background, so that many frames are in flight (as
         over TCP, where sendall returns once the kernel has the bytes); the future's result
-        keeps the messages alive until UCX is done with them, and ``flush`` waits for them.
-        A failed send closes the pipe: the peer then sees the end."""
+        keeps the messages alive until UCX is done with them. ``flush`` waits for those that
+        read a caller's memory (``borrowed``); packed copies need no wait, and a frame of
+        small payloads never holds up the next one. A failed send closes the pipe: the peer
+        then sees the end."""
         array = self._worker.Array
 
         def post() -> Any:
@@ -315,7 +334,8 @@ class UcxPipe:
         future.add_done_callback(self._sent)
         while self._sends and self._sends[0].done():
             self._sends.popleft()
-        self._sends.append(future)
+        if borrowed:
+            self._sends.append(future)
 
     def _sent(self, future: concurrent.futures.Future[Any]) -> None:
         if future.exception() is not None:
