@@ -232,8 +232,7 @@ def test_a_stalled_write_lets_no_byte_land_after_its_hold_ended(transport: str) 
 
 def _posted(engine: TransferEngine) -> int:
     """UCX operations the engine's transport has posted and UCX has not finished yet."""
-    worker = engine._transports["ucx"]._worker  # type: ignore[attr-defined]
-    return sum(not future.done() for _, future, _ in list(worker._pending))
+    return int(engine._transports["ucx"].posted())  # type: ignore[attr-defined]
 
 
 @needs_ucx
@@ -254,9 +253,6 @@ def test_streams_that_never_greet_leave_nothing_posted() -> None:
             pipe.close()
 
 
-_CONNECT_TAG = 0xFFFFFFFF << 32
-
-
 def _stranger_sends(
     worker_address: bytes, messages: Callable[[bytes], list[bytes]], answer_tag: int | None
 ) -> bytes | None:
@@ -272,7 +268,8 @@ def _stranger_sends(
     def send() -> Any:
         address = ucx.UCXAddress.create_from_buffer(worker_address)
         box.append(ucx.UCXEndpoint.create_from_worker_address(raw.worker, address, True))
-        sends = [box[0].tag_send(array(m), ucx.UCXXTag(_CONNECT_TAG)) for m in payloads]
+        connect = ucx.UCXXTag(ucx_module._CONNECT_TAG)
+        sends = [box[0].tag_send(array(m), connect) for m in payloads]
         if answer_tag is None:
             return sends, None
         return [*sends, raw.worker.tag_recv(array(answer), ucx.UCXXTag(answer_tag))], None
@@ -318,7 +315,7 @@ def test_no_message_a_stranger_sends_opens_a_stream_or_stops_the_listener() -> N
             good = ucx_module._connect_message(bytes(listener["key"]), 7, own)
             return [bytes(wrong_key), bytes(good)]
 
-        answer_tag = (7 << 32) | (1 << 31)  # ACCEPT: the first control message on channel 7
+        answer_tag = (7 << 32) | ucx_module._CONTROL | ucx_module._ACCEPT  # on channel 7
         answer = _stranger_sends(bytes(listener["worker"]), connects, answer_tag)
         assert answer is not None and answer.startswith(b"KVU1")
         assert _served(server) <= 1  # the good CONNECT's stream, until its greeting times out
