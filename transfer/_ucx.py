@@ -38,9 +38,11 @@ land after the failure was reported: in freed memory, or in a slot handed to som
 else). A receive, a ``flush`` or an ``open`` returns or raises only once UCX says each of
 its requests is finished or cancelled. UCX's shared-memory transports offer peer-failure
 handling only with ``MM_ERROR_HANDLING=y``, which kvbridge sets (without it UCX would move
-same-host streams over TCP). A rendezvous the peer drives by writing into this process's
-memory itself (RDMA or CUDA IPC puts) is stopped by the closed endpoint for RDMA; for CUDA
-IPC ``UCX_RNDV_SCHEME=get_zcopy`` keeps every copy on the receiving side.
+same-host streams over TCP). Checked here over shared memory and TCP (a SIGSTOPped peer
+resumed after the close: no byte landed); not checked, for want of the hardware, is a
+rendezvous the peer drives by writing into this process's memory itself: an RDMA put needs
+the connection the closed endpoint tore down, but a CUDA IPC put is the peer's own copy,
+and ``UCX_RNDV_SCHEME=get_zcopy`` would keep every copy on the receiving side.
 
 A peer that dies or freezes without closing is noticed by the protocol's keepalive
 (``_protocol``), on every transport.
