@@ -15,6 +15,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Container, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,20 @@ from ._stats import StoreStats
 from ._tier import Tier
 
 _log = logging.getLogger("kvbridge.store")
+
+
+@dataclass(frozen=True)
+class Keep:
+    """What making room must not evict: ``hard`` blocks (a put's new ones, a pin's) from
+    any tier; ``soft`` ones (the rest of the put they belong to) only where that would lose
+    them: a block a lower tier holds too may leave a memory tier (a write-through disk
+    copy backs it), so a put larger than memory still fits its disk."""
+
+    hard: Container[BlockKey]
+    soft: Container[BlockKey] = frozenset()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.hard or key in self.soft
 
 
 class Placement:
@@ -189,7 +204,7 @@ class Placement:
         self._pins.expire()
         victims = []
         for key in self._orders[t].candidates():
-            if key not in protect or self._kept_below(t, key):
+            if not self._stops(protect, t, key):
                 victims.append(key)
                 if len(victims) == need:
                     break
@@ -199,11 +214,15 @@ class Placement:
             self._evict(t, key, protect)
         return True
 
-    def _kept_below(self, t: int, key: BlockKey) -> bool:
-        """Whether a tier under ``t`` holds ``key`` too: evicting it from ``t`` loses
-        nothing, so a protected block may still leave a memory tier that a write-through
-        disk copy backs."""
-        return any(key in tier for tier in self._tiers[t + 1 :])
+    def _stops(self, protect: Container[BlockKey], t: int, key: BlockKey) -> bool:
+        """Whether ``protect`` keeps ``key`` in tier ``t``: every key of a plain container;
+        of a :class:`Keep`, its ``hard`` keys, and its ``soft`` ones only where leaving
+        ``t`` would lose them (no tier under ``t`` holds them too)."""
+        if not isinstance(protect, Keep):
+            return key in protect
+        if key in protect.hard:
+            return True
+        return key in protect.soft and not any(key in tier for tier in self._tiers[t + 1 :])
 
     def _evict(self, t: int, key: BlockKey, protect: Container[BlockKey]) -> None:
         """Move ``key`` from tier ``t`` one tier down, or out of the store from the last."""

@@ -25,7 +25,7 @@ from ._errors import (
 )
 from ._keys import BlockKey, check_keys
 from ._pins import Lease
-from ._placement import Placement, Prefetched
+from ._placement import Keep, Placement, Prefetched
 from ._slots import SlotTier
 from ._staging import NO_OWNER, Staging
 
@@ -73,7 +73,7 @@ class RemoteAccess(Placement):
                     f"{self._staging.slots} staged)"
                 )
             slots: list[int] = []
-            kept = _Either(fresh.keys(), protect)
+            kept = Keep(fresh.keys(), protect)
             with self._batch():
                 if not self._make_room_for(0, len(fresh), kept):  # evicts nothing if not
                     raise StoreFull(
@@ -126,7 +126,7 @@ class RemoteAccess(Placement):
                         f"{len(fresh)} new block(s) but the disk tier holds at most {room} "
                         "more for their write-through copies"
                     )
-            protect = _Either(set(staging.keys), staging.protect)
+            protect = Keep(set(staging.keys), staging.protect)
             adopted: dict[BlockKey, int] = {}
             try:
                 with self._batch():
@@ -284,13 +284,3 @@ class RemoteAccess(Placement):
             top.disown(key)
         self._withdraw(adopted)
         self._free_slots(self._staging.freeable(staging))
-
-
-class _Either:
-    """Keys in either of two containers (no union built: ``protect`` may be a long put's)."""
-
-    def __init__(self, first: Container[BlockKey], second: Container[BlockKey]) -> None:
-        self._first, self._second = first, second
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._first or key in self._second

@@ -43,6 +43,7 @@ from ._errors import (
 from ._held import HeldOrder
 from ._keys import BlockKey, check_keys
 from ._pins import DEFAULT_PIN_TTL_S, Lease, PinTable
+from ._placement import Keep
 from ._policy import check_policy
 from ._remote import RemoteAccess
 from ._slots import SlotTier
@@ -245,7 +246,7 @@ class TieredStore(RemoteAccess, Closing):
                     f"more beside the put's stored ones ({len(self._pins.pinned())} pinned "
                     "block(s) cannot be evicted)"
                 )
-            protect = set(checked)  # no block of the put is evicted for another of it
+            protect = Keep(fresh.keys(), set(checked))  # none of the put for another of it
             try:
                 with self._batch():
                     # One walk frees the top tier for the whole batch when it can (else each

@@ -133,3 +133,26 @@ def test_with_a_disk_tier_a_put_larger_than_memory_is_stored_whole(tmp_path: Pat
         with pytest.raises(StoreFull):
             client.put(too_many, payloads(too_many, BB))
         assert not any(client.contains(too_many))
+
+
+def test_a_pin_still_keeps_its_blocks_in_memory_beside_a_disk_copy(tmp_path: Path) -> None:
+    """The put's rule (a block backed by a disk copy may leave memory) is not a pin's: a
+    pin lifts its blocks into memory and none of them may make way for another (the soak
+    found a KeyError in pin when it was)."""
+    with TieredStore(
+        BB,
+        host_capacity=4 * BB,
+        disk_path=tmp_path,
+        disk_capacity=64 * BB,
+        write_through=True,
+        policy="fifo",
+    ) as store:
+        ks = keys(0, 8)
+        store.put(ks, payloads(ks, BB))  # memory holds the last four, the disk all eight
+        wanted = [ks[0], ks[5], ks[4]]  # one to lift, then two in memory: the oldest first
+        lease, slots = store.pin_resident(wanted)
+        assert len(set(slots)) == 3
+        out = np.zeros((3, BB), np.uint8)
+        store.get(wanted, out)
+        assert (out == payloads(wanted, BB)).all()
+        lease.release()
