@@ -89,6 +89,7 @@ class CacheServer:
             port=cfg.port,
             transports=cfg.transports,
             principals=[tenant.principal() for tenant in tenants],
+            keepalive=cfg.keepalive,
         )
         self._state = threading.Lock()  # leases and stores: control and serving threads
         self._namespaces = NamespaceTable(cfg, self.engine, self._state, clock)

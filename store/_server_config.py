@@ -13,6 +13,7 @@ TOML (``kvbridge serve --config server.toml``), every key optional, top level or
     max_namespaces = 4
     lease_ttl = 60.0
     handoff_ttl = 5.0
+    keepalive = 5.0
     max_leases_per_client = 256
     policy = "reuse"
     transports = ["tcp"]
@@ -55,6 +56,8 @@ MIN_BLOCK_BYTES = 4096
 """The smallest block a client may open: per-slot bookkeeping (about 100 bytes) stays under
 3% of the memory it tracks (1-byte blocks made one ``open`` cost 10x the capacity). Each
 namespace's share of every capacity must hold at least one, or every client is refused."""
+MIN_KEEPALIVE_S = 0.05
+"""The engine's shortest keepalive interval (a peer answers within a round trip)."""
 MAX_TTL_S = 24 * 3600.0
 """Longest lease or handoff: a lease outlives a client that died, holding its slots that
 long; beyond a day (let alone ``inf``) it is a leak, not a setting."""
@@ -100,6 +103,12 @@ class ServerConfig:
     ``reuse`` beat LRU at every capacity replayed on both Mooncake traces."""
     transports: tuple[str, ...] = ("tcp",)
     """Among :data:`SERVER_TRANSPORTS`, in order of preference."""
+    keepalive: float = 5.0
+    """Seconds between the frames the server asks of an idle client's streams (a PING when
+    it has nothing else to send); a client silent for three of them (killed, frozen, its
+    host gone) loses its streams, and with them its session and leases. 0 turns it off
+    (a dead client is then noticed only where the transport says so: TCP, not UCX shared
+    memory)."""
     secret: bytes | None = None
     """The shared secret of the default tenant; with ``tenants``, the operator's own (it
     opens the metrics endpoint and no namespace)."""
@@ -114,6 +123,11 @@ class ServerConfig:
         _check_disk_path(self.disk_path)
         _seconds("lease_ttl", self.lease_ttl, zero_ok=False)
         _seconds("handoff_ttl", self.handoff_ttl, zero_ok=True)
+        _seconds("keepalive", self.keepalive, zero_ok=True)
+        if 0 < self.keepalive < MIN_KEEPALIVE_S:
+            raise ConfigError(
+                f"keepalive must be 0 (off) or at least {MIN_KEEPALIVE_S} s", setting="keepalive"
+            )
         _whole("max_leases_per_client", self.max_leases_per_client, 1)
         if not isinstance(self.policy, str) or self.policy not in POLICIES:
             raise ConfigError(
@@ -265,7 +279,7 @@ def _check_tenants(cfg: ServerConfig) -> None:
 
 _SIZES = {"host_capacity", "disk_capacity"}
 _INTS = {"port", "metrics_port", "max_namespaces", "max_leases_per_client"}
-_FLOATS = {"lease_ttl", "handoff_ttl"}
+_FLOATS = {"lease_ttl", "handoff_ttl", "keepalive"}
 _BOOLS = {"insecure"}
 _FIELDS = {f.name for f in fields(ServerConfig)} - {"secret", "tenants"} | {
     "secret_file",

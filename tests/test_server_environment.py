@@ -120,6 +120,7 @@ def _case(tmp: Path) -> dict[str, tuple[dict[str, str], Check]]:
         ),
         "handoff_ttl": ({"KVBRIDGE_HANDOFF_TTL": "0"}, _logged("handoff_ttl=0.0")),
         "policy": ({"KVBRIDGE_POLICY": "lru"}, _logged("policy=lru")),
+        "keepalive": ({"KVBRIDGE_KEEPALIVE": "0.5"}, _logged("keepalive=0.5")),
         "transports": ({"KVBRIDGE_TRANSPORTS": "tcp"}, _logged("transports=('tcp',)")),
         "insecure": ({"KVBRIDGE_INSECURE": "true"}, _logged("insecure=True")),
         "secret_file": ({"KVBRIDGE_SECRET_FILE": str(secret_file)}, _logged("secret=set")),
@@ -141,7 +142,7 @@ def test_every_setting_has_an_environment_case(tmp_path: Path) -> None:
 
 _SETTINGS = (
     *("host", "port", "host_capacity", "disk_path", "metrics_port", "max_namespaces"),
-    *("lease_ttl", "max_leases_per_client", "handoff_ttl", "policy", "transports"),
+    *("lease_ttl", "max_leases_per_client", "handoff_ttl", "policy", "transports", "keepalive"),
     *("insecure", "secret_file", "tenants_file"),
 )
 

@@ -56,6 +56,13 @@ def add_parsers(commands: Any) -> None:
         "--handoff-ttl", type=float, help="seconds a new block is held for its first read (5)"
     )
     serve.add_argument("--transports", help="comma-separated: tcp, ucx, auto (default tcp)")
+    serve.add_argument(
+        "--keepalive",
+        type=float,
+        metavar="SECONDS",
+        help="an idle client's streams send a frame this often; silent for 3 of them, its "
+        "session ends (default 5; 0: off)",
+    )
     serve.add_argument("--policy", help="eviction policy: reuse (default), lru, fifo")
     serve.add_argument("--secret-file", help="file holding the shared secret clients must know")
     serve.add_argument(
@@ -94,6 +101,9 @@ def add_parsers(commands: Any) -> None:
     )
     stats.add_argument("--secret-file", help="file holding the server's shared secret")
     stats.add_argument("--tenant", default="", help="the tenant the secret is of (--tenants)")
+    stats.add_argument(
+        "--transports", default="tcp", help="comma-separated: tcp, ucx, auto (default tcp)"
+    )
     stats.add_argument("--cluster-name", default="kvbridge", help="with etcd://: the cluster")
     stats.set_defaults(run=_stats)
 
@@ -176,7 +186,7 @@ def _stats(args: argparse.Namespace) -> int:
     if args.address.startswith("etcd://"):
         return _cluster_stats(args.address, args.cluster_name, secret, args.tenant)
     try:
-        stats = server_stats(args.address, secret, args.tenant)
+        stats = server_stats(args.address, secret, args.tenant, args.transports.split(","))
     except TransferError as exc:
         where = "" if args.address in str(exc) else f"{args.address}: "
         return fail("kvbridge stats", f"{where}{exc}", 1)
@@ -207,10 +217,20 @@ def read_listening(stdout: IO[str]) -> tuple[str, str]:
     raise RuntimeError("the cache server exited before it was listening")
 
 
-def server_stats(address: str, secret: bytes | None = None, tenant: str = "") -> dict[str, Any]:
+def server_stats(
+    address: str,
+    secret: bytes | None = None,
+    tenant: str = "",
+    transports: Sequence[str] = ("tcp",),
+) -> dict[str, Any]:
     """Ask a server for its figures (opens no namespace): those its tenant may see."""
     with TransferEngine(
-        "kvbridge-stats", secret=secret, principal=tenant, timeout=5.0, connect_timeout=5.0
+        "kvbridge-stats",
+        secret=secret,
+        principal=tenant,
+        transports=transports,
+        timeout=5.0,
+        connect_timeout=5.0,
     ) as engine:
         return engine.dial(address).call({"op": "stats"})
 
