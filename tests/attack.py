@@ -2,7 +2,8 @@
 
 ``RawStream`` opens a data stream with a session's real credentials (as the client itself,
 or as someone who stole them) and sends frames by hand: a write whose payload arrives in
-pieces, as late as it likes; a read of any region and offset.
+pieces, as late as it likes; a read of any region and offset; a read whose answer it never
+takes. It speaks the client's transport: TCP, or UCX (where a payload goes op by op).
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ import zmq
 
 from kvbridge.store import StoreClient
 from kvbridge.transfer._control import CONTROL_VERSION
-from kvbridge.transfer._events import Event
-from kvbridge.transfer._pipes import SocketPipe
+from kvbridge.transfer._events import Data, Event
+from kvbridge.transfer._pipes import Pipe, SocketPipe
 from kvbridge.transfer._protocol import DESCRIPTOR, Connection, Role
 from kvbridge.transfer._streams import next_event
+from kvbridge.transfer._ucx import UcxPipe
 
 _IDS = itertools.count(1 << 40)
 
@@ -40,16 +42,24 @@ def region_key(client: StoreClient, region: int) -> int:
 
 
 class RawStream:
-    """A data stream to ``client``'s server in ``client``'s session, driven by hand."""
+    """A data stream to ``client``'s server in ``client``'s session, driven by hand, over the
+    transport ``client`` uses: a socket over TCP (``sock``), a UCX pipe opened by the
+    client's own engine over UCX (``sock`` is None)."""
 
     def __init__(self, client: StoreClient, index: int = 7) -> None:
-        credentials = client.peer._credentials
+        peer = client.peer
+        credentials = peer._credentials
         assert credentials is not None
-        address = client.peer._info.transports["tcp"]
-        self.sock = socket.create_connection((address["host"], address["port"]), timeout=10)
-        self.pipe = SocketPipe(self.sock)
+        address = peer._info.transports[peer.transport]
+        self.sock: socket.socket | None = None
+        self.pipe: Pipe
+        if peer.transport == "tcp":
+            self.sock = socket.create_connection((address["host"], address["port"]), timeout=10)
+            self.pipe = SocketPipe(self.sock)
+        else:
+            self.pipe = peer._transport.open(address, 10)
         self.conn = Connection(Role.INITIATOR)
-        self.sock.sendall(self.conn.hello(credentials.hello(index), index))
+        self.pipe.send([self.conn.hello(credentials.hello(index), index)])
         self.event()  # ACK
 
     def event(self) -> Event:
@@ -58,24 +68,54 @@ class RawStream:
     def start_write(self, ops: np.ndarray) -> int:
         """Send a WRITE's header and descriptors only; the payload follows with ``send``."""
         request = next(_IDS)
-        self.sock.sendall(self.conn.write(request, ops))
+        self.pipe.send([self.conn.write(request, ops)])
+        return request
+
+    def start_read(self, ops: np.ndarray) -> int:
+        """Send a READ and leave its answer unread (``event`` reads its header)."""
+        request = next(_IDS)
+        self.pipe.send([self.conn.read(request, ops)])
         return request
 
     def send(self, data: bytes) -> None:
-        self.sock.sendall(data)
+        """Payload bytes, as late as the caller likes. Over TCP any piece of a frame's
+        payload; over UCX one message, which the server takes for one op's whole payload
+        (ops of 64 KiB or more; smaller ones travel packed, a run per message): send a
+        payload op by op there."""
+        if self.sock is not None:
+            self.sock.sendall(data)
+        else:
+            _one_message(self.pipe, data)
 
     def read(self, ops: np.ndarray) -> tuple[Event, bytes]:
         """A READ; returns the answer and, for DATA, the payload."""
-        self.sock.sendall(self.conn.read(next(_IDS), ops))
+        self.start_read(ops)
         answer = self.event()
-        payload = b""
-        if type(answer).__name__ == "Data":
-            payload = self.pipe.recv_exact(int(ops["length"].sum()))
-            self.conn.payload_received()
-        return answer, payload
+        if not isinstance(answer, Data):
+            return answer, b""
+        lengths: list[int] = ops["length"].tolist()
+        payload = bytearray(sum(lengths))
+        whole, start, views = memoryview(payload), 0, []
+        for length in lengths:  # one view per op: UCX moves each op as its own message
+            views.append(whole[start : start + length])
+            start += length
+        self.pipe.recv_into_views(views)
+        self.conn.payload_received()
+        return answer, bytes(payload)
 
     def close(self) -> None:
-        self.sock.close()
+        self.pipe.close()
+
+
+def _one_message(pipe: Pipe, data: bytes) -> None:
+    """Post ``data`` on a UCX pipe as one message of the stream, as it is. ``UcxPipe.send``
+    takes its first buffer for a frame (a header message, then the body), so a payload sent
+    on its own goes through the pipe's numbering and posting directly. It returns once the
+    message is posted (as ``sendall`` once the kernel has the bytes); the posted request
+    keeps ``data`` alive until UCX is done with it."""
+    assert isinstance(pipe, UcxPipe)
+    first = pipe._numbers(1, send=True)
+    pipe._post([memoryview(data)], pipe._tags(pipe._send_channel, first, 1), first)
 
 
 def control_request(

@@ -1,13 +1,34 @@
-"""``kvbridge serve`` in a subprocess, for tests that need a real server process."""
+"""``kvbridge serve`` in a subprocess, for tests that need a real server process; the small
+server of the trust tests (in a process, or in this one for tests that reach inside it);
+the transports every trust and fault test runs over; waiting on a condition."""
 
 from __future__ import annotations
 
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
+from typing import Protocol
 
-from kvbridge.store import StoreClient
+import pytest
+
+from kvbridge.store import ServerConfig, StoreClient
 from kvbridge.tools._serve_cmds import read_listening
+from kvbridge.transfer import ucx_available
+
+needs_ucx = pytest.mark.skipif(not ucx_available(), reason="ucxx is not installed (kvbridge[ucx])")
+
+TRANSPORTS = ["tcp", pytest.param("ucx", marks=needs_ucx)]
+"""What holds over TCP holds over UCX: parametrize a ``transport`` fixture with these (the
+UCX cases skip, saying why, where ucxx is missing)."""
+
+
+class Served(Protocol):
+    """A server clients reach at ``address``: a :class:`ServeProcess` or a ``CacheServer``."""
+
+    @property
+    def address(self) -> str: ...
 
 
 class ServeProcess:
@@ -51,15 +72,39 @@ SLOTS = 8
 """The small server of the trust tests: ``SLOTS`` memory slots per namespace, 2 namespaces."""
 
 
-def small_server() -> ServeProcess:
+def small_server(transport: str = "tcp") -> ServeProcess:
     """A server whose namespaces have ``SLOTS`` slots of ``BLOCK`` bytes, 30 s leases and no
-    handoff holds: slot reuse is forced quickly and nothing expires by itself."""
+    handoff holds: slot reuse is forced quickly and nothing expires by itself. Its data
+    streams are ``transport``'s."""
     return ServeProcess(
         *("--host-capacity", str(2 * SLOTS * BLOCK), "--max-namespaces", "2"),
-        *("--lease-ttl", "30", "--handoff-ttl", "0"),
+        *("--lease-ttl", "30", "--handoff-ttl", "0", "--transports", transport),
     )
 
 
-def client_of(server: ServeProcess, namespace: str = "m") -> StoreClient:
-    """A client of ``server``'s namespace, with the small server's block size."""
-    return StoreClient(server.address, block_bytes=BLOCK, namespace=namespace)
+def small_config(transport: str = "tcp") -> ServerConfig:
+    """:func:`small_server`'s settings, for a ``CacheServer`` in this process."""
+    return ServerConfig(
+        port=0,
+        host_capacity=2 * SLOTS * BLOCK,
+        max_namespaces=2,
+        lease_ttl=30,
+        handoff_ttl=0,
+        transports=(transport,),
+    )
+
+
+def client_of(server: Served, namespace: str = "m", transports: str = "tcp") -> StoreClient:
+    """A client of ``server``'s namespace, with the small server's block size, whose data
+    streams are ``transports``'."""
+    return StoreClient(
+        server.address, block_bytes=BLOCK, namespace=namespace, transports=transports
+    )
+
+
+def until(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    """Wait for ``check()`` to hold; fail the test past ``timeout``, saying ``what``."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"not in {timeout:.1f} s: {what}"
+        time.sleep(0.02)

@@ -1,15 +1,15 @@
 """The cache server's trust boundary, attacked as a hostile client or a fault would.
 
-Each test runs a real ``kvbridge serve`` process (unless it needs to reach inside a server)
-and drives it the way an attacker would: with stolen or replayed session material, frames
-sent by hand, late bytes, guessed handles and slots. What must hold: no reader ever gets
-bytes that are not the ones committed under the key, no session touches another's slots or
-another namespace's blocks, and a fault stays with the request that met it.
+Each test runs a real ``kvbridge serve`` process (unless it needs to reach inside a server),
+over TCP and over UCX, and drives it the way an attacker would: with stolen or replayed
+session material, frames sent by hand, late bytes, guessed handles and slots. What must
+hold: no reader ever gets bytes that are not the ones committed under the key, no session
+touches another's slots or another namespace's blocks, and a fault stays with the request
+that met it.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import msgpack
@@ -18,9 +18,18 @@ import pytest
 import zmq
 from attack import RawStream, control_request, descriptors, slot_ops, stage
 from helpers import keys, payloads
-from serve import BLOCK, SLOTS, ServeProcess, client_of, small_server
+from serve import (
+    BLOCK,
+    SLOTS,
+    TRANSPORTS,
+    ServeProcess,
+    client_of,
+    small_config,
+    small_server,
+    until,
+)
 
-from kvbridge.store import LeaseExpired, StoreClient, StoreFull
+from kvbridge.store import CacheServer, LeaseExpired, StoreClient, StoreFull
 from kvbridge.transfer import RegionInfo, TransferEngine, TransferError
 from kvbridge.transfer._events import Ack, Data, Error
 from kvbridge.transfer._protocol import ErrorCode
@@ -28,9 +37,14 @@ from kvbridge.transfer._protocol import ErrorCode
 BB = BLOCK
 
 
+@pytest.fixture(params=TRANSPORTS)
+def transport(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture
-def server() -> Iterator[ServeProcess]:
-    s = small_server()
+def server(transport: str) -> Iterator[ServeProcess]:
+    s = small_server(transport)
     yield s
     s.kill()
 
@@ -40,17 +54,23 @@ def server() -> Iterator[ServeProcess]:
 
 @pytest.mark.parametrize("ending", ["abort", "session"])
 def test_a_late_write_never_lands_in_a_slot_handed_to_someone_else(
-    server: ServeProcess, ending: str
+    transport: str, ending: str
 ) -> None:
     """A write admitted while its lease was open whose bytes arrive after the lease ended
     (aborted; or the writer's session ended while a stream of it still sends): the slots
-    stay out of use until the bytes are in, so the victim's blocks never get them."""
-    with client_of(server) as attacker, client_of(server) as victim:
+    stay out of use until the bytes are in, so the victim's blocks never get them. (In this
+    process: the test waits for the server to have admitted the write.)"""
+    with (
+        CacheServer(small_config(transport)) as server,
+        client_of(server, transports=transport) as attacker,
+        client_of(server, transports=transport) as victim,
+    ):
         lease, slots = stage(attacker, keys(0, 2))
         stream = RawStream(attacker)
         stream.start_write(slot_ops(attacker, slots))
-        stream.send(b"\xaa" * BB)  # half of the payload
-        time.sleep(0.3)  # admitted: the server now waits for the other half
+        stream.send(b"\xaa" * BB)  # half of the payload: the first op's
+        (ns,) = [n for n in server._namespaces.snapshot() if n.handle == attacker._ns]
+        until(lambda: ns.store.staging_busy(lease), "the server admitted the write")
         if ending == "abort":
             attacker._call({"op": "abort", "ns": attacker._ns, "lease": lease})
         else:  # the session says goodbye mid-write: its leases end with it
@@ -74,15 +94,21 @@ def test_a_late_write_never_lands_in_a_slot_handed_to_someone_else(
         stream.close()
 
 
-def test_a_session_cannot_write_another_sessions_staged_slots(server: ServeProcess) -> None:
-    with client_of(server) as attacker, client_of(server) as victim:
+def test_a_session_cannot_write_another_sessions_staged_slots(
+    server: ServeProcess, transport: str
+) -> None:
+    with (
+        client_of(server, transports=transport) as attacker,
+        client_of(server, transports=transport) as victim,
+    ):
         ks = keys(0, 2)
         lease, slots = stage(victim, ks)
         own, _ = stage(attacker, keys(10, 11))  # the attacker holds a lease of its own too
         assert own
         stream = RawStream(attacker)
         stream.start_write(slot_ops(attacker, slots))
-        stream.send(b"\xbb" * 2 * BB)
+        for _ in slots:  # op by op (over UCX each op is a message)
+            stream.send(b"\xbb" * BB)
         answer = stream.event()
         assert isinstance(answer, Error) and answer.code == ErrorCode.ACCESS_DENIED
         with pytest.raises(TransferError) as refused:  # and through the engine's own path
@@ -93,7 +119,8 @@ def test_a_session_cannot_write_another_sessions_staged_slots(server: ServeProce
         attacker._call({"op": "abort", "ns": attacker._ns, "lease": lease})  # a no-op for it
         own_stream = RawStream(victim)  # the lease is still the victim's: it writes, commits
         own_stream.start_write(slot_ops(victim, slots))
-        own_stream.send(payloads(ks, BB).tobytes())
+        for block in payloads(ks, BB):
+            own_stream.send(block.tobytes())
         assert isinstance(own_stream.event(), Ack)
         assert victim._call({"op": "commit", "ns": victim._ns, "lease": lease})["stored"] == 2
         own_stream.close()
@@ -117,10 +144,15 @@ def _engine_ops(client: StoreClient, slots: list[int]) -> np.ndarray:
 # -- reads ------------------------------------------------------------------------------
 
 
-def test_reads_only_from_slots_pinned_for_the_reading_session(server: ServeProcess) -> None:
+def test_reads_only_from_slots_pinned_for_the_reading_session(
+    server: ServeProcess, transport: str
+) -> None:
     """Another namespace's region (keys from the metadata every session gets), one's own
     namespace unpinned, another session's pins: all refused. One's own pin: read."""
-    with client_of(server, "tenant-a") as a, client_of(server, "tenant-b") as b:
+    with (
+        client_of(server, "tenant-a", transport) as a,
+        client_of(server, "tenant-b", transport) as b,
+    ):
         ks = keys(0, 2)
         a.put(ks, payloads(ks, BB))
         pinned = a._call({"op": "pin", "ns": a._ns, "keys": ks})
@@ -128,7 +160,9 @@ def test_reads_only_from_slots_pinned_for_the_reading_session(server: ServeProce
         thief = RawStream(b)
         answer, _ = thief.read(slot_ops(b, slots, region=a._region))  # tenant-a's memory
         assert isinstance(answer, Error) and answer.code == ErrorCode.ACCESS_DENIED
-        with client_of(server, "tenant-a") as neighbour:  # same namespace, its own session
+        with client_of(
+            server, "tenant-a", transport
+        ) as neighbour:  # same namespace, its own session
             stream = RawStream(neighbour)
             answer, _ = stream.read(slot_ops(neighbour, slots))  # pinned by a, not by it
             assert isinstance(answer, Error) and answer.code == ErrorCode.ACCESS_DENIED
@@ -144,8 +178,13 @@ def test_reads_only_from_slots_pinned_for_the_reading_session(server: ServeProce
         own.close()
 
 
-def test_a_namespace_handle_works_only_for_a_session_that_opened_it(server: ServeProcess) -> None:
-    with client_of(server, "tenant-a") as a, client_of(server, "tenant-b") as b:
+def test_a_namespace_handle_works_only_for_a_session_that_opened_it(
+    server: ServeProcess, transport: str
+) -> None:
+    with (
+        client_of(server, "tenant-a", transport) as a,
+        client_of(server, "tenant-b", transport) as b,
+    ):
         a.put(keys(0, 1), payloads(keys(0, 1), BB))
         for op in ("match", "contains", "remove"):
             with pytest.raises(LookupError, match="open it first"):
@@ -158,10 +197,12 @@ def test_a_namespace_handle_works_only_for_a_session_that_opened_it(server: Serv
 # -- sessions ---------------------------------------------------------------------------
 
 
-def test_a_session_id_seen_on_the_wire_is_worth_nothing(server: ServeProcess) -> None:
+def test_a_session_id_seen_on_the_wire_is_worth_nothing(
+    server: ServeProcess, transport: str
+) -> None:
     """The session id travels in clear; requests are signed with a key that never does.
     Forged, replayed and after-disconnect requests are all refused with a code."""
-    victim = client_of(server)
+    victim = client_of(server, transports=transport)
     credentials = victim.peer._credentials
     assert credentials is not None
     body = b"\x81\xa2op\xa5stats"  # {"op": "stats"}
@@ -172,17 +213,24 @@ def test_a_session_id_seen_on_the_wire_is_worth_nothing(server: ServeProcess) ->
     assert control_request(server.address, captured)["ok"] is True
     replayed = control_request(server.address, captured)
     assert replayed["ok"] is False and "replayed" in replayed["error"]
-    later = credentials.sign("call", body)
+    later = credentials.sign("call", body)  # signed while the session lives
     victim.close()  # the client goes: its session ends with its streams
-    time.sleep(0.3)
+
+    def ended() -> bool:  # asked with requests signed after the close
+        return not control_request(server.address, credentials.sign("call", body))["ok"]
+
+    until(ended, "the session ended with the client's streams")
     gone = control_request(server.address, later)
     assert gone["ok"] is False and "unknown or ended session" in gone["error"]
 
 
-def test_the_clients_own_engine_exposes_nothing(server: ServeProcess) -> None:
+def test_the_clients_own_engine_exposes_nothing(server: ServeProcess, transport: str) -> None:
     """A StoreClient's engine listens too; a local process that connects to it finds no
     region listed and cannot write a buffer the client registered, even with its key."""
-    with client_of(server) as client, TransferEngine("intruder") as intruder:
+    with (
+        client_of(server, transports=transport) as client,
+        TransferEngine("intruder", transports=transport) as intruder,
+    ):
         buffer = np.zeros(BB, np.uint8)
         region = client.register(buffer)
         peer = intruder.connect(client.engine.metadata())
@@ -202,7 +250,9 @@ def test_the_clients_own_engine_exposes_nothing(server: ServeProcess) -> None:
         del ops
 
 
-def test_thousands_of_handshakes_and_a_hello_flood_log_nobody_out(server: ServeProcess) -> None:
+def test_thousands_of_handshakes_and_a_hello_flood_log_nobody_out(
+    server: ServeProcess, transport: str
+) -> None:
     """A monitor polling (each poll a new session it abandons), plus unanswered hellos by
     the thousand: a long-lived client keeps its session, and new clients still get in."""
     import zmq  # noqa: PLC0415
@@ -210,7 +260,7 @@ def test_thousands_of_handshakes_and_a_hello_flood_log_nobody_out(server: ServeP
     from kvbridge.transfer._control import CONTROL_VERSION  # noqa: PLC0415
     from kvbridge.transfer._control_client import ControlClient  # noqa: PLC0415
 
-    with client_of(server) as client:
+    with client_of(server, transports=transport) as client:
         ks = keys(0, 2)
         client.put(ks, payloads(ks, BB))
         context = zmq.Context()
@@ -234,14 +284,16 @@ def test_thousands_of_handshakes_and_a_hello_flood_log_nobody_out(server: ServeP
         out = np.zeros((2, BB), np.uint8)
         client.get(ks, out)  # still the same session: no "unknown session"
         np.testing.assert_array_equal(out, payloads(ks, BB))
-        with client_of(server) as newcomer:
+        with client_of(server, transports=transport) as newcomer:
             assert newcomer.match_prefix(ks) == 2
 
 
 # -- garbage on the control port, from a socket and signed as a client ------------------
 
 
-def test_fuzzed_control_port_while_a_client_keeps_working(server: ServeProcess) -> None:
+def test_fuzzed_control_port_while_a_client_keeps_working(
+    server: ServeProcess, transport: str
+) -> None:
     rng = np.random.default_rng(1)
     context = zmq.Context()
     fuzzer = context.socket(zmq.DEALER)
@@ -249,7 +301,9 @@ def test_fuzzed_control_port_while_a_client_keeps_working(server: ServeProcess) 
     fuzzer.connect(f"tcp://{server.address}")
     ks = keys(500, 504)
     try:
-        with StoreClient(server.address, block_bytes=BB, namespace="m") as client:
+        with StoreClient(
+            server.address, block_bytes=BB, namespace="m", transports=transport
+        ) as client:
             credentials = (
                 client.peer._credentials
             )  # junk signed as the client: it reaches the handler
