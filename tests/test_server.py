@@ -1,4 +1,5 @@
-"""The cache server end to end: a real `kvbridge serve` process and StoreClients."""
+"""The cache server end to end: a real `kvbridge serve` process (or a ``CacheServer`` in this
+process) and StoreClients, over TCP and over UCX."""
 
 from __future__ import annotations
 
@@ -16,8 +17,7 @@ import msgpack
 import numpy as np
 import pytest
 from helpers import FakeClock, keys, payloads
-from serve import BLOCK as SMALL_BLOCK
-from serve import ServeProcess, client_of, small_server
+from serve import BLOCK, TRANSPORTS, ServeProcess, client_of, small_server, until
 
 from kvbridge.store import (
     BadRequest,
@@ -33,23 +33,33 @@ from kvbridge.store import (
 from kvbridge.store._registration import one_per_block
 from kvbridge.transfer import OP_DTYPE, PeerClosed, TransferError, ucx_available
 
-BB = 64 << 10
+BB = BLOCK  # client_of's block size
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
 
 
 @pytest.fixture
-def server() -> Iterator[ServeProcess]:
-    s = ServeProcess("--host-capacity", "16MiB", "--max-namespaces", "2", "--lease-ttl", "30")
+def server(transport: str) -> Iterator[ServeProcess]:
+    s = ServeProcess(
+        *("--host-capacity", "16MiB", "--max-namespaces", "2", "--lease-ttl", "30"),
+        *("--transports", transport),
+    )
     yield s
     if s.proc.poll() is None:
         s.stop(signal.SIGKILL)
 
 
-def test_push_from_one_client_pull_from_another_with_dedup(server: ServeProcess) -> None:
+def test_push_from_one_client_pull_from_another_with_dedup(
+    server: ServeProcess, transport: str
+) -> None:
     ks = keys(0, 40)
     data = payloads(ks, BB)
     with (
-        StoreClient(server.address, block_bytes=BB, namespace="llama") as prefill,
-        StoreClient(server.address, block_bytes=BB, namespace="llama") as decode,
+        client_of(server, "llama", transport) as prefill,
+        client_of(server, "llama", transport) as decode,
     ):
         assert prefill.put(ks[:30], data[:30]) == [True] * 30
         assert decode.match_prefix(ks) == 30
@@ -66,10 +76,10 @@ def test_push_from_one_client_pull_from_another_with_dedup(server: ServeProcess)
         assert stats.puts == 40 and stats.duplicates == 30 and stats.hits == 43
 
 
-def test_zero_copy_variants_move_registered_regions(server: ServeProcess) -> None:
+def test_zero_copy_variants_move_registered_regions(server: ServeProcess, transport: str) -> None:
     ks = keys(100, 108)
     data = payloads(ks, BB)
-    with StoreClient(server.address, block_bytes=BB, namespace="llama") as client:
+    with client_of(server, "llama", transport) as client:
         src = client.register(data.reshape(-1), access="r")
         offsets = [i * BB for i in range(8)][::-1]  # any placement in the region
         client.put_from(ks, src, offsets)
@@ -79,9 +89,11 @@ def test_zero_copy_variants_move_registered_regions(server: ServeProcess) -> Non
         np.testing.assert_array_equal(dst_buffer, data.reshape(-1))
 
 
-def test_missing_blocks_and_bad_requests_are_typed_and_change_nothing(server: ServeProcess) -> None:
+def test_missing_blocks_and_bad_requests_are_typed_and_change_nothing(
+    server: ServeProcess, transport: str
+) -> None:
     ks = keys(200, 204)
-    with StoreClient(server.address, block_bytes=BB, namespace="m") as client:
+    with client_of(server, "m", transport) as client:
         client.put(ks[:2], payloads(ks[:2], BB))
         out = np.full((4, BB), 7, np.uint8)
         with pytest.raises(BlockNotFound) as missing:
@@ -93,13 +105,15 @@ def test_missing_blocks_and_bad_requests_are_typed_and_change_nothing(server: Se
         with pytest.raises(UnknownNamespace):
             client._call({"op": "match", "ns": 99, "keys": []})
         with pytest.raises(BadRequest):
-            StoreClient(server.address, block_bytes=BB * 2, namespace="m")  # another size
+            StoreClient(server.address, block_bytes=BB * 2, namespace="m", transports=transport)
         assert client.contains(ks) == [True, True, False, False]
 
 
-def test_a_client_cannot_write_outside_its_staged_slots(server: ServeProcess) -> None:
+def test_a_client_cannot_write_outside_its_staged_slots(
+    server: ServeProcess, transport: str
+) -> None:
     ks = keys(300, 302)
-    with StoreClient(server.address, block_bytes=BB, namespace="m") as client:
+    with client_of(server, "m", transport) as client:
         client.put(ks[:1], payloads(ks[:1], BB))
         junk = client.register(np.full(BB, 0xEE, np.uint8))
         ops = np.zeros(1, OP_DTYPE)
@@ -116,7 +130,9 @@ _HOLD_LEASES = textwrap.dedent(
     """
     import sys, time
     from kvbridge.store import StoreClient
-    client = StoreClient(sys.argv[1], block_bytes=int(sys.argv[2]), namespace="m")
+    client = StoreClient(
+        sys.argv[1], block_bytes=int(sys.argv[2]), namespace="m", transports=sys.argv[4]
+    )
     keys = [i.to_bytes(32, "little") for i in range(int(sys.argv[3]))]
     step, held = client._request_keys, 0
     for start in range(0, len(keys), step):  # as much as the server lets one session hold
@@ -132,31 +148,37 @@ _HOLD_LEASES = textwrap.dedent(
 )
 
 
-def test_one_client_holds_at_most_its_share_and_a_killed_ones_leases_end_with_it() -> None:
+def test_one_client_holds_at_most_its_share_and_a_killed_ones_leases_end_with_it(
+    transport: str,
+) -> None:
     """A client that stages everything it can gets half of the namespace at most; when it is
-    killed, its session ends with its streams and its slots come back at once, long before
-    its leases would expire."""
-    server = ServeProcess("--host-capacity", "16MiB", "--max-namespaces", "2", "--lease-ttl", "60")
+    killed, its session ends with its streams and its slots come back, long before its
+    leases would expire: at once over TCP (the kernel closes its sockets), over UCX (which
+    tells a peer nothing) once its streams miss three keepalives (0.5 s here)."""
+    server = ServeProcess(
+        *("--host-capacity", "16MiB", "--max-namespaces", "2", "--lease-ttl", "60"),
+        *("--transports", transport, "--keepalive", "0.5"),
+    )
     capacity = (16 << 20) // 2 // BB  # the namespace's share of host memory, in blocks
     try:
         holder = subprocess.Popen(
-            [sys.executable, "-c", _HOLD_LEASES, server.address, str(BB), str(capacity)],
+            [sys.executable, "-c", _HOLD_LEASES, server.address, str(BB), str(capacity), transport],
             stdout=subprocess.PIPE,
             text=True,
         )
         assert holder.stdout is not None
         held, refusal = holder.stdout.readline().split()
         assert int(held) == capacity // 2 and refusal == "TooManyRequests"
-        with StoreClient(server.address, block_bytes=BB, namespace="m") as client:
+        with client_of(server, "m", transport) as client:
             assert client.server_stats()["server"]["open_leases"] == 2
             ks = keys(400, 400 + capacity // 2)
             client.put(ks, payloads(ks, BB))  # the other half is there for everyone else
             holder.kill()
             holder.wait()
-            deadline = time.monotonic() + 10
-            while client.server_stats()["server"]["open_leases"] and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert client.server_stats()["server"]["open_leases"] == 0  # not 60 s later
+            until(
+                lambda: client.server_stats()["server"]["open_leases"] == 0,
+                "the killed client's leases ended with its session (not 60 s later)",
+            )
             more = keys(1000, 1000 + capacity // 2)
             client.put(more, payloads(more, BB))
             assert client.match_prefix(ks) + client.match_prefix(more) == capacity
@@ -164,11 +186,13 @@ def test_one_client_holds_at_most_its_share_and_a_killed_ones_leases_end_with_it
         server.stop(signal.SIGKILL)
 
 
-def test_too_many_open_leases_is_refused() -> None:
-    config = ServerConfig(port=0, host_capacity=8 << 20, max_leases_per_client=2)
+def test_too_many_open_leases_is_refused(transport: str) -> None:
+    config = ServerConfig(
+        port=0, host_capacity=8 << 20, max_leases_per_client=2, transports=(transport,)
+    )
     with (
         CacheServer(config) as server,
-        StoreClient(server.address, block_bytes=BB, namespace="m") as client,
+        client_of(server, "m", transport) as client,
     ):
         leases = [
             client._call({"op": "stage", "ns": client._ns, "keys": keys(i, i + 1)})["lease"]
@@ -181,17 +205,17 @@ def test_too_many_open_leases_is_refused() -> None:
         assert client.contains(keys(0, 2) + keys(10, 11)) == [False, False, True]
 
 
-def test_everything_pinned_means_store_full_fast() -> None:
-    config = ServerConfig(port=0, host_capacity=4 * BB, max_namespaces=1)
+def test_everything_pinned_means_store_full_fast(transport: str) -> None:
+    config = ServerConfig(port=0, host_capacity=4 * BB, max_namespaces=1, transports=(transport,))
     with (
         CacheServer(config) as server,
-        StoreClient(server.address, block_bytes=BB, namespace="m") as client,
+        client_of(server, "m", transport) as client,
     ):
         ks = keys(0, 5)
         client.put(ks[:4], payloads(ks[:4], BB))
         with (
-            StoreClient(server.address, block_bytes=BB, namespace="m") as one,
-            StoreClient(server.address, block_bytes=BB, namespace="m") as two,
+            client_of(server, "m", transport) as one,
+            client_of(server, "m", transport) as two,
         ):
             for holder, key in zip((one, one, two, two), ks[:4], strict=True):
                 holder._call({"op": "pin", "ns": holder._ns, "keys": [key]})  # each its share
@@ -203,20 +227,23 @@ def test_everything_pinned_means_store_full_fast() -> None:
         client.put(ks[4:], payloads(ks[4:], BB))  # the holders are gone: so are their pins
 
 
-def test_restart_on_the_same_disk_serves_the_same_blocks(tmp_path: Path) -> None:
-    args = ("--host-capacity", "4MiB", "--disk-path", str(tmp_path), "--disk-capacity", "64MiB")
+def test_restart_on_the_same_disk_serves_the_same_blocks(tmp_path: Path, transport: str) -> None:
+    args = (
+        *("--host-capacity", "4MiB", "--disk-path", str(tmp_path), "--disk-capacity", "64MiB"),
+        *("--transports", transport),
+    )
     ks = keys(0, 100)  # more than host memory holds: most are on disk only
     data = payloads(ks, BB)
     first = ServeProcess(*args)
     try:
-        with StoreClient(first.address, block_bytes=BB, namespace="m") as client:
+        with client_of(first, "m", transport) as client:
             client.put(ks, data)
     finally:
         assert "stopped" in first.stop(signal.SIGTERM)
     assert first.proc.returncode == 0
     second = ServeProcess(*args)
     try:
-        with StoreClient(second.address, block_bytes=BB, namespace="m") as client:
+        with client_of(second, "m", transport) as client:
             assert client.match_prefix(ks) == 100
             out = np.zeros_like(data)
             client.get(ks, out)
@@ -225,18 +252,21 @@ def test_restart_on_the_same_disk_serves_the_same_blocks(tmp_path: Path) -> None
         second.stop(signal.SIGKILL)
 
 
-def test_a_killed_server_loses_no_committed_block(tmp_path: Path) -> None:
-    args = ("--host-capacity", "4MiB", "--disk-path", str(tmp_path), "--disk-capacity", "64MiB")
+def test_a_killed_server_loses_no_committed_block(tmp_path: Path, transport: str) -> None:
+    args = (
+        *("--host-capacity", "4MiB", "--disk-path", str(tmp_path), "--disk-capacity", "64MiB"),
+        *("--transports", transport),
+    )
     ks = keys(0, 20)
     first = ServeProcess(*args)
     try:
-        with StoreClient(first.address, block_bytes=BB, namespace="m") as client:
+        with client_of(first, "m", transport) as client:
             client.put(ks, payloads(ks, BB))
     finally:
         first.stop(signal.SIGKILL)
     second = ServeProcess(*args)
     try:
-        with StoreClient(second.address, block_bytes=BB, namespace="m") as client:
+        with client_of(second, "m", transport) as client:
             out = np.zeros((20, BB), np.uint8)
             client.get(ks, out)
             np.testing.assert_array_equal(out, payloads(ks, BB))
@@ -244,11 +274,11 @@ def test_a_killed_server_loses_no_committed_block(tmp_path: Path) -> None:
         second.stop(signal.SIGKILL)
 
 
-def test_stats_command_prints_the_table(server: ServeProcess) -> None:
-    with StoreClient(server.address, block_bytes=BB, namespace="llama") as client:
+def test_stats_command_prints_the_table(server: ServeProcess, transport: str) -> None:
+    with client_of(server, "llama", transport) as client:
         client.put(keys(0, 2), payloads(keys(0, 2), BB))
     done = subprocess.run(
-        [sys.executable, "-m", "kvbridge", "stats", server.address],
+        [sys.executable, "-m", "kvbridge", "stats", "--transports", transport, server.address],
         capture_output=True,
         text=True,
         timeout=30,
@@ -259,7 +289,9 @@ def test_stats_command_prints_the_table(server: ServeProcess) -> None:
     assert f"sha256:{hashlib.sha256(b'llama').hexdigest()[:12]}/65536" in done.stdout
 
 
-def test_code_written_for_tieredstore_runs_against_a_server(server: ServeProcess) -> None:
+def test_code_written_for_tieredstore_runs_against_a_server(
+    server: ServeProcess, transport: str
+) -> None:
     def workload(store: TieredStore | StoreClient) -> list[object]:
         ks = keys(600, 610)
         results: list[object] = [store.put(ks[:5], payloads(ks[:5], BB))]
@@ -274,15 +306,15 @@ def test_code_written_for_tieredstore_runs_against_a_server(server: ServeProcess
 
     with TieredStore(BB, host_capacity=8 << 20) as local:
         expected = workload(local)
-    with StoreClient(server.address, block_bytes=BB, namespace="same") as remote:
+    with client_of(server, "same", transport) as remote:
         assert workload(remote) == expected
 
 
-def test_async_twins(server: ServeProcess) -> None:
+def test_async_twins(server: ServeProcess, transport: str) -> None:
     import asyncio  # noqa: PLC0415
 
     async def main() -> None:
-        with StoreClient(server.address, block_bytes=BB, namespace="m") as client:
+        with client_of(server, "m", transport) as client:
             ks = keys(700, 704)
             await client.aput(ks, payloads(ks, BB))
             assert await client.amatch_prefix(ks) == 4
@@ -293,12 +325,12 @@ def test_async_twins(server: ServeProcess) -> None:
     asyncio.run(main())
 
 
-def test_a_put_whose_lease_expired_is_refused_and_stores_nothing() -> None:
+def test_a_put_whose_lease_expired_is_refused_and_stores_nothing(transport: str) -> None:
     clock = FakeClock()
-    config = ServerConfig(port=0, host_capacity=8 << 20, lease_ttl=5.0)
+    config = ServerConfig(port=0, host_capacity=8 << 20, lease_ttl=5.0, transports=(transport,))
     with (
         CacheServer(config, clock=clock) as server,
-        StoreClient(server.address, block_bytes=BB, namespace="m") as client,
+        client_of(server, "m", transport) as client,
     ):
         ks = keys(0, 2)
         staged = client._call({"op": "stage", "ns": client._ns, "keys": ks})
@@ -314,13 +346,18 @@ def test_a_put_whose_lease_expired_is_refused_and_stores_nothing() -> None:
 
 
 @pytest.mark.parametrize("handoff", [5.0, 0.0])
-def test_pushed_blocks_are_held_for_their_first_read(handoff: float) -> None:
+def test_pushed_blocks_are_held_for_their_first_read(handoff: float, transport: str) -> None:
     config = ServerConfig(
-        port=0, host_capacity=8 * BB, max_namespaces=1, policy="reuse", handoff_ttl=handoff
+        port=0,
+        host_capacity=8 * BB,
+        max_namespaces=1,
+        policy="reuse",
+        handoff_ttl=handoff,
+        transports=(transport,),
     )
     with (
         CacheServer(config) as server,
-        StoreClient(server.address, block_bytes=BB, namespace="m") as client,
+        client_of(server, "m", transport) as client,
     ):
         ks = keys(0, 10)
         out = np.zeros((4, BB), np.uint8)
@@ -344,17 +381,17 @@ def _port_of(server: ServeProcess) -> str:
     return server.address.rsplit(":", 1)[1]
 
 
-def test_after_a_restart_a_client_opens_its_namespace_again_first_time() -> None:
+def test_after_a_restart_a_client_opens_its_namespace_again_first_time(transport: str) -> None:
     """Another client opened its namespace first on the restarted server: the first call
     carries the new session's handle (not the old one), and is answered."""
-    first = ServeProcess("--host-capacity", "4MiB")
+    first = ServeProcess("--host-capacity", "4MiB", "--transports", transport)
     port = _port_of(first)
-    with StoreClient(first.address, block_bytes=BB, namespace="a") as client:
+    with client_of(first, "a", transport) as client:
         client.put(keys(0, 2), payloads(keys(0, 2), BB))
         first.stop(signal.SIGKILL)
-        again = ServeProcess("--port", port, "--host-capacity", "4MiB")
+        again = ServeProcess("--port", port, "--host-capacity", "4MiB", "--transports", transport)
         try:
-            with StoreClient(again.address, block_bytes=BB, namespace="b") as other:
+            with client_of(again, "b", transport) as other:
                 other.put(keys(5, 6), payloads(keys(5, 6), BB))
                 assert client.contains(keys(0, 2)) == [False, False]  # empty, not an error
                 assert client.contains(keys(5, 6)) == [False]  # never b's blocks
@@ -362,33 +399,46 @@ def test_after_a_restart_a_client_opens_its_namespace_again_first_time() -> None
             again.kill()
 
 
-def test_a_refused_reopen_is_tried_again_on_the_next_call() -> None:
+def test_a_refused_reopen_is_tried_again_on_the_next_call(transport: str) -> None:
     """The restarted server is full (one namespace, held by another session) when the
     client comes back: that call fails; once there is room, the next call opens the
     namespace again instead of sending a handle the server does not know."""
-    first = ServeProcess("--host-capacity", "4MiB", "--max-namespaces", "1")
+    args = ("--host-capacity", "4MiB", "--max-namespaces", "1", "--transports", transport)
+    first = ServeProcess(*args)
     port = _port_of(first)
-    with StoreClient(first.address, block_bytes=BB, namespace="a") as client:
+    with client_of(first, "a", transport) as client:
         client.put(keys(0, 2), payloads(keys(0, 2), BB))
         first.stop(signal.SIGKILL)
-        again = ServeProcess("--port", port, "--host-capacity", "4MiB", "--max-namespaces", "1")
+        again = ServeProcess("--port", port, *args)
         try:
-            other = StoreClient(again.address, block_bytes=BB, namespace="b")
+            other = client_of(again, "b", transport)
             with pytest.raises(StoreFull):
                 client.contains(keys(0, 2))
-            other.close()
-            assert client.put(keys(0, 2), payloads(keys(0, 2), BB)) == [True, True]
+            other.close()  # its session ends once the server sees its streams close
+            put: list[list[bool]] = []
+
+            def reopened() -> bool:  # a handle the server does not know would raise here
+                try:
+                    put.append(client.put(keys(0, 2), payloads(keys(0, 2), BB)))
+                except StoreFull:  # "b" not idle yet: refused, nothing changed
+                    return False
+                return True
+
+            until(reopened, "the namespace was opened again once 'b' made room")
+            assert put == [[True, True]]
             assert client.contains(keys(0, 2)) == [True, True]
         finally:
             again.kill()
 
 
-def test_a_deadline_bounds_a_call_of_many_requests(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_deadline_bounds_a_call_of_many_requests(
+    monkeypatch: pytest.MonkeyPatch, transport: str
+) -> None:
     """Every request is answered within the timeout but takes 0.3 s: a put of several
     requests takes their sum; under ``deadline(0.5)`` it gives up near 0.5 s instead."""
-    server = small_server()
+    server = small_server(transport)
     try:
-        with client_of(server) as client:
+        with client_of(server, transports=transport) as client:
             answer = client.peer.call
 
             def slow(body: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -403,11 +453,11 @@ def test_a_deadline_bounds_a_call_of_many_requests(monkeypatch: pytest.MonkeyPat
             requests = -(-len(ks) // client.request_keys)
             assert requests >= 3
             started = time.monotonic()
-            assert client.put(ks[:6], payloads(ks[:6], SMALL_BLOCK)) == [True] * 6
+            assert client.put(ks[:6], payloads(ks[:6], BB)) == [True] * 6
             assert time.monotonic() - started >= 0.3 * -(-6 // client.request_keys)
             started = time.monotonic()
             with pytest.raises((TimeoutError, PeerClosed)), client.deadline(0.5):
-                client.put(ks[6:], payloads(ks[6:], SMALL_BLOCK))
+                client.put(ks[6:], payloads(ks[6:], BB))
             assert time.monotonic() - started < 0.85
             monkeypatch.undo()
             assert client.contains(ks[:6]) == [True] * 6  # the client works on
@@ -415,13 +465,15 @@ def test_a_deadline_bounds_a_call_of_many_requests(monkeypatch: pytest.MonkeyPat
         server.kill()
 
 
-def test_clear_empties_one_namespace_and_spares_a_readers_pin() -> None:
-    config = ServerConfig(port=0, host_capacity=32 * BB, max_namespaces=2, handoff_ttl=30)
+def test_clear_empties_one_namespace_and_spares_a_readers_pin(transport: str) -> None:
+    config = ServerConfig(
+        port=0, host_capacity=32 * BB, max_namespaces=2, handoff_ttl=30, transports=(transport,)
+    )
     with (
         CacheServer(config) as server,
-        StoreClient(server.address, block_bytes=BB, namespace="a") as a,
-        StoreClient(server.address, block_bytes=BB, namespace="a") as reader,
-        StoreClient(server.address, block_bytes=BB, namespace="b") as b,
+        client_of(server, "a", transport) as a,
+        client_of(server, "a", transport) as reader,
+        client_of(server, "b", transport) as b,
     ):
         ks = keys(0, 6)
         a.put(ks, payloads(ks, BB))  # pushed: held for their first read (handoff)
