@@ -83,13 +83,7 @@ def metrics_token(secret: bytes) -> str:
 
 
 class _StoreCollector(Collector):
-    def __init__(
-        self,
-        stores: Callable[[], dict[str, StoreStats]],
-        refusals: Callable[[], dict[str, int]] = dict,
-    ) -> None:
-        """``stores``: each namespace's figures; ``refusals``: connections and handshakes
-        the engine refused, by kind (read when Prometheus scrapes)."""
+    def __init__(self, stores: Callable[[], dict[str, StoreStats]]) -> None:
         self._stores = stores
 
     def collect(self) -> Iterator[Any]:

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import signal
 import socket
-from collections.abc import Sequence
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -52,3 +57,37 @@ class FakeClock:
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
+
+
+def until(
+    check: Callable[[], bool],
+    what: str = "condition",
+    timeout: float = 20.0,
+    pause: float = 0.02,
+) -> float:
+    """Wait for ``check()`` to hold, looking every ``pause`` s; the seconds it took. Fails
+    the test past ``timeout`` (a bound on the wait, never what a test asserts), saying
+    ``what``."""
+    start = time.monotonic()
+    while not check():
+        assert time.monotonic() - start < timeout, f"not in {timeout:.1f} s: {what}"
+        time.sleep(pause)
+    return time.monotonic() - start
+
+
+def spawn_python(script: str, *args: str) -> subprocess.Popen[str]:
+    """``python -c script args...`` with pipes to its stdin and stdout (text)."""
+    return subprocess.Popen(
+        [sys.executable, "-c", script, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def reap(proc: subprocess.Popen[str]) -> None:
+    """Kill ``proc`` if it still runs (a stopped one too) and wait for it."""
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+    proc.wait(30)

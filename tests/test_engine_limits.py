@@ -13,12 +13,13 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 from attack import descriptors
+from helpers import until
 
 from kvbridge.transfer import TransferEngine, TransferError, ucx_available
 from kvbridge.transfer import _served as served_module
@@ -42,14 +43,6 @@ def pair(transport: str) -> Iterator[tuple[TransferEngine, TransferEngine]]:
         TransferEngine("b", transports=transport, connect_timeout=1.0, timeout=2.0) as b,
     ):
         yield a, b
-
-
-def _until(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    """Wait for ``check()`` to hold; fail the test past ``timeout``, saying ``what``."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"not in {timeout:.1f} s: {what}"
-        time.sleep(0.02)
 
 
 def _write_once(a: TransferEngine, b: TransferEngine) -> None:
@@ -143,13 +136,13 @@ def test_a_connection_flood_is_capped_and_leaves_room_afterwards(
     a, b = pair
     monkeypatch.setattr(served_module, "MAX_SERVED_STREAMS", 8)
     flood = [_RawStream(b, a) for _ in range(40)]
-    _until(lambda: len(b._served) + _refused(b) >= 40, "every stream served or refused")
+    until(lambda: len(b._served) + _refused(b) >= 40, "every stream served or refused")
     assert len(b._served) <= 8
     closed = sum(s.closed_within(0.1) for s in flood)
     assert closed >= 40 - 8  # the ones past the cap were closed at once
     for s in flood:
         s.close()
-    _until(lambda: not b._served, "the rest time out (no greeting)")
+    until(lambda: not b._served, "the rest time out (no greeting)")
     _write_once(a, b)
 
 
@@ -198,7 +191,7 @@ def test_a_slow_loris_inside_a_frame_is_dropped_and_frees_what_it_held(
     assert stream.closed_within(6.0, drip=drip)
     assert 1.5 < time.monotonic() - start < 5.0
     stream.close()
-    _until(lambda: _unregistered(b, there), "nothing holds the region any more", 2.0)
+    until(lambda: _unregistered(b, there), "nothing holds the region any more", 2.0)
     peer.close()
 
 

@@ -157,6 +157,31 @@ def test_a_setting_from_the_environment_reaches_the_server(tmp_path: Path, setti
         started.stop()
 
 
+_FLAGS = {"tenants_file": "--tenants"}
+"""Flags not named after their setting."""
+
+
+def _as_flags(env: dict[str, str]) -> list[str]:
+    flags: list[str] = []
+    for variable, value in env.items():
+        name = variable.removeprefix("KVBRIDGE_").lower()
+        flags += [_FLAGS.get(name, "--" + name.replace("_", "-")), value]
+    return flags
+
+
+@pytest.mark.parametrize("setting", _SETTINGS)
+def test_a_setting_from_a_flag_reaches_the_server(tmp_path: Path, setting: str) -> None:
+    env, check = _case(tmp_path)[setting]
+    flags = _as_flags(env)
+    if "--insecure" in flags:
+        flags = ["--insecure"]  # a switch, without a value
+    started = _serve({}, *flags)
+    try:
+        check(started, started.settings)
+    finally:
+        started.stop()
+
+
 def test_kvbridge_secret_is_the_servers_secret() -> None:
     started = _serve({"KVBRIDGE_SECRET": "sesame, from the environment"})
     try:

@@ -11,12 +11,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import msgpack
 import numpy as np
 import pytest
 import zmq
+from helpers import reap, spawn_python, until
 
 from kvbridge.transfer import (
     Peer,
@@ -213,30 +214,6 @@ SLACK = 3.0
 each per stream): what a wait allows on top of the bound under test, never what it asserts."""
 
 
-def _until(check: Callable[[], bool], timeout: float = 20.0) -> None:
-    """Wait for ``check()`` to hold; fail the test past ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
-
-
-def _spawn(script: str, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-c", script, *args],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-
-
-def _reap(proc: subprocess.Popen[str]) -> None:
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGCONT)
-        proc.kill()
-    proc.wait(30)
-
-
 _IDLE_CLIENT = """
 import sys
 from kvbridge.transfer import TransferEngine
@@ -256,16 +233,16 @@ def test_an_idle_client_that_dies_or_freezes_loses_its_session(transport: str, f
     ended = threading.Event()
     with TransferEngine("server", transports=transport, keepalive=KEEPALIVE) as server:
         server.set_session_end_handler(lambda caller: ended.set())
-        client = _spawn(_IDLE_CLIENT, transport, server.metadata().hex())
+        client = spawn_python(_IDLE_CLIENT, transport, server.metadata().hex())
         try:
             assert client.stdout is not None
             assert client.stdout.readline().strip() == "connected"
-            _until(lambda: len(server._served) == DEFAULT_STREAMS)
+            until(lambda: len(server._served) == DEFAULT_STREAMS)
             os.kill(client.pid, fault)
             assert ended.wait(KEEPALIVE_MISSES * KEEPALIVE + SLACK), "the session lives on"
-            _until(lambda: len(server._served) == 0)
+            until(lambda: len(server._served) == 0)
         finally:
-            _reap(client)
+            reap(client)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -303,13 +280,13 @@ def test_a_client_notices_its_idle_server_died_or_froze(transport: str, fault: i
     else was outstanding, has no answer for the keepalive's limit (it pings within two
     intervals of its last frame and looks once an interval), so the next call reconnects
     instead of waiting out a transfer timeout."""
-    server = _spawn(_IDLE_SERVER, transport, str(KEEPALIVE))
+    server = spawn_python(_IDLE_SERVER, transport, str(KEEPALIVE))
     try:
         assert server.stdout is not None
         metadata = bytes.fromhex(server.stdout.readline())
         with TransferEngine("client", transports=transport) as client:
             peer = client.connect(metadata)
             os.kill(server.pid, fault)
-            _until(lambda: peer.closed, timeout=(2 + 2 * KEEPALIVE_MISSES) * KEEPALIVE + SLACK)
+            until(lambda: peer.closed, timeout=(2 + 2 * KEEPALIVE_MISSES) * KEEPALIVE + SLACK)
     finally:
-        _reap(server)
+        reap(server)

@@ -21,13 +21,12 @@ import random
 import secrets
 import signal
 import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import pytest
+from helpers import reap, spawn_python, until
 from serve import ServeProcess
 
 from kvbridge.store import StoreClient
@@ -44,32 +43,6 @@ KEEPALIVE = 0.5
 SLACK = 3.0
 """Beyond a bound, for scheduling on a loaded two-core machine (three processes, a UCX
 thread each): what a wait allows on top of the bound under test, never what it asserts."""
-
-
-def _until(
-    check: Callable[[], bool], what: str, timeout: float = 20.0, pause: float = 0.02
-) -> None:
-    """Wait for ``check()`` to hold; fail the test past ``timeout``, saying ``what``."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"not in {timeout:.1f} s: {what}"
-        time.sleep(pause)
-
-
-def _spawn(script: str, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-c", script, *args],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-
-
-def _reap(proc: subprocess.Popen[str]) -> None:
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGCONT)
-        proc.kill()
-    proc.wait(30)
 
 
 # -- a. dead peers (the engine-level tests are in test_transfer_faults.py) ----------------
@@ -101,20 +74,20 @@ def test_a_killed_ucx_client_gives_its_namespace_back() -> None:
     server = ServeProcess(
         *("--transports", "ucx", "--max-namespaces", "1", "--host-capacity", str(4 * MiB))
     )
-    client = _spawn(_STORE_CLIENT, server.address)
+    client = spawn_python(_STORE_CLIENT, server.address)
     try:
         assert client.stdout is not None
         assert client.stdout.readline().strip() == "open"
         assert not _opens(server.address, "second")  # the table is full
         client.kill()
-        _until(
+        until(
             lambda: _opens(server.address, "second"),
             "the dead client's namespace is given back",
             timeout=KEEPALIVE_MISSES * DEFAULT_KEEPALIVE_S + SLACK,
             pause=0.5,
         )
     finally:
-        _reap(client)
+        reap(client)
         server.kill()
 
 
@@ -163,7 +136,7 @@ def _served(server: subprocess.Popen[str]) -> int:
 
 def _landing(buffer: np.ndarray) -> None:
     """Wait until the first bytes of a transfer are in ``buffer`` (then it is mid-way)."""
-    _until(lambda: bool(buffer[::SAMPLE].any()), "the transfer started", pause=0.0005)
+    until(lambda: bool(buffer[::SAMPLE].any()), "the transfer started", pause=0.0005)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -171,7 +144,7 @@ def test_a_failed_read_lets_no_byte_land_after_its_failure(transport: str) -> No
     """The server is stopped mid-read; the read fails with its timeout; the server resumes
     and finishes what it was sending. Not one more byte lands in the reader's buffer (a
     canary): the failure came only once nothing could write there any more."""
-    server = _spawn(_SERVER, transport, "2.0", str(SIZE))
+    server = spawn_python(_SERVER, transport, "2.0", str(SIZE))
     try:
         assert server.stdout is not None
         metadata = bytes.fromhex(server.stdout.readline())
@@ -187,13 +160,13 @@ def test_a_failed_read_lets_no_byte_land_after_its_failure(transport: str) -> No
                 handle.wait(30)
             landed = canary.copy()
             os.kill(server.pid, signal.SIGCONT)
-            _until(
+            until(
                 lambda: not np.array_equal(canary, landed) or _served(server) == 0,
                 "the server's stream ended (or a byte landed)",
             )
             assert np.array_equal(canary, landed), "bytes landed after the read failed"
     finally:
-        _reap(server)
+        reap(server)
 
 
 def _hold_ended(engine: TransferEngine, region: Region) -> bool:
@@ -212,19 +185,19 @@ def test_a_stalled_write_lets_no_byte_land_after_its_hold_ended(transport: str) 
     with TransferEngine("server", transports=transport, timeout=1.0) as server:
         slot = np.zeros(SIZE, np.uint8)
         region = server.register(slot)
-        writer = _spawn(_WRITER, transport, "2.0", str(SIZE), server.metadata().hex())
+        writer = spawn_python(_WRITER, transport, "2.0", str(SIZE), server.metadata().hex())
         try:
             _landing(slot)
             os.kill(writer.pid, signal.SIGSTOP)
-            _until(lambda: _hold_ended(server, region), "the write's hold ended")
+            until(lambda: _hold_ended(server, region), "the write's hold ended")
             slot[:] = 0xC3  # the next owner's bytes
             os.kill(writer.pid, signal.SIGCONT)
             assert writer.stdout is not None
             assert writer.stdout.readline().strip() == "failed"
-            _until(lambda: len(server._served) == 0, "the stream ended")
+            until(lambda: len(server._served) == 0, "the stream ended")
             assert (slot == 0xC3).all(), "the stalled write landed after its hold ended"
         finally:
-            _reap(writer)
+            reap(writer)
 
 
 # -- c. streams that never greet, strangers ------------------------------------------------
@@ -247,8 +220,8 @@ def test_streams_that_never_greet_leave_nothing_posted() -> None:
         baseline = _posted(server)
         address = server._transports["ucx"].address()
         pipes = [silent._transports["ucx"].open(address, 5.0) for _ in range(8)]
-        _until(lambda: len(server._served) == 0, "the greeting timeout ended the streams")
-        _until(lambda: _posted(server) == baseline, "nothing is posted for them any more")
+        until(lambda: len(server._served) == 0, "the greeting timeout ended the streams")
+        until(lambda: _posted(server) == baseline, "nothing is posted for them any more")
         for pipe in pipes:
             pipe.close()
 
@@ -295,7 +268,7 @@ def test_no_message_a_stranger_sends_opens_a_stream_or_stops_the_listener() -> N
     a garbage worker address), opens no stream, and an honest client still connects and
     writes. A well-formed CONNECT with a wrong key opens no stream either, and the right
     one, sent after it by the same stranger, is answered: the listener read them all."""
-    server = _spawn(_SERVER, "ucx", "5.0", str(MiB))
+    server = spawn_python(_SERVER, "ucx", "5.0", str(MiB))
     try:
         assert server.stdout is not None
         metadata = bytes.fromhex(server.stdout.readline())
@@ -320,7 +293,7 @@ def test_no_message_a_stranger_sends_opens_a_stream_or_stops_the_listener() -> N
         assert answer is not None and answer.startswith(b"KVU1")
         assert _served(server) <= 1  # the good CONNECT's stream, until its greeting times out
     finally:
-        _reap(server)
+        reap(server)
 
 
 # -- d. channels a peer chooses ---------------------------------------------------------

@@ -112,9 +112,7 @@ def _serve(args: argparse.Namespace) -> int:
     names = [
         *("host", "port", "host_capacity", "disk_path", "disk_capacity", "metrics_port"),
         *("max_namespaces", "lease_ttl", "transports", "secret_file", "insecure", "policy"),
-        "tenants_file",
-        "handoff_ttl",
-        "max_leases_per_client",
+        *("tenants_file", "handoff_ttl", "max_leases_per_client", "keepalive"),
     ]
     try:
         config = load_config({name: getattr(args, name) for name in names}, args.config)
