@@ -7,8 +7,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from typing import Protocol
 
 import pytest
@@ -100,11 +98,3 @@ def client_of(server: Served, namespace: str = "m", transports: str = "tcp") -> 
     return StoreClient(
         server.address, block_bytes=BLOCK, namespace=namespace, transports=transports
     )
-
-
-def until(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    """Wait for ``check()`` to hold; fail the test past ``timeout``, saying ``what``."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"not in {timeout:.1f} s: {what}"
-        time.sleep(0.02)

@@ -16,8 +16,8 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
-from helpers import FakeClock, keys, payloads
-from serve import BLOCK, TRANSPORTS, ServeProcess, client_of, small_server, until
+from helpers import FakeClock, keys, payloads, until
+from serve import BLOCK, TRANSPORTS, ServeProcess, client_of, small_server
 
 from kvbridge.store import (
     BadRequest,

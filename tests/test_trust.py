@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import zmq
 from attack import RawStream, control_request, descriptors, slot_ops, stage
-from helpers import keys, payloads
+from helpers import keys, payloads, until
 from serve import (
     BLOCK,
     SLOTS,
@@ -26,7 +26,6 @@ from serve import (
     client_of,
     small_config,
     small_server,
-    until,
 )
 
 from kvbridge.store import CacheServer, LeaseExpired, StoreClient, StoreFull

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from attack import RawStream, descriptors, guess_auth, region_key, stage
-from helpers import keys, payloads
-from serve import BLOCK, SLOTS, TRANSPORTS, ServeProcess, client_of, small_server, until
+from helpers import keys, payloads, until
+from serve import BLOCK, SLOTS, TRANSPORTS, ServeProcess, client_of, small_server
 
 from kvbridge.store import BadRequest, StoreClient, StoreFull, TooManyRequests
 from kvbridge.store._wire import InternalError
