@@ -169,6 +169,22 @@ def stage(client: StoreClient, ks: Sequence[bytes]) -> tuple[int, list[int]]:
     return int(reply["lease"]), [int(s) for s in reply["slots"]]
 
 
+def abort(client: StoreClient, lease: int) -> None:
+    """Give back a lease taken with :func:`stage` (one request, as the client would)."""
+    client._call({"op": "abort", "ns": client._ns, "lease": lease})
+
+
+def handle_of(client: StoreClient) -> int:
+    """The namespace handle the server gave ``client`` (what an attacker would guess)."""
+    return client._ns
+
+
+def data_address(client: StoreClient, transport: str = "tcp") -> dict[str, Any]:
+    """Where ``client``'s server takes data streams over ``transport`` (its metadata)."""
+    address: dict[str, Any] = client.peer._info.transports[transport]
+    return address
+
+
 def slot_ops(client: StoreClient, slots: list[int], region: int | None = None) -> np.ndarray:
     """Descriptors of whole blocks at ``slots`` of ``region`` (the client's namespace by
     default), with the region's real key."""

@@ -12,6 +12,7 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import zmq
+from attack import data_address
 from helpers import free_port, keys, payloads
 from serve import ServeProcess
 
@@ -54,7 +55,7 @@ def _auth_flood(address: str) -> None:
 
 def _greeting_flood(client: StoreClient) -> None:
     """Data streams that open with a HELLO of a session nobody holds."""
-    address = client.peer._info.transports["tcp"]
+    address = data_address(client)
     for index in range(GREETINGS):
         with socket.create_connection((address["host"], address["port"]), timeout=10) as sock:
             conn = Connection(Role.INITIATOR)

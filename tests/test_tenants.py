@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from attack import guess_auth, stage
+from attack import abort, guess_auth, handle_of, stage
 from helpers import keys, payloads
 from serve import ServeProcess
 
@@ -127,7 +127,7 @@ def test_a_tenant_never_reads_or_clears_another_tenants_blocks(server: ServeProc
             assert not any("private" in name for name in listed)
             for handle in range(1, 64):  # guessing the handle of beta's namespace
                 reply = alpha.peer.call({"op": "clear", "ns": handle})
-                if handle != alpha._ns:
+                if handle != handle_of(alpha):
                     assert reply.get("kind") == UnknownNamespace.__name__, reply
         assert beta.match_prefix(ks) == 4
         out = np.zeros((4, BB), np.uint8)
@@ -191,7 +191,7 @@ def test_more_sessions_give_a_tenant_no_more_slots(server: ServeProcess) -> None
             beta.put(ks, payloads(ks, BB))
             assert beta.match_prefix(ks) == SLOTS // 2
         for client, lease in zip((first, second), held, strict=True):
-            client._call({"op": "abort", "ns": client._ns, "lease": lease})
+            abort(client, lease)
     finally:
         first.close()
         second.close()
@@ -231,7 +231,7 @@ def test_more_sessions_give_a_tenant_no_more_leases(server: ServeProcess) -> Non
         with pytest.raises(TooManyRequests, match="open leases"):
             stage(second, keys(20, 21))
         for lease in leases[:3]:
-            first._call({"op": "abort", "ns": first._ns, "lease": lease})
+            abort(first, lease)
         stage(second, keys(20, 21))  # room again
     finally:
         first.close()
