@@ -18,7 +18,7 @@ The server calls this under its state lock.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -34,41 +34,58 @@ calling thread); a fifth drops the oldest record, whose put then protects nothin
 class _Put:
     keys: set[BlockKey]
     deadline: float
+    principal: str
 
 
 class PutsInProgress:
     """One namespace's records of puts in progress, by session and put id. ``limit``
     bounds the keys of all records together (the namespace's blocks: puts in progress that
-    name more cannot all fit at once)."""
+    name more cannot all fit at once); a principal's records (a tenant's, every session
+    together) name at most its share of them."""
 
     def __init__(self, limit: int, clock: Callable[[], float]) -> None:
         self._limit = limit
         self._clock = clock
         self._by_session: dict[int, OrderedDict[int, _Put]] = {}
         self._keys = 0
+        self._by_principal: Counter[str] = Counter()
 
-    def begin(self, session: int, put: int, keys: Iterable[bytes], ttl: float) -> None:
+    def begin(
+        self,
+        session: int,
+        put: int,
+        keys: Iterable[bytes],
+        ttl: float,
+        *,
+        principal: str = "",
+        share: float = 1.0,
+    ) -> None:
         """Record ``keys`` as blocks of the session's put ``put`` (added to those of earlier
         ``room`` requests of the same put). :class:`TooManyRequests`, recording nothing,
-        when the records would name more keys than the namespace holds."""
+        when the records would name more keys than the namespace holds, or ``principal``'s
+        more than ``share`` of them."""
         self.sweep()
-        puts = self._by_session.setdefault(session, OrderedDict())
+        puts = self._by_session.get(session, OrderedDict())
         record = puts.get(put)
         adding = {BlockKey(key) for key in keys} - (record.keys if record is not None else set())
-        if self._keys + len(adding) > self._limit:
-            if not puts:
-                del self._by_session[session]
+        mine = max(1, int(self._limit * share))
+        if self._keys + len(adding) > self._limit or (
+            self._by_principal[principal] + len(adding) > mine
+        ):
             raise TooManyRequests(
-                f"puts in progress keep {self._keys} blocks of a namespace of {self._limit}: "
-                "try again when they are done"
+                f"puts in progress keep {self._keys} blocks of a namespace of {self._limit} "
+                f"({self._by_principal[principal]} of at most {mine} this tenant's): try "
+                "again when they are done"
             )
+        self._by_session[session] = puts
         if record is None:
             if len(puts) >= MAX_PUTS_PER_SESSION:
                 self._forget(puts.popitem(last=False)[1])
-            record = puts[put] = _Put(set(), 0.0)
+            record = puts[put] = _Put(set(), 0.0, principal)
         record.keys |= adding
         record.deadline = self._clock() + ttl
         self._keys += len(adding)
+        self._by_principal[principal] += len(adding)
 
     def keys_of(self, session: int, put: int) -> set[BlockKey]:
         """The keys of the session's put ``put`` (none for a put without a live record)."""
@@ -104,3 +121,6 @@ class PutsInProgress:
 
     def _forget(self, record: _Put) -> None:
         self._keys -= len(record.keys)
+        self._by_principal[record.principal] -= len(record.keys)
+        if self._by_principal[record.principal] <= 0:
+            del self._by_principal[record.principal]

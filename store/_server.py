@@ -319,7 +319,9 @@ class CacheServer:
         new, room = ns.store.room_for(keys)
         put = _put_id(body)
         if put is not None and new <= room:
-            ns.puts.begin(caller.session, put, keys, self.config.lease_ttl)
+            tenant = self._tenant(caller)
+            ttl = self.config.lease_ttl
+            ns.puts.begin(caller.session, put, keys, ttl, principal=tenant.name, share=tenant.slots)
         return {"new": new, "room": room}
 
     def _stage(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:

@@ -174,6 +174,12 @@ def abort(client: StoreClient, lease: int) -> None:
     client._call({"op": "abort", "ns": client._ns, "lease": lease})
 
 
+def ask_room(client: StoreClient, ks: Sequence[bytes], put: int) -> dict[str, Any]:
+    """The ``room`` request a put of several requests starts with, by hand (a put that
+    then never comes: its keys stay protected until its record ends)."""
+    return client._call({"op": "room", "ns": client._ns, "keys": list(ks), "put": put})
+
+
 def handle_of(client: StoreClient) -> int:
     """The namespace handle the server gave ``client`` (what an attacker would guess)."""
     return client._ns

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from attack import abort, guess_auth, handle_of, stage
+from attack import abort, ask_room, guess_auth, handle_of, stage
 from helpers import keys, payloads
 from serve import ServeProcess
 
@@ -195,6 +195,21 @@ def test_more_sessions_give_a_tenant_no_more_slots(server: ServeProcess) -> None
     finally:
         first.close()
         second.close()
+
+
+def test_a_tenants_unfinished_puts_leave_others_their_share(server: ServeProcess) -> None:
+    squatters = [_client(server, "alpha", "shared/puts") for _ in range(2)]
+    try:  # two sessions of alpha start puts they never send, for half the blocks each
+        ask_room(squatters[0], keys(800, 800 + SLOTS // 2), put=1)
+        with pytest.raises(TooManyRequests, match="this tenant"):
+            ask_room(squatters[1], keys(900, 900 + SLOTS // 2), put=2)
+        with _client(server, "beta", "shared/puts") as beta:  # a put of two requests
+            ks = keys(1000, 1000 + SLOTS // 2)
+            assert beta.put(ks, payloads(ks, BB)) == [True] * len(ks)
+            assert beta.match_prefix(ks) == len(ks)
+    finally:
+        for client in squatters:
+            client.close()
 
 
 def test_more_sessions_give_a_tenant_no_more_namespaces(server: ServeProcess) -> None:
