@@ -15,15 +15,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .._bounded_log import BoundedLog
 from ..transfer import Caller, TransferEngine
 from ._disk import DiskTier, blocks_within
-from ._disk_dirs import NamespaceDirs
+from ._disk_dirs import FILES_BESIDE_DATA, NamespaceDirs
 from ._errors import StoreFull
 from ._namespaces import Namespace
 from ._server_config import MIN_BLOCK_BYTES, ServerConfig
 from ._slots import SlotTier
 from ._store import TieredStore
-from ._wire import BadRequest, TooManyRequests, UnknownNamespace
+from ._tenants import Tenant
+from ._wire import BadRequest, NotPermitted, TooManyRequests, UnknownNamespace
 
 MAX_NAMESPACE_BYTES = 256
 MAX_BLOCK_BYTES = 1 << 30
@@ -51,10 +53,16 @@ class NamespaceTable:
         self._by_name: dict[bytes, int] = {}
         self._handles = itertools.count(1)
         self._lock = threading.Lock()
+        self._events = BoundedLog(_log)  # a client may open and close as fast as it likes
         self._dirs = (
             None
             if config.disk_path is None
-            else NamespaceDirs(config.disk_path, config.max_namespaces)
+            else NamespaceDirs(
+                config.disk_path,
+                config.max_namespaces,
+                config.disk_capacity // config.max_namespaces,
+                self._events,
+            )
         )
 
     def snapshot(self) -> list[Namespace]:
@@ -69,12 +77,15 @@ class NamespaceTable:
         ns.last_used = time.monotonic()
         return ns
 
-    def open(
-        self, caller: Caller, name: bytes, block_bytes: int, max_open: int | None = None
-    ) -> Namespace:
-        """Open (or create) the namespace ``name`` for ``caller``'s session, whose principal
-        (tenant) may have at most ``max_open`` namespaces open at once; every check comes
-        before anything changes (a refused open reclaims nothing)."""
+    def open(self, caller: Caller, name: bytes, block_bytes: int, tenant: Tenant) -> Namespace:
+        """Open (or create) the namespace ``name`` for ``caller``'s session, of ``tenant``;
+        every check comes before anything changes (a refused open reclaims nothing).
+
+        A namespace belongs to the tenant that created it. A tenant holds at most its
+        ``max_namespaces`` (open or idle, in memory and on disk): a new one takes the place
+        of its own least recently used idle one, never another tenant's, unless the
+        tenants' quotas add up to more than the server serves (the operator's choice). A
+        read-only tenant creates nothing: it opens namespaces that are in memory."""
         if len(name) > MAX_NAMESPACE_BYTES:
             raise BadRequest(f"a namespace is at most {MAX_NAMESPACE_BYTES} bytes")
         if not MIN_BLOCK_BYTES <= block_bytes <= MAX_BLOCK_BYTES:
@@ -91,15 +102,12 @@ class NamespaceTable:
             mine = sum(caller.session in n.openers for n in self._by_handle.values())
             if mine >= MAX_NAMESPACES_PER_SESSION:
                 raise TooManyRequests(f"a session opens at most {MAX_NAMESPACES_PER_SESSION}")
-        if max_open is not None and (ns is None or not ns.open_for(caller.principal)):
-            theirs = sum(n.open_for(caller.principal) for n in self._by_handle.values())
-            if theirs >= max_open:
-                raise TooManyRequests(
-                    f"tenant {caller.principal or 'default'} has {theirs} namespaces open "
-                    f"(at most {max_open}): close a client of one first"
-                )
         if ns is None:
-            ns = self._create(name, block_bytes)
+            if tenant.read_only:
+                raise NotPermitted(
+                    f"tenant {tenant.label} is read-only: it opens namespaces in memory only"
+                )
+            ns = self._create(name, block_bytes, tenant)
         ns.openers[caller.session] = caller.principal
         return ns
 
@@ -109,20 +117,19 @@ class NamespaceTable:
                 self._engine.unregister(ns.region)
             ns.store.close()
 
-    def _create(self, name: bytes, block_bytes: int) -> Namespace:
+    def _create(self, name: bytes, block_bytes: int, tenant: Tenant) -> Namespace:
         cfg = self._config
         host_share = cfg.host_capacity // cfg.max_namespaces
         if host_share < block_bytes:  # checked before anything is reclaimed for it
             raise StoreFull(f"a namespace's {host_share} bytes of host memory hold no block")
-        disk_share = cfg.disk_capacity // cfg.max_namespaces
+        disk_share = _data_share(cfg)
         if cfg.disk_path is not None and not blocks_within(disk_share, block_bytes):
             raise StoreFull(
                 f"a namespace's {disk_share} bytes of disk hold no {block_bytes}-byte block "
                 "beside LMDB's records"
             )
-        if len(self._by_handle) >= cfg.max_namespaces:
-            self._reclaim()
-        disk = self._disk_settings(name, block_bytes)
+        self._make_room(tenant)
+        disk = self._disk_settings(name, block_bytes, tenant)
         store = TieredStore(
             block_bytes,
             host_capacity=host_share,
@@ -133,7 +140,7 @@ class NamespaceTable:
             clock=self._clock,
             **disk,
         )
-        ns = Namespace(next(self._handles), name, store, self._state)
+        ns = Namespace(next(self._handles), name, store, self._state, owner=tenant.name)
         top = store.tiers[0]
         assert isinstance(top, SlotTier)
         try:
@@ -145,27 +152,53 @@ class NamespaceTable:
         with self._lock:
             self._by_handle[ns.handle] = ns
             self._by_name[name] = ns.handle
-        _log.info("namespace %s opened (handle %d)", ns.label, ns.handle)
+        self._events.refused(
+            "opened", logging.INFO, "namespace %s opened (handle %d)", ns.label, ns.handle
+        )
         return ns
 
-    def _disk_settings(self, name: bytes, block_bytes: int) -> dict[str, Any]:
+    def _quota(self, tenant: Tenant) -> int:
+        return tenant.max_namespaces or self._config.max_namespaces
+
+    def _make_room(self, tenant: Tenant) -> None:
+        """Room for one more namespace of ``tenant``: at its quota, its own least recently
+        used idle namespace goes; with the server full (quotas that add up to more than it
+        serves), anyone's. :class:`TooManyRequests` or :class:`StoreFull` if none can."""
+        served = self._config.max_namespaces
+        quota = self._quota(tenant)
+        owned = [n for n in self._by_handle.values() if n.owner == tenant.name]
+        if len(owned) >= quota:  # at its quota: only its own may make way
+            if self._reclaim(owned):
+                return
+            if quota < served:
+                raise TooManyRequests(
+                    f"tenant {tenant.label} holds {len(owned)} namespaces, all in use "
+                    f"(at most {quota}): close a client of one first"
+                )
+        elif len(self._by_handle) < served or self._reclaim(list(self._by_handle.values())):
+            return
+        raise StoreFull(f"the server serves at most {served} namespaces, all in use")
+
+    def _disk_settings(self, name: bytes, block_bytes: int, tenant: Tenant) -> dict[str, Any]:
         """The disk tier of a new namespace, its directory made room for (``_disk_dirs``)."""
         cfg = self._config
         if self._dirs is None:
             return {}
         path = self._dirs.path_for(name, block_bytes)
-        self._dirs.make_room(path, {_disk_path(ns) for ns in self._by_handle.values()})
+        live = {_disk_path(ns) for ns in self._by_handle.values()}
+        self._dirs.make_room(path, live, tenant.name, self._quota(tenant))
         return {
             "disk_path": path,
-            "disk_capacity": cfg.disk_capacity // cfg.max_namespaces,
+            "disk_capacity": _data_share(cfg),
             "disk_bound": "files",  # the share bounds the files, LMDB's records included
             "write_through": True,
         }
 
-    def _reclaim(self) -> None:
-        """Close the least recently used namespace that no live session has open and that
-        holds no lease, to make room for a new one; :class:`StoreFull` if there is none."""
-        for ns in sorted(self._by_handle.values(), key=lambda n: n.last_used):
+    def _reclaim(self, among: list[Namespace]) -> bool:
+        """Close the least recently used namespace of ``among`` that no live session has
+        open and that holds no lease (a disk tier keeps its blocks for the next open);
+        ``False`` if there is none."""
+        for ns in sorted(among, key=lambda n: n.last_used):
             ns.sweep()
             if not ns.idle or ns.region is None:
                 continue
@@ -179,11 +212,11 @@ class NamespaceTable:
             ns.store.close()
             if self._dirs is not None:
                 self._dirs.used(_disk_path(ns))  # kept, the most recently used
-            _log.info("namespace %s reclaimed (handle %d)", ns.label, ns.handle)
-            return
-        raise StoreFull(
-            f"the server serves at most {self._config.max_namespaces} namespaces, all in use"
-        )
+            self._events.refused(
+                "reclaimed", logging.INFO, "namespace %s reclaimed (handle %d)", ns.label, ns.handle
+            )
+            return True
+        return False
 
 
 def _disk_path(ns: Namespace) -> Path:
@@ -191,3 +224,8 @@ def _disk_path(ns: Namespace) -> Path:
     disk = ns.store.tiers[-1]
     assert isinstance(disk, DiskTier)
     return Path(disk.path)
+
+
+def _data_share(cfg: ServerConfig) -> int:
+    """Bytes of a namespace's disk share for LMDB's data file (the rest is its other files)."""
+    return max(0, cfg.disk_capacity // cfg.max_namespaces - FILES_BESIDE_DATA)

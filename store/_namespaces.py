@@ -38,6 +38,8 @@ class Namespace:
     store: TieredStore
     state: threading.Lock
     """The server's state lock (leases are read by the guard on serving threads)."""
+    owner: str = ""
+    """The tenant that created it (its quota counts it; see ``_namespace_table``)."""
     region: Region | None = None
     book: LeaseBook = field(default_factory=LeaseBook)
     openers: dict[int, str] = field(default_factory=dict)

@@ -291,7 +291,7 @@ class CacheServer:
         tenant = self._tenant(caller)
         if not tenant.may_open(name):
             raise NotPermitted(f"tenant {tenant.label} may not open this namespace")
-        ns = self._namespaces.open(caller, name, block_bytes, tenant.max_namespaces)
+        ns = self._namespaces.open(caller, name, block_bytes, tenant)
         assert ns.region is not None
         return {
             "ns": ns.handle,

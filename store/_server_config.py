@@ -189,8 +189,9 @@ def _check_capacities(cfg: ServerConfig) -> None:
         raise ConfigError("disk_path and disk_capacity go together", setting="disk_path")
     if disk:
         from ._disk import blocks_within  # noqa: PLC0415  (LMDB only with a disk tier)
+        from ._disk_dirs import FILES_BESIDE_DATA  # noqa: PLC0415
 
-        if not blocks_within(disk // namespaces, MIN_BLOCK_BYTES):
+        if not blocks_within(disk // namespaces - FILES_BESIDE_DATA, MIN_BLOCK_BYTES):
             raise ConfigError(
                 f"disk_capacity {disk} gives each of {namespaces} namespaces "
                 f"{disk // namespaces} bytes, which hold no block beside LMDB's records",

@@ -134,3 +134,29 @@ def test_a_share_too_small_for_a_block_is_refused_at_open(tmp_path: Path) -> Non
             StoreClient(server.address, block_bytes=4 << 20, namespace="huge-blocks")
     finally:
         server.stop()
+
+
+def test_a_restart_with_a_smaller_capacity_prunes_the_disk_at_start(tmp_path: Path) -> None:
+    disk = tmp_path / "disk"
+    server = _server(disk)  # 4 namespaces of 16 MiB
+    try:
+        for n in range(NAMESPACES):
+            with StoreClient(server.address, block_bytes=BB, namespace=f"n{n}") as client:
+                ks = keys(100 * n, 100 * n + 96)
+                for start in range(0, len(ks), client.request_keys):
+                    chunk = ks[start : start + client.request_keys]
+                    client.put(chunk, payloads(chunk, BB))
+    finally:
+        server.stop()
+    assert _used(disk) > 8 << 20
+    smaller = ServeProcess(
+        *("--disk-path", str(disk), "--disk-capacity", str(8 << 20)),
+        *("--max-namespaces", "1", "--host-capacity", str(4 << 20)),
+    )
+    try:
+        assert _used(disk) <= 8 << 20  # before any client came
+        with StoreClient(smaller.address, block_bytes=BB, namespace="n0") as client:
+            client.put(keys(0, 1), payloads(keys(0, 1), BB))
+        assert _used(disk) <= 8 << 20
+    finally:
+        smaller.stop()

@@ -216,7 +216,7 @@ def test_more_sessions_give_a_tenant_no_more_namespaces(server: ServeProcess) ->
     one = _client(server, "alpha", "alpha/one")
     two = _client(server, "alpha", "alpha/two")
     try:
-        with pytest.raises(TooManyRequests, match="namespaces open"):
+        with pytest.raises(TooManyRequests, match="namespaces, all in use"):
             _client(server, "alpha", "alpha/three")
         with _client(server, "beta", "beta/other") as beta:  # the server has room for beta
             beta.put(keys(0, 1), payloads(keys(0, 1), BB))
@@ -267,3 +267,63 @@ def test_the_tenants_file_is_checked_at_start(tmp_path: Path) -> None:
         bad.write_text(text)
         with pytest.raises(AssertionError, match=why):
             ServeProcess("--tenants", str(bad))
+
+
+# -- one tenant's churn never pushes out another's namespaces -----------------------------
+
+
+def test_a_read_only_tenant_creates_no_namespace(server: ServeProcess) -> None:
+    for n in range(3):
+        with pytest.raises(NotPermitted, match="read-only"):
+            _client(server, "reader", f"alpha/probe{n}")
+
+
+@pytest.fixture(scope="module")
+def disk_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServeProcess, Path]]:
+    folder = tmp_path_factory.mktemp("churn")
+    (folder / "tenants.toml").write_text(TENANTS)
+    (folder / "beta.secret").write_text(SECRETS["beta"] + "\n")
+    server = ServeProcess(
+        *("--tenants", str(folder / "tenants.toml")),
+        *("--host-capacity", str(4 * SLOTS * BB), "--max-namespaces", "4"),
+        *("--disk-path", str(folder / "disk"), "--disk-capacity", str(64 << 20)),
+        *("--lease-ttl", "30", "--handoff-ttl", "0"),
+    )
+    yield server, folder / "disk"
+    server.kill()
+
+
+def test_one_tenants_churn_keeps_anothers_idle_namespaces(
+    disk_server: tuple[ServeProcess, Path],
+) -> None:
+    server, disk = disk_server
+    ks = keys(0, 8)
+    with _client(server, "beta", "beta/kept") as beta:
+        beta.put(ks, payloads(ks, BB))
+    theirs = {p.name for p in disk.iterdir()}  # beta's directory, its namespace now idle
+    for n in range(12):  # alpha opens and closes new namespaces, far past the server's 4
+        with _client(server, "alpha", f"alpha/churn{n}") as alpha:
+            alpha.put(keys(n, n + 1), payloads(keys(n, n + 1), BB))
+    assert theirs <= {p.name for p in disk.iterdir()}  # beta's directory is still there
+    with _client(server, "beta", "beta/kept") as beta:  # and its namespace still in memory
+        assert beta.match_prefix(ks) == 8
+        out = np.zeros((8, BB), np.uint8)
+        beta.get(ks, out)
+        assert (out == payloads(ks, BB)).all()
+
+
+def test_namespace_churn_writes_a_few_log_lines(tmp_path: Path) -> None:
+    (tmp_path / "tenants.toml").write_text(TENANTS)
+    (tmp_path / "beta.secret").write_text(SECRETS["beta"] + "\n")
+    server = ServeProcess(
+        *("--tenants", str(tmp_path / "tenants.toml")),
+        *("--host-capacity", str(4 * SLOTS * BB), "--max-namespaces", "4"),
+    )
+    try:
+        for n in range(40):
+            with _client(server, "alpha", f"alpha/churn{n}"):
+                pass
+    finally:
+        log = server.stop_and_read_log()
+    lines = [line for line in log.splitlines() if "opened" in line or "reclaimed" in line]
+    assert 2 <= len(lines) <= 6, lines
