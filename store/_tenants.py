@@ -27,6 +27,7 @@ The tenants file is TOML (``kvbridge serve --tenants FILE``)::
     slots = 0.5                        # of each namespace's memory slots, at once
     max_namespaces = 2                 # open at once (default: max_namespaces / tenants)
     max_sessions = 64
+    max_streams = 256                  # default: 1,024 served streams / tenants
     max_leases = 256
 """
 
@@ -54,12 +55,16 @@ TENANT_SESSIONS = 64
 with a scheduler each uses 16); the table holds 4,096 in all."""
 TENANT_LEASES = 256
 """Open leases a tenant of a tenants file may hold, all namespaces together."""
+SERVED_STREAMS = 1024
+"""Data streams the server serves at once (``transfer/_served.py``): a tenant of a file gets
+an equal part unless its entry says otherwise, so that one tenant's streams never leave
+another none."""
 MAX_TENANTS = 1024
 """Tenants one file may name (each costs a principal and a line of accounting)."""
 
 _KEYS = frozenset(
     {"name", "secret", "secret_file", "namespaces", "access", "slots"}
-    | {"max_namespaces", "max_sessions", "max_leases"}
+    | {"max_namespaces", "max_sessions", "max_streams", "max_leases"}
 )
 _ACCESS = ("read-write", "read-only")
 
@@ -82,6 +87,8 @@ class Tenant:
     """``None``: as many as the server serves."""
     max_sessions: int | None = TENANT_SESSIONS
     """``None``: as many as the server's engine holds."""
+    max_streams: int | None = None
+    """Data streams of its sessions together; ``None``: as many as the server serves."""
     max_leases: int | None = None
     """``None``: no bound beyond each session's (``max_leases_per_client``)."""
 
@@ -94,8 +101,8 @@ class Tenant:
 
     def principal(self) -> Principal:
         if self.max_sessions is None:
-            return Principal(self.name, self.secret)
-        return Principal(self.name, self.secret, self.max_sessions)
+            return Principal(self.name, self.secret, max_streams=self.max_streams)
+        return Principal(self.name, self.secret, self.max_sessions, self.max_streams)
 
 
 def default_tenant(secret: bytes | None) -> Tenant:
@@ -119,7 +126,8 @@ def load_tenants(path: str | Path, server_namespaces: int) -> tuple[Tenant, ...]
     if len(entries) > MAX_TENANTS:
         raise TenantError(f"{file}: {len(entries)} tenants; at most {MAX_TENANTS}")
     share = max(1, server_namespaces // len(entries))
-    tenants = [_tenant(file, entry, share) for entry in entries]
+    streams = max(1, SERVED_STREAMS // len(entries))
+    tenants = [_tenant(file, entry, share, streams) for entry in entries]
     names = [t.name for t in tenants]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
@@ -127,7 +135,7 @@ def load_tenants(path: str | Path, server_namespaces: int) -> tuple[Tenant, ...]
     return tuple(tenants)
 
 
-def _tenant(file: Path, entry: object, namespaces_share: int) -> Tenant:
+def _tenant(file: Path, entry: object, namespaces_share: int, streams_share: int) -> Tenant:
     if not isinstance(entry, dict):
         raise TenantError(f"{file}: a [[tenant]] entry must be a table")
     where = f"{file}: tenant {entry.get('name', '?')!r}"
@@ -144,6 +152,7 @@ def _tenant(file: Path, entry: object, namespaces_share: int) -> Tenant:
             slots=_share(entry.get("slots", TENANT_SLOT_SHARE)),
             max_namespaces=_whole("max_namespaces", entry.get("max_namespaces", namespaces_share)),
             max_sessions=_whole("max_sessions", entry.get("max_sessions", TENANT_SESSIONS)),
+            max_streams=_whole("max_streams", entry.get("max_streams", streams_share)),
             max_leases=_whole("max_leases", entry.get("max_leases", TENANT_LEASES)),
         )
     except (TypeError, ValueError, LocalProtocolError) as exc:

@@ -46,7 +46,9 @@ class RawStream:
     transport ``client`` uses: a socket over TCP (``sock``), a UCX pipe opened by the
     client's own engine over UCX (``sock`` is None)."""
 
-    def __init__(self, client: StoreClient, index: int = 7) -> None:
+    def __init__(self, client: StoreClient, index: int = 7, *, greeted: bool = True) -> None:
+        """``greeted``: wait for the server's answer to the HELLO (an ACK); ``False``
+        leaves it to :meth:`event` (a refusal, say)."""
         peer = client.peer
         credentials = peer._credentials
         assert credentials is not None
@@ -60,7 +62,8 @@ class RawStream:
             self.pipe = peer._transport.open(address, 10)
         self.conn = Connection(Role.INITIATOR)
         self.pipe.send([self.conn.hello(credentials.hello(index), index)])
-        self.event()  # ACK
+        if greeted:
+            self.event()  # ACK
 
     def event(self) -> Event:
         return next_event(self.conn, self.pipe)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from attack import abort, ask_room, guess_auth, handle_of, stage
+from attack import RawStream, abort, ask_room, guess_auth, handle_of, stage
 from helpers import keys, payloads
 from serve import ServeProcess
 
@@ -21,7 +21,9 @@ from kvbridge.store import (
     TooManyRequests,
     UnknownNamespace,
 )
-from kvbridge.transfer import AuthenticationError
+from kvbridge.transfer import AuthenticationError, TransferError
+from kvbridge.transfer._events import Error
+from kvbridge.transfer._protocol import ErrorCode
 
 BB = 64 << 10
 SLOTS = 16
@@ -34,6 +36,7 @@ secret = "alpha's secret"
 namespaces = ["alpha/", "shared/"]
 max_namespaces = 2
 max_sessions = 3
+max_streams = 6
 max_leases = 6
 
 [[tenant]]
@@ -235,6 +238,23 @@ def test_a_tenants_sessions_are_bounded_and_others_still_connect(server: ServePr
     finally:
         for client in clients:
             client.close()
+
+
+def test_a_tenants_streams_are_bounded_and_others_still_connect(server: ServeProcess) -> None:
+    with _client(server, "alpha", "alpha/streams") as alpha:  # 2 streams of alpha's 6
+        extra = [RawStream(alpha, index=10 + n) for n in range(4)]
+        try:
+            refused = RawStream(alpha, index=20, greeted=False)
+            answer = refused.event()
+            assert isinstance(answer, Error) and answer.code == ErrorCode.AUTHENTICATION
+            refused.close()
+            with pytest.raises(TransferError):  # another session of alpha gets no stream
+                _client(server, "alpha", "alpha/streams")
+            with _client(server, "beta", "beta/streams") as beta:
+                beta.put(keys(0, 1), payloads(keys(0, 1), BB))
+        finally:
+            for stream in extra:
+                stream.close()
 
 
 def test_more_sessions_give_a_tenant_no_more_leases(server: ServeProcess) -> None:

@@ -265,8 +265,8 @@ class ControlServer:
             raise AuthenticationError("wrong shared secret")
         self._keyring.admit(principal)
         key = session_key(secret, their_nonce, nonce, principal)
-        limit = self._keyring.max_sessions(principal)
-        session = self.sessions.open(key, name, principal, limit)
+        limit, streams = self._keyring.max_sessions(principal), self._keyring.max_streams(principal)
+        session = self.sessions.open(key, name, principal, limit, streams)
         _log.debug(
             "control: session %d opened for %r (%s)",
             session.caller.session,

@@ -40,6 +40,9 @@ class Principal:
     name: str
     secret: bytes | None
     max_sessions: int = MAX_SESSIONS_PER_PRINCIPAL
+    max_streams: int | None = None
+    """Data streams its sessions may have open together (``None``: only the engine's own
+    bound): a principal that opens many cannot take every stream the engine serves."""
 
     def __post_init__(self) -> None:
         check_principal(self.name)
@@ -51,6 +54,11 @@ class Principal:
             raise LocalProtocolError(f"principal {self.name!r}: max_sessions is a whole number")
         if self.max_sessions < 1:
             raise LocalProtocolError(f"principal {self.name!r}: max_sessions must be at least 1")
+        streams = self.max_streams
+        if streams is not None and (isinstance(streams, bool) or not isinstance(streams, int)):
+            raise LocalProtocolError(f"principal {self.name!r}: max_streams is a whole number")
+        if streams is not None and streams < 1:
+            raise LocalProtocolError(f"principal {self.name!r}: max_streams must be at least 1")
 
 
 def check_principal(name: object) -> str:
@@ -105,3 +113,7 @@ class Keyring:
     def max_sessions(self, principal: str) -> int:
         known = self._by_name.get(principal)
         return MAX_SESSIONS_PER_PRINCIPAL if known is None else known.max_sessions
+
+    def max_streams(self, principal: str) -> int | None:
+        known = self._by_name.get(principal)
+        return None if known is None else known.max_streams

@@ -159,16 +159,25 @@ class SessionTable:
         self._sessions: OrderedDict[bytes, Session] = OrderedDict()  # least recently used first
         self._ids: dict[int, bytes] = {}  # serial -> session id
         self._per_principal: Counter[str] = Counter()  # open sessions by principal
+        self._streams_by: Counter[str] = Counter()  # open streams by principal
+        self._stream_limits: dict[str, int | None] = {}
         self._serials = itertools.count(1)
         self._lock = threading.Lock()
 
     def open(
-        self, key: bytes, peer: str, principal: str = "", limit: int = MAX_SESSIONS
+        self,
+        key: bytes,
+        peer: str,
+        principal: str = "",
+        limit: int = MAX_SESSIONS,
+        streams: int | None = None,
     ) -> Session:
         """A new session after a successful handshake, for ``principal``, which may have
-        at most ``limit`` sessions at once; may end idle streamless ones (of that principal
-        first when it is at its limit, so that it never pushes out another's)."""
+        at most ``limit`` sessions and ``streams`` data streams (all its sessions together;
+        ``None``: no bound of its own) at once; may end idle streamless ones (of that
+        principal first when it is at its limit, so that it never pushes out another's)."""
         with self._lock:
+            self._stream_limits[principal] = streams
             ended, full = self._make_room(principal, limit)
             if full is None:
                 session = Session(
@@ -222,8 +231,15 @@ class SessionTable:
                 raise AuthenticationError(
                     f"a session opens at most {MAX_STREAMS_PER_SESSION} streams"
                 )
+            principal = session.caller.principal
+            most = self._stream_limits.get(principal)
+            if most is not None and self._streams_by[principal] >= most:
+                raise AuthenticationError(
+                    f"principal {principal or 'default'} has {most} streams open: close some"
+                )
             session.nonces.add(nonce)
             session.streams += 1
+            self._streams_by[principal] += 1
             session.last_used = self._clock()
             return session.caller
 
@@ -231,6 +247,7 @@ class SessionTable:
         """One of the session's streams closed; the session ends with its last stream."""
         ended: list[Caller] = []
         with self._lock:
+            self._streams_by[caller.principal] -= 1
             session = self._sessions.get(self._ids.get(caller.session, b""))
             if session is not None:
                 session.streams -= 1
