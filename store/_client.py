@@ -20,7 +20,7 @@ import contextvars
 import secrets
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import msgpack
 import numpy as np
@@ -333,32 +333,61 @@ class StoreClient(Closing):
     def _put(self, keys: Sequence[BlockKey], where: _Locations) -> list[bool]:
         """Stage, write and commit ``keys`` a request at a time. A put of several requests
         is checked whole first, and the server keeps its blocks from being evicted by its
-        own later requests (:meth:`_begin_put`)."""
+        own later requests (:meth:`_begin_put`) until it ends, well or not."""
         chunks = list(_chunks(keys, self._request_keys))
         put = self._begin_put(keys) if len(chunks) > 1 else None
         sent: list[bool] = []
-        for n, (start, chunk) in enumerate(chunks):
-            request: dict[str, Any] = {"op": "stage", "ns": self._ns, "keys": chunk}
-            if put is not None:
-                request.update(put=put, last=n == len(chunks) - 1)
-            staged = self._call(request)
-            self.counters["bytes_saved"] += int(staged["saved_bytes"])
-            slots, lease = staged["slots"], int(staged["lease"])
-            picked = [i for i, slot in enumerate(slots) if slot is not None]
-            sent += [slot is not None for slot in slots]
-            if not lease:
-                continue
+        try:
+            for n, (start, chunk) in enumerate(chunks):
+                request: dict[str, Any] = {"op": "stage", "ns": self._ns, "keys": chunk}
+                if put is not None:
+                    request.update(put=put, last=n == len(chunks) - 1)
+                sent += self._put_request(request, start, where)
+        except BaseException:
+            if put is not None:  # its record would keep the blocks until the lease TTL
+                self._end_put(put)
+            raise
+        return sent
+
+    def _put_request(self, request: dict[str, Any], start: int, where: _Locations) -> list[bool]:
+        """One staged request of a put: its keys' slots written and committed; per key,
+        whether it was sent."""
+        staged = self._call(request)
+        self.counters["bytes_saved"] += int(staged["saved_bytes"])
+        slots, lease = staged["slots"], int(staged["lease"])
+        picked = [i for i, slot in enumerate(slots) if slot is not None]
+        if lease:
             commit = msgpack.packb({"op": "commit", "ns": self._ns, "lease": lease})
             try:
                 ops = self._ops(where, start, picked, [slots[i] for i in picked])
-                self.peer.write(ops, notify=commit).wait(self._left())  # landed, committed
+                left = self._left()  # past the deadline: raises before a byte is read
+                done = self.peer.write(ops, notify=commit)
             except BaseException as exc:
-                self._quietly({"op": "abort", "ns": self._ns, "lease": lease})
-                if isinstance(exc, TransferError) and exc.code in ERRORS:
-                    raise error_for(exc.code, f"put not committed: {exc}") from exc
+                self._abandon(lease, exc)
+            try:
+                done.wait(left)  # landed and committed
+            except TimeoutError:
+                # The write may still be reading the caller's memory: close the streams
+                # (joined) before raising, so that nothing reads it once put has returned;
+                # the session ends, and the staging with it (nothing of it is committed).
+                self.peer.close("a write did not finish in time")
                 raise
+            except BaseException as exc:
+                self._abandon(lease, exc)
             self.counters["bytes_pushed"] += len(picked) * self.block_bytes
-        return sent
+        return [slot is not None for slot in slots]
+
+    def _abandon(self, lease: int, exc: BaseException) -> NoReturn:
+        """A staged put that will not be committed: give its lease back, and raise the
+        store's error for a refusal the server sent as a transfer error."""
+        self._quietly({"op": "abort", "ns": self._ns, "lease": lease})
+        if isinstance(exc, TransferError) and exc.code in ERRORS:
+            raise error_for(exc.code, f"put not committed: {exc}") from exc
+        raise exc
+
+    def _end_put(self, put: int) -> None:
+        """End the server's record of a put of several requests (its last staging does)."""
+        self._quietly({"op": "stage", "ns": self._ns, "keys": [], "put": put, "last": True})
 
     def _begin_put(self, keys: Sequence[BlockKey]) -> int:
         """Start a put of several requests: the server records its keys, so that no request
@@ -371,7 +400,7 @@ class StoreClient(Closing):
             reply = self._call({"op": "room", "ns": self._ns, "keys": chunk, "put": put})
             new, room = new + int(reply["new"]), int(reply["room"])
         if new > room:
-            self._quietly({"op": "stage", "ns": self._ns, "keys": [], "put": put, "last": True})
+            self._end_put(put)
             raise StoreFull(
                 f"{new} new block(s) but the namespace holds at most {max(room, 0)} more "
                 "beside the put's stored ones (pinned and staged blocks stay): nothing was "

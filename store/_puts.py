@@ -38,16 +38,16 @@ class _Put:
 
 
 class PutsInProgress:
-    """One namespace's records of puts in progress, by session and put id. ``limit``
-    bounds the keys of all records together (the namespace's blocks: puts in progress that
-    name more cannot all fit at once); a principal's records (a tenant's, every session
-    together) name at most its share of them."""
+    """One namespace's records of puts in progress, by session and put id. A record
+    changes only what its own put's stagings may evict, never anyone else's, so the bound
+    is on memory alone: a principal's records (a tenant's, every session together) name at
+    most twice the namespace's blocks, ``limit`` (a put that fits names at most that many:
+    its stored blocks and as many new ones)."""
 
     def __init__(self, limit: int, clock: Callable[[], float]) -> None:
         self._limit = limit
         self._clock = clock
         self._by_session: dict[int, OrderedDict[int, _Put]] = {}
-        self._keys = 0
         self._by_principal: Counter[str] = Counter()
 
     def begin(
@@ -58,24 +58,20 @@ class PutsInProgress:
         ttl: float,
         *,
         principal: str = "",
-        share: float = 1.0,
     ) -> None:
         """Record ``keys`` as blocks of the session's put ``put`` (added to those of earlier
         ``room`` requests of the same put). :class:`TooManyRequests`, recording nothing,
-        when the records would name more keys than the namespace holds, or ``principal``'s
-        more than ``share`` of them."""
+        when ``principal``'s records would name more than twice the namespace's blocks."""
         self.sweep()
         puts = self._by_session.get(session, OrderedDict())
         record = puts.get(put)
         adding = {BlockKey(key) for key in keys} - (record.keys if record is not None else set())
-        mine = max(1, int(self._limit * share))
-        if self._keys + len(adding) > self._limit or (
-            self._by_principal[principal] + len(adding) > mine
-        ):
+        most = 2 * self._limit
+        if self._by_principal[principal] + len(adding) > most:
             raise TooManyRequests(
-                f"puts in progress keep {self._keys} blocks of a namespace of {self._limit} "
-                f"({self._by_principal[principal]} of at most {mine} this tenant's): try "
-                "again when they are done"
+                f"this tenant's puts in progress keep {self._by_principal[principal]} blocks "
+                f"of a namespace of {self._limit} (at most {most}): try again when they are "
+                "done"
             )
         self._by_session[session] = puts
         if record is None:
@@ -84,15 +80,16 @@ class PutsInProgress:
             record = puts[put] = _Put(set(), 0.0, principal)
         record.keys |= adding
         record.deadline = self._clock() + ttl
-        self._keys += len(adding)
         self._by_principal[principal] += len(adding)
 
-    def keys_of(self, session: int, put: int) -> set[BlockKey]:
-        """The keys of the session's put ``put`` (none for a put without a live record)."""
+    def keys_of(self, session: int, put: int, ttl: float) -> set[BlockKey]:
+        """The keys of the session's put ``put`` (none for a put without a live record);
+        its record lives ``ttl`` more seconds (a staging of the put: it is still going)."""
         puts = self._by_session.get(session)
         record = None if puts is None else puts.get(put)
         if record is None or record.deadline <= self._clock():
             return set()
+        record.deadline = self._clock() + ttl
         return record.keys
 
     def end(self, session: int, put: int) -> None:
@@ -120,7 +117,6 @@ class PutsInProgress:
         return sum(len(puts) for puts in self._by_session.values())
 
     def _forget(self, record: _Put) -> None:
-        self._keys -= len(record.keys)
         self._by_principal[record.principal] -= len(record.keys)
         if self._by_principal[record.principal] <= 0:
             del self._by_principal[record.principal]

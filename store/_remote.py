@@ -73,7 +73,8 @@ class RemoteAccess(Placement):
                     f"{self._staging.slots} staged)"
                 )
             slots: list[int] = []
-            kept = Keep(fresh.keys(), protect)
+            # The request's stored blocks stay too (a chain with a hole never hits past it).
+            kept = Keep(fresh.keys(), _Both(checked, protect))
             with self._batch():
                 if not self._make_room_for(0, len(fresh), kept):  # evicts nothing if not
                     raise StoreFull(
@@ -284,3 +285,13 @@ class RemoteAccess(Placement):
             top.disown(key)
         self._withdraw(adopted)
         self._free_slots(self._staging.freeable(staging))
+
+
+class _Both:
+    """Keys of a request or of the rest of its put (no union built: a put may be long)."""
+
+    def __init__(self, request: Sequence[BlockKey], put: Container[BlockKey]) -> None:
+        self._request, self._put = set(request), put
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._request or key in self._put

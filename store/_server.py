@@ -319,22 +319,21 @@ class CacheServer:
         new, room = ns.store.room_for(keys)
         put = _put_id(body)
         if put is not None and new <= room:
-            tenant = self._tenant(caller)
             ttl = self.config.lease_ttl
-            ns.puts.begin(caller.session, put, keys, ttl, principal=tenant.name, share=tenant.slots)
+            ns.puts.begin(caller.session, put, keys, ttl, principal=caller.principal)
         return {"new": new, "room": room}
 
     def _stage(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
         ns = self._namespace(caller, body)
         keys = keys_field(body)
         put, last = _put_id(body), optional_field(body, "last", bool)
-        protect = set() if put is None else ns.puts.keys_of(caller.session, put)
+        ttl = self.config.lease_ttl
+        protect = set() if put is None else ns.puts.keys_of(caller.session, put, ttl)
         if put is not None and last:
             ns.puts.end(caller.session, put)  # its last staging protects them till its commit
         if not keys:
             return {"lease": 0, "slots": [], "saved_bytes": 0}
         self._room(caller, ns, len(keys))
-        ttl = self.config.lease_ttl
         lease, slots = ns.store.stage(keys, ttl=ttl, owner=caller.session, protect=protect)
         saved = (len(keys) - sum(slot is not None for slot in slots)) * ns.store.block_bytes
         self.metrics.saved.inc(saved)

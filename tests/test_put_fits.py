@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 from helpers import keys, payloads
 
-from kvbridge.store import CacheServer, ServerConfig, StoreClient, StoreFull, TieredStore
+from kvbridge.store import (
+    CacheServer,
+    ServerConfig,
+    StoreClient,
+    StoreFull,
+    TieredStore,
+    TooManyRequests,
+)
 
 BB = 4096
 SLOTS = 16
@@ -156,3 +163,58 @@ def test_a_pin_still_keeps_its_blocks_in_memory_beside_a_disk_copy(tmp_path: Pat
         store.get(wanted, out)
         assert (out == payloads(wanted, BB)).all()
         lease.release()
+
+
+def test_a_put_that_fails_midway_leaves_no_record_behind(client: StoreClient) -> None:
+    """A put of several requests refused after its ``room`` (here: the session's share)
+    ends its record at once: retries are refused for the same reason, never because
+    earlier attempts still keep blocks."""
+    held = keys(100, 105)
+    client.put(held, payloads(held, BB))
+    leases = [client.pin(held[:4]), client.pin(held[4:])]  # 5 of the session's 8 slots:
+    try:  # a 4-block request passes its half
+        ks = keys(0, 10)
+        for _ in range(4):  # four records of 10 keys would pass the 32 a tenant may keep
+            with pytest.raises(TooManyRequests, match="share"):
+                client.put(ks, payloads(ks, BB))
+    finally:
+        for lease in leases:
+            client.release(lease)
+    assert client.put(ks, payloads(ks, BB)) == [True] * 10
+
+
+@pytest.mark.parametrize("seconds", [0.002, 0.005, 0.01, 0.02, 0.05])
+def test_a_put_past_its_deadline_raises_timeout_and_reads_nothing_after(
+    seconds: float,
+) -> None:
+    block = 1 << 20
+    config = ServerConfig(port=0, host_capacity=64 * block, max_namespaces=1, handoff_ttl=0)
+    with (
+        CacheServer(config) as server,
+        StoreClient(server.address, block_bytes=block, namespace="m") as client,
+    ):
+        ks = keys(0, 16)
+        data = payloads(ks, block)
+        try:
+            with client.deadline(seconds):
+                client.put(ks, data)
+        except TimeoutError:
+            pass  # not RegionBusy, nor anything else
+        data[:] = 0  # the caller reuses its buffer at once
+        stored = [k for k, present in zip(ks, client.contains(ks), strict=True) if present]
+        if stored:  # what was committed is the bytes the put was given, never the zeros
+            out = np.zeros((len(stored), block), np.uint8)
+            client.get(stored, out)
+            assert (out == payloads(stored, block)).all()
+        again = keys(100, 101)
+        assert client.put(again, payloads(again, block)) == [True]  # the client goes on
+
+
+def test_a_single_request_put_keeps_its_stored_head(client: StoreClient) -> None:
+    full = keys(100, 100 + SLOTS)
+    for start in range(0, SLOTS, client.request_keys):
+        part = full[start : start + client.request_keys]
+        client.put(part, payloads(part, BB))
+    chain = [full[0], *keys(0, client.request_keys - 1)]  # the oldest block, then new ones
+    client.put(chain, payloads(chain, BB))
+    assert client.match_prefix(chain) == len(chain)
