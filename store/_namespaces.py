@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -31,6 +32,14 @@ SESSION_SHARE = 2
 """One session holds at most 1/2 of a namespace's memory slots (staged and pinned at once)."""
 
 
+@dataclass(frozen=True)
+class Hold:
+    """A committed block held for its first read: until when, and for which tenant."""
+
+    deadline: float
+    principal: str
+
+
 @dataclass
 class Namespace:
     handle: int
@@ -44,8 +53,10 @@ class Namespace:
     book: LeaseBook = field(default_factory=LeaseBook)
     openers: dict[int, str] = field(default_factory=dict)
     """Sessions that opened the namespace and have not ended, each with its principal."""
-    unread: dict[bytes, float] = field(default_factory=dict)
-    """Committed blocks still held for their first read: key -> handoff pin deadline."""
+    unread: dict[bytes, Hold] = field(default_factory=dict)
+    """Committed blocks still held for their first read (``_handoff``), oldest first."""
+    holds_by: Counter[str] = field(default_factory=Counter)
+    """Those holds per tenant that committed them."""
     last_used: float = field(default_factory=time.monotonic)
     puts: PutsInProgress = field(init=False)
     """Puts of several requests in progress, and the blocks each keeps (``_puts``)."""

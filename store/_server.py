@@ -276,7 +276,7 @@ class CacheServer:
                     f"(at most {tenant.max_leases}): commit or release some"
                 )
         share = int(ns.slots * tenant.slots)
-        held = ns.book.held_by[tenant.name]
+        held = ns.book.held_by[tenant.name] + ns.holds_by[tenant.name]  # its pushes' holds too
         if tenant.slots < 1 and held + blocks > share:
             raise TooManyRequests(
                 f"tenant {tenant.label} holds {held} slots of {ns.label}; with {blocks} more "
@@ -352,7 +352,9 @@ class CacheServer:
         ns.book.take_staging(lease, caller.session)
         keys = ns.store.staged_keys(lease)
         stored = ns.store.commit(lease)
-        hand_off(ns, keys, min(self.config.handoff_ttl, self.config.lease_ttl))
+        ttl = min(self.config.handoff_ttl, self.config.lease_ttl)
+        tenant = self._tenant(caller)
+        hand_off(ns, keys, ttl, tenant.name, tenant.slots)
         return {"stored": stored}
 
     def _abort(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:

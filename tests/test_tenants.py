@@ -348,3 +348,29 @@ def test_namespace_churn_writes_a_few_log_lines(tmp_path: Path) -> None:
         log = server.stop_and_read_log()
     lines = [line for line in log.splitlines() if "opened" in line or "reclaimed" in line]
     assert 2 <= len(lines) <= 6, lines
+
+
+def test_a_tenants_handoff_holds_count_against_its_share(tmp_path: Path) -> None:
+    (tmp_path / "tenants.toml").write_text(TENANTS)
+    (tmp_path / "beta.secret").write_text(SECRETS["beta"] + "\n")
+    server = ServeProcess(
+        *("--tenants", str(tmp_path / "tenants.toml")),
+        *("--host-capacity", str(4 * SLOTS * BB), "--max-namespaces", "4"),
+        *("--lease-ttl", "60", "--handoff-ttl", "30"),
+    )
+    try:
+        with _client(server, "alpha", "shared/holds") as alpha:
+            pushed = keys(0, SLOTS // 2)
+            alpha.put(pushed, payloads(pushed, BB))  # held for their first read
+            leases = []
+            with pytest.raises(TooManyRequests, match="tenant alpha"):
+                for n in range(SLOTS // alpha.request_keys):  # and stage what it can
+                    part = keys(100 + 4 * n, 104 + 4 * n)
+                    leases.append(stage(alpha, part)[0])
+            with _client(server, "beta", "shared/holds") as beta:
+                ks = keys(200, 200 + SLOTS // 2)  # beta still has its half
+                assert beta.put(ks, payloads(ks, BB)) == [True] * len(ks)
+            for lease in leases:
+                abort(alpha, lease)
+    finally:
+        server.kill()
