@@ -247,8 +247,9 @@ class StoreClient(Closing):
         makes several requests; without this, each may take ``timeout``.
 
         The deadline belongs to the thread or asyncio task that entered the block (and to
-        what it awaits, ``aget`` and friends included): other threads and tasks using the
-        same client never see it. Nested blocks keep the earlier of the two deadlines."""
+        what it awaits, ``aget`` and friends included, and to tasks it creates inside the
+        block, which copy its context as asyncio does): other threads, and tasks made
+        outside it, never see it. Nested blocks keep the earlier of the two deadlines."""
         outer = self._deadline.get()
         until = time.monotonic() + seconds
         token = self._deadline.set(until if outer is None else min(outer, until))

@@ -4,8 +4,10 @@ Prometheus scrapes ``GET /metrics`` now and then; anyone who can reach the port 
 open connections and say nothing (a slow loris). So the endpoint is one thread running an
 asyncio loop, not a thread per connection: a connection costs a socket and a little memory,
 must send its request head within :data:`HEAD_TIMEOUT_S`, may be one of at most
-:data:`MAX_CONNECTIONS` (past that, the oldest connection still waiting for its request is
-closed: a scraper that speaks at once is never the oldest silent one for long), and is
+:data:`MAX_CONNECTIONS` (past that, the connection silent the longest is closed to make
+way: a scraper speaks within a round trip, so only a flood of new connections faster than
+that can push one out, which an attack review saw for 8 of 6,502 scrapes under two
+flooding processes; Prometheus scrapes again at its next interval), and is
 answered only once its bearer token checks out. ``close()`` stops the loop and joins the
 thread; connections still open are closed with it.
 """
@@ -41,6 +43,7 @@ class MetricsHTTP:
         self._render = render
         self._expected = None if token is None else f"Bearer {token}".encode()
         self._waiting: OrderedDict[asyncio.StreamWriter, None] = OrderedDict()
+        """Connections still to send their request head, oldest first."""
         self._open: set[asyncio.StreamWriter] = set()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -90,7 +93,7 @@ class MetricsHTTP:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT_S)
             self._waiting.pop(writer, None)
             status, headers, body = self._answer(head)
-            writer.write(_response(status, headers, body))
+            writer.write(_response(status, headers, body, head.startswith(b"HEAD ")))
             await asyncio.wait_for(writer.drain(), WRITE_TIMEOUT_S)
         except (OSError, TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
             pass  # silent, slow, too long or gone: only this connection ends
@@ -102,7 +105,7 @@ class MetricsHTTP:
                 await writer.wait_closed()
 
     def _admit(self, writer: asyncio.StreamWriter) -> None:
-        """Count a new connection; past the cap, close the oldest one still silent."""
+        """Count a new connection; past the cap, close the one silent the longest."""
         if len(self._open) >= MAX_CONNECTIONS and self._waiting:
             oldest, _ = self._waiting.popitem(last=False)
             oldest.close()  # its read fails at once; its task ends it
@@ -125,7 +128,7 @@ class MetricsHTTP:
         if parts[1].split(b"?")[0] not in (b"/metrics", b"/"):
             return "404 Not Found", [], b"metrics are at /metrics\n"
         body, content_type = self._render()
-        return "200 OK", [("Content-Type", content_type)], b"" if parts[0] == b"HEAD" else body
+        return "200 OK", [("Content-Type", content_type)], body
 
 
 def _authorization(header_lines: list[bytes]) -> bytes:
@@ -136,7 +139,8 @@ def _authorization(header_lines: list[bytes]) -> bytes:
     return b""
 
 
-def _response(status: str, headers: list[tuple[str, str]], body: bytes) -> bytes:
+def _response(status: str, headers: list[tuple[str, str]], body: bytes, head_only: bool) -> bytes:
+    """The answer's bytes; to a HEAD, the length a GET would get, without the body."""
     head = [f"HTTP/1.1 {status}", f"Content-Length: {len(body)}", "Connection: close"]
     head += [f"{name}: {value}" for name, value in headers]
-    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + (b"" if head_only else body)

@@ -90,3 +90,15 @@ def test_a_request_head_that_is_too_long_is_dropped(server: tuple[ServeProcess, 
         sock.sendall(b"GET /metrics HTTP/1.1\r\nX-Filler: " + b"x" * (64 << 10))
         assert _closed_by_server(sock, 10)
     assert _scrape(port, metrics_token(SECRET))[0] == 200
+
+
+def test_head_says_the_length_of_a_scrape_without_it(server: tuple[ServeProcess, int]) -> None:
+    _, port = server
+    headers = {"Authorization": f"Bearer {metrics_token(SECRET)}"}
+    head = urllib.request.Request(
+        f"http://127.0.0.1:{port}/metrics", headers=headers, method="HEAD"
+    )
+    with urllib.request.urlopen(head, timeout=10) as answer:
+        assert answer.read() == b""
+        length = int(answer.headers["Content-Length"])
+    assert length > 1000  # the figures' text, as long as a GET would get (give or take)
