@@ -3,7 +3,9 @@
 Public surface:
 
 - :func:`prefix_hashes` and :data:`BlockKey`: chained, deterministic block keys.
-- :class:`TieredStore`: device/host/disk tiers with dedup, eviction, pins and checksums.
+- :class:`TieredStore`: device/host/disk tiers with dedup, eviction, pins and checksums;
+  :class:`RemoteAccess`, the lease protocol a cache server runs over one (staged puts,
+  resident pins, write admission).
 - Tiers and their building blocks, for custom stacks: :class:`SlotTier`, :class:`HostSlab`,
   :class:`DeviceSlab`, :class:`DiskTier`, :class:`EvictionPolicy` and the policies.
 - The cache server and its client: :class:`CacheServer` (``kvbridge serve``), its
@@ -38,6 +40,7 @@ from ._errors import (
 from ._keys import KEY_BYTES, BlockKey, HashAlgo, InvalidNamespace, prefix_hashes
 from ._pins import DEFAULT_PIN_TTL_S, Lease
 from ._policy import FIFO, LRU, POLICIES, EvictionPolicy, ReuseLRU
+from ._remote import RemoteAccess
 from ._sizes import parse_size
 from ._slab import DeviceSlab, HostSlab, SlotMemory
 from ._slots import SlotTier
@@ -109,6 +112,7 @@ __all__ = [
     "Lease",
     "LeaseExpired",
     "NotPermitted",
+    "RemoteAccess",
     "ReuseLRU",
     "ServerConfig",
     "SlotMemory",

@@ -13,15 +13,16 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..transfer import Admission, Caller, Region
+from ._handoff import HandoffHolds
 from ._leases import LeaseBook, Pinned, Use
 from ._puts import PutsInProgress
+from ._remote import RemoteAccess
 from ._store import TieredStore
 
 REQUEST_SHARE = 4
@@ -30,14 +31,6 @@ request never takes the room every other client needs."""
 
 SESSION_SHARE = 2
 """One session holds at most 1/2 of a namespace's memory slots (staged and pinned at once)."""
-
-
-@dataclass(frozen=True)
-class Hold:
-    """A committed block held for its first read: until when, and for which tenant."""
-
-    deadline: float
-    principal: str
 
 
 @dataclass
@@ -53,15 +46,17 @@ class Namespace:
     book: LeaseBook = field(default_factory=LeaseBook)
     openers: dict[int, str] = field(default_factory=dict)
     """Sessions that opened the namespace and have not ended, each with its principal."""
-    unread: dict[bytes, Hold] = field(default_factory=dict)
-    """Committed blocks still held for their first read (``_handoff``), oldest first."""
-    holds_by: Counter[str] = field(default_factory=Counter)
-    """Those holds per tenant that committed them."""
     last_used: float = field(default_factory=time.monotonic)
+    remote: RemoteAccess = field(init=False)
+    """The lease protocol over ``store``: staged puts, resident pins, write admission."""
+    holds: HandoffHolds = field(init=False)
+    """Committed blocks held for their first read (``_handoff``)."""
     puts: PutsInProgress = field(init=False)
     """Puts of several requests in progress, and the blocks each keeps (``_puts``)."""
 
     def __post_init__(self) -> None:
+        self.remote = RemoteAccess(self.store)
+        self.holds = HandoffHolds(self.store, self.slots // 2)
         self.puts = PutsInProgress(self.blocks, self.store.clock)
 
     @property
@@ -105,7 +100,7 @@ class Namespace:
 
     def sweep(self) -> None:
         """End the leases past their deadline (their slots and pins are already void)."""
-        self._finish(*self.book.expired(self.store.staging_open))
+        self._finish(*self.book.expired(self.remote.staging_open))
         self.puts.sweep()
 
     def end_session(self, session: int) -> None:
@@ -116,7 +111,7 @@ class Namespace:
 
     def _finish(self, staged: list[int], pinned: list[Pinned]) -> None:
         for lease_id in staged:
-            self.store.abort(lease_id)  # slots still being written come back after that
+            self.remote.abort(lease_id)  # slots still being written come back after that
         for entry in pinned:
             entry.lease.release()
 
@@ -145,16 +140,16 @@ class Namespace:
             if caller.session not in self.openers:
                 return refused
             if access == "w":
-                allowed, staged = self.store.admit_writes(caller.session, first, last)
+                allowed, staged = self.remote.admit_writes(caller.session, first, last)
                 if not allowed.all():
                     return Admission(allowed)
                 uses: list[Use] = [("stage", lease) for lease in staged]
                 self.book.begin_use(uses)
-                return Admission(allowed, self._ender(uses, lambda: self.store.end_writes(staged)))
+                return Admission(allowed, self._ender(uses, lambda: self.remote.end_writes(staged)))
             allowed, keys, uses = self.book.readable(caller.session, first, last)
             if not allowed.all():
                 return Admission(allowed)
-            hold = self.store.hold(keys)  # no slot is reused mid-send
+            hold = self.remote.hold(keys)  # no slot is reused mid-send
             self.book.begin_use(uses)
             return Admission(allowed, self._ender(uses, hold.release))
 

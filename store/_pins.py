@@ -112,6 +112,11 @@ class PinTable:
         """Keys with a pin, as of the last :meth:`expire`."""
         return len(self._by_key)
 
+    @property
+    def open_leases(self) -> int:
+        """Leases that still pin a key (an ended lease leaves nothing behind)."""
+        return len(self._leases)
+
     def is_pinned(self, key: BlockKey) -> bool:
         self.expire()
         return key in self._by_key

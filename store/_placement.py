@@ -1,12 +1,12 @@
 """Where a TieredStore's blocks go: the placement cascade, and the state all of it shares.
 
 A new block goes to the highest tier with room or an evictable block (``_place``); making
-room evicts the coldest unprotected blocks of the tier's order (``_make_room_for``; pinned
+room evicts the coldest unprotected blocks of the tier's order (``make_room_for``; pinned
 blocks are out of it, see ``_held``), each moving one tier down (``_evict``, ``_demote``)
 or out of the store from the last. A hit below the
-top tier is copied up (``_use``, ``_lift``). Every method here runs under the store's lock;
-the public API that calls them is in ``_store`` (local use) and ``_remote`` (a server's
-staged puts and resident pins).
+top tier is copied up (``use``, ``lift``). Every method here runs under :attr:`Placement.lock`,
+held by its callers: ``TieredStore`` (``_store``, local use) and ``RemoteAccess``
+(``_remote``, a server's staged puts and resident pins), each holding the one Placement.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from ._errors import (
 from ._held import HeldOrder
 from ._keys import BlockKey
 from ._pins import Lease, PinTable
+from ._policy import check_policy
 from ._slab import HostSlab
 from ._slots import SlotTier
 from ._staging import StagingTable
@@ -53,58 +54,87 @@ class Keep:
 
 
 class Placement:
-    """The shared state of a :class:`~kvbridge.store.TieredStore` and its placement cascade."""
+    """The state of a :class:`~kvbridge.store.TieredStore` and its placement cascade: the
+    tiers (highest first), each tier's eviction order less its pinned blocks, the pins, the
+    top tier's slots staged for remote writers, the counters, and the lock that guards all
+    of it. The store (local use) and :class:`~kvbridge.store.RemoteAccess` (a server's
+    staged puts and resident pins) hold one and call it under :attr:`lock`."""
 
-    block_bytes: int
-    write_through: bool
-    promote: bool
-    pin_ttl: float
-    clock: Callable[[], float]
-    """Times pins and staged puts (``time.monotonic`` unless a test gives its own)."""
-    _tiers: list[Tier]
-    _persistent: int | None
-    _lock: threading.RLock
-    _pins: PinTable
-    _orders: list[HeldOrder]
-    """Each tier's eviction order less its pinned blocks (``tier.policy`` is the same object)."""
-    _staging: StagingTable
-    _stats: StoreStats
-    _tier_evictions: list[int]
-    _closed: bool
+    def __init__(
+        self,
+        tiers: list[Tier],
+        *,
+        write_through: bool,
+        promote: bool,
+        pin_ttl: float,
+        clock: Callable[[], float],
+    ) -> None:
+        if not tiers:
+            raise ValueError("a store needs at least one tier with a non-zero capacity")
+        sizes = {tier.block_bytes for tier in tiers}
+        if len(sizes) != 1:
+            raise ValueError(f"tiers disagree on the block size: {sorted(sizes)}")
+        if not pin_ttl > 0:
+            raise ValueError(f"pin_ttl must be positive, got {pin_ttl}")
+        persistent = [i for i, tier in enumerate(tiers) if tier.persistent]
+        if write_through and not persistent:
+            raise ValueError("write_through needs a disk tier")
+        self.block_bytes: int = sizes.pop()
+        self.tiers = tiers
+        self.persistent: int | None = persistent[-1] if persistent else None
+        """The lowest persistent tier (the disk), if there is one."""
+        self.write_through = write_through
+        self.promote = promote
+        self.pin_ttl = pin_ttl
+        self.clock = clock
+        """Times pins and staged puts (``time.monotonic`` unless a test gives its own)."""
+        self.lock = threading.RLock()
+        self.pins = PinTable(clock, on_change=self._pin_changed)
+        self.orders = [HeldOrder(check_policy(tier.policy), self.pins) for tier in tiers]
+        """Each tier's eviction order less its pinned blocks (``tier.policy`` is the same)."""
+        for tier, order in zip(tiers, self.orders, strict=True):
+            tier.policy = order  # the tier tells it what happens; pinned keys leave its walk
+        top = tiers[0]
+        self.staging = StagingTable(
+            top.capacity if isinstance(top, SlotTier) else 0, clock=self.pins.clock
+        )
+        self.stats = StoreStats()
+        self.tier_evictions = [0] * len(tiers)
+        self.closed = False
 
-    def _locate(self, key: BlockKey) -> int | None:
+    def locate(self, key: BlockKey) -> int | None:
         """Index of the highest tier holding ``key``."""
-        for t, tier in enumerate(self._tiers):
+        for t, tier in enumerate(self.tiers):
             if key in tier.index:
                 return t
         return None
 
-    def _room(self) -> int:
+    def room(self) -> int:
         """How many new blocks fit: every slot not held by a pin or a staged put can be
         freed (exact, and O(tiers): pinned blocks are counted per tier as they come)."""
         if self.write_through:
-            assert self._persistent is not None
-            return self._freeable(self._persistent)
-        return sum(self._freeable(t) for t in range(len(self._tiers)))
+            assert self.persistent is not None
+            return self.freeable(self.persistent)
+        return sum(self.freeable(t) for t in range(len(self.tiers)))
 
-    def _room_beside(self, keys: Iterable[BlockKey]) -> int:
+    def room_beside(self, keys: Iterable[BlockKey]) -> int:
         """How many new blocks fit while every block of ``keys`` stays: :meth:`_room`, less
         the unpinned blocks of ``keys`` that are stored (a put keeps its own blocks: one
         evicted for another would leave a chain with a hole, which never hits past it)."""
-        kept = {key for key in keys if key not in self._pins and self._locate(key) is not None}
-        return self._room() - len(kept)
+        kept = {key for key in keys if key not in self.pins and self.locate(key) is not None}
+        return self.room() - len(kept)
 
-    def _freeable(self, t: int) -> int:
+    def freeable(self, t: int) -> int:
         """Slots of tier ``t`` that are not pinned nor staged (the top tier's staged puts
         hold slots): the most it can hold after evicting everything it may."""
-        self._pins.expire()
-        staged = self._staging.slots if t == 0 else 0
-        return self._tiers[t].capacity - len(self._orders[t].held) - staged
+        self.pins.expire()
+        staged = self.staging.slots if t == 0 else 0
+        return self.tiers[t].capacity - len(self.orders[t].held) - staged
 
     def _pin_changed(self, key: BlockKey, pinned: bool) -> None:
         """Take a key that gained its first pin out of every eviction walk, or put one
         that lost its last back (see :mod:`._held`)."""
-        for tier, order in zip(self._tiers, self._orders, strict=True):
+        for tier, order in zip(self.tiers, self.orders, strict=True):
             if key in tier.index:
                 if pinned:
                     order.hold(key)
@@ -112,13 +142,13 @@ class Placement:
                     order.release(key)
 
     @contextlib.contextmanager
-    def _batch(self) -> Iterator[None]:
+    def batch(self) -> Iterator[None]:
         with contextlib.ExitStack() as scopes:
-            for tier in self._tiers:
+            for tier in self.tiers:
                 scopes.enter_context(tier.batch())
             yield
 
-    def _place_all(
+    def place_all(
         self,
         fresh: dict[BlockKey, int],
         sources: Sequence[BlockArray],
@@ -128,7 +158,7 @@ class Placement:
         """Put every new block of a batch in the top tier at once, when it is host memory
         with a free slot for each: one index update, one copy per run of adjacent slots
         (a block at a time cost ~6 us of Python each). False, doing nothing, otherwise."""
-        top = self._tiers[0]
+        top = self.tiers[0]
         if (
             not isinstance(top, SlotTier)
             or not isinstance(top.memory, HostSlab)
@@ -141,10 +171,10 @@ class Placement:
         fill_slots(top.memory.array, top.block_bytes, slots, [sources[i] for i in index], at)
         if self.write_through:
             for key, i in fresh.items():
-                self._write_through(key, sources[i], protect)
+                self.copy_through(key, sources[i], protect)
         return True
 
-    def _place_each(
+    def place_each(
         self,
         fresh: dict[BlockKey, int],
         sources: Sequence[BlockArray],
@@ -161,11 +191,11 @@ class Placement:
             placed, slot = self._place(key, sources[i], protect)
             if slot is not None:
                 slots.append(slot)
-                slot_at.append(self._tiers[placed].position(key))
+                slot_at.append(self.tiers[placed].position(key))
                 filling.append(sources[i])
                 filling_at.append(None if source_at is None else source_at[i])
-            if self.write_through and placed != self._persistent:
-                self._write_through(key, sources[i], protect)
+            if self.write_through and placed != self.persistent:
+                self.copy_through(key, sources[i], protect)
         # New blocks are protected from eviction, so nothing read their slots yet.
         copy_blocks(slots, filling, slot_at, filling_at)
 
@@ -174,7 +204,7 @@ class Placement:
     ) -> tuple[int, BlockArray | None]:
         """Put ``key`` in the highest tier with room: its index, and the slot to fill (or
         ``None`` when the tier stored ``src`` itself)."""
-        for t, tier in enumerate(self._tiers):
+        for t, tier in enumerate(self.tiers):
             if self._make_room(t, protect):
                 slot = tier.reserve(key)
                 if slot is None:
@@ -182,28 +212,28 @@ class Placement:
                 return t, slot
         raise StoreFull("no tier has room")  # unreachable: put checked the room first
 
-    def _write_through(self, key: BlockKey, src: BlockArray, protect: Container[BlockKey]) -> None:
-        assert self._persistent is not None
-        if not self._make_room(self._persistent, protect):
+    def copy_through(self, key: BlockKey, src: BlockArray, protect: Container[BlockKey]) -> None:
+        assert self.persistent is not None
+        if not self._make_room(self.persistent, protect):
             raise StoreFull("no room for the write-through copy")  # unreachable, see _room
-        self._tiers[self._persistent].store(key, src)
+        self.tiers[self.persistent].store(key, src)
 
     def _make_room(self, t: int, protect: Container[BlockKey]) -> bool:
         """Ensure tier ``t`` has a free slot, evicting one unpinned, unprotected block."""
-        return self._make_room_for(t, 1, protect)
+        return self.make_room_for(t, 1, protect)
 
-    def _make_room_for(self, t: int, count: int, protect: Container[BlockKey]) -> bool:
+    def make_room_for(self, t: int, count: int, protect: Container[BlockKey]) -> bool:
         """Free ``count`` slots of tier ``t`` (staged slots count as used), evicting the
         coldest unprotected blocks in one walk of its order (pinned blocks are not in it).
         Evicts nothing when it cannot free them all."""
-        tier = self._tiers[t]
-        used = len(tier) + (self._staging.slots if t == 0 else 0)
+        tier = self.tiers[t]
+        used = len(tier) + (self.staging.slots if t == 0 else 0)
         need = used + count - tier.capacity
         if need <= 0:
             return True
-        self._pins.expire()
+        self.pins.expire()
         victims = []
-        for key in self._orders[t].candidates():
+        for key in self.orders[t].candidates():
             if not self._stops(protect, t, key):
                 victims.append(key)
                 if len(victims) == need:
@@ -222,19 +252,19 @@ class Placement:
             return key in protect
         if key in protect.hard:
             return True
-        return key in protect.soft and not any(key in tier for tier in self._tiers[t + 1 :])
+        return key in protect.soft and not any(key in tier for tier in self.tiers[t + 1 :])
 
     def _evict(self, t: int, key: BlockKey, protect: Container[BlockKey]) -> None:
         """Move ``key`` from tier ``t`` one tier down, or out of the store from the last."""
-        tier = self._tiers[t]
-        self._tier_evictions[t] += 1
+        tier = self.tiers[t]
+        self.tier_evictions[t] += 1
         below = t + 1
-        if below < len(self._tiers) and (
-            key in self._tiers[below] or self._demote(tier, below, key, protect)
+        if below < len(self.tiers) and (
+            key in self.tiers[below] or self._demote(tier, below, key, protect)
         ):
-            self._stats.demotions += 1
-        elif all(key not in other for other in self._tiers if other is not tier):
-            self._stats.evictions += 1
+            self.stats.demotions += 1
+        elif all(key not in other for other in self.tiers if other is not tier):
+            self.stats.evictions += 1
         tier.delete(key)
 
     def _demote(self, tier: Tier, below: int, key: BlockKey, protect: Container[BlockKey]) -> bool:
@@ -243,17 +273,17 @@ class Placement:
         with tier.reading() as read:
             src = read(key)
             if src is None:
-                self._stats.corrupt += 1
+                self.stats.corrupt += 1
                 return False
-            self._tiers[below].store(key, src)
+            self.tiers[below].store(key, src)
         return True
 
-    def _use(self, key: BlockKey, data: BlockArray, protect: set[BlockKey]) -> None:
+    def use(self, key: BlockKey, data: BlockArray, protect: set[BlockKey]) -> None:
         """Record a hit on ``key`` and promote it to the top tier where policy says so."""
-        t = self._locate(key)
+        t = self.locate(key)
         assert t is not None
-        source = self._tiers[t]
-        if t == 0 or not self.promote or self._pins.is_pinned(key):
+        source = self.tiers[t]
+        if t == 0 or not self.promote or self.pins.is_pinned(key):
             source.touch(key)
             return
         if source.persistent:  # copy up; the persistent copy stays and counts as used
@@ -266,68 +296,68 @@ class Placement:
             if not self._make_room(0, protect):
                 source.store(key, data)
                 return
-        self._tiers[0].store(key, data)
-        self._stats.promotions += 1
+        self.tiers[0].store(key, data)
+        self.stats.promotions += 1
 
-    def _fresh(self, keys: Sequence[BlockKey]) -> dict[BlockKey, int]:
+    def fresh(self, keys: Sequence[BlockKey]) -> dict[BlockKey, int]:
         """The keys not stored yet, each with its first index; present keys count as used
         and repeats as duplicates."""
         fresh: dict[BlockKey, int] = {}
-        top, lower = self._tiers[0], len(self._tiers) > 1
+        top, lower = self.tiers[0], len(self.tiers) > 1
         top_index = top.index
         for i, key in enumerate(keys):  # per key: the top tier and the batch asked inline
             if key in top_index:
                 top.touch(key)
             elif key in fresh:
                 continue
-            elif lower and (t := self._locate(key)) is not None:
-                self._tiers[t].touch(key)
+            elif lower and (t := self.locate(key)) is not None:
+                self.tiers[t].touch(key)
             else:
                 fresh[key] = i
-        self._stats.duplicates += len(keys) - len(fresh)
+        self.stats.duplicates += len(keys) - len(fresh)
         return fresh
 
-    def _drop_corrupt(self, keys: list[BlockKey]) -> None:
+    def drop_corrupt(self, keys: list[BlockKey]) -> None:
         """Drop blocks found bad, for good (see Tier.discard); one purge for them all."""
         shown = ", ".join(key.hex()[:16] for key in keys[:4])
         _log.warning(
             "%d corrupt block(s) dropped (%s): a miss, never wrong bytes", len(keys), shown
         )
-        self._stats.corrupt += len(keys)
-        self._stats.misses += len(keys)
-        with self._batch():
+        self.stats.corrupt += len(keys)
+        self.stats.misses += len(keys)
+        with self.batch():
             for key in keys:
-                for tier in self._tiers:
+                for tier in self.tiers:
                     if key in tier and tier.persistent:
                         tier.discard(key)
 
-    def _withdraw(self, keys: Iterable[BlockKey]) -> None:
+    def withdraw(self, keys: Iterable[BlockKey]) -> None:
         """Take the blocks of a failed put or commit out of every tier. A disk delete
         stands even when its batch fails, so that failure hides nothing: it is dropped."""
-        with contextlib.suppress(StoreError), self._batch():
+        with contextlib.suppress(StoreError), self.batch():
             for key in keys:
-                for tier in self._tiers:
+                for tier in self.tiers:
                     if key in tier:
                         tier.delete(key)
 
-    def _check_lift_room(self, top: SlotTier, protect: set[BlockKey], lifts: int) -> None:
+    def check_lift_room(self, top: SlotTier, protect: set[BlockKey], lifts: int) -> None:
         """Raise StoreFull unless the top tier can take ``lifts`` more blocks next to the
         ones of ``protect`` it holds: slots of staged puts and pinned blocks stay."""
-        room = self._freeable(0) - (len(protect) - lifts)
-        room += sum(key in self._orders[0].held for key in protect)  # counted once, as kept
+        room = self.freeable(0) - (len(protect) - lifts)
+        room += sum(key in self.orders[0].held for key in protect)  # counted once, as kept
         if lifts > room:
             raise StoreFull(
                 f"{lifts} block(s) to copy up but the {top.name} tier can free at most "
                 f"{max(room, 0)} slot(s) (the others are pinned or staged)"
             )
 
-    def _lift(
+    def lift(
         self, t: int, key: BlockKey, protect: set[BlockKey], early: Prefetched | None = None
     ) -> bool:
         """Copy ``key`` from tier ``t`` into the top tier (moving it out of a memory tier);
         False when it is found bad (it is dropped, and nothing was moved for it). A copy in
         ``early`` stands in for the read if it is still of the block's current version."""
-        source = self._tiers[t]
+        source = self.tiers[t]
         data = early.get(source, key) if early is not None else None
         if data is not None:
             self._store_lifted(key, data, protect)
@@ -335,32 +365,32 @@ class Placement:
             with source.reading() as read:
                 data = read(key)
                 if data is None:
-                    self._drop_corrupt([key])
+                    self.drop_corrupt([key])
                     return False
                 self._store_lifted(key, data, protect)
         if not source.persistent:
             source.delete(key)
-        self._stats.promotions += 1
+        self.stats.promotions += 1
         return True
 
     def _store_lifted(self, key: BlockKey, data: BlockArray, protect: set[BlockKey]) -> None:
         if not self._make_room(0, protect):  # unreachable: pin_resident checked
-            raise StoreFull(f"the {self._tiers[0].name} tier has no unpinned slot")
-        self._tiers[0].store(key, data)
+            raise StoreFull(f"the {self.tiers[0].name} tier has no unpinned slot")
+        self.tiers[0].store(key, data)
 
-    def _check_open(self) -> None:
-        if self._closed:
+    def check_open(self) -> None:
+        if self.closed:
             raise StoreClosed("the store is closed")
 
-    def _lifetime(self, ttl: float | None) -> float:
+    def lifetime(self, ttl: float | None) -> float:
         lifetime = self.pin_ttl if ttl is None else ttl
         if not lifetime > 0:
             raise ValueError(f"ttl must be positive, got {lifetime}")
         return lifetime
 
-    def _release(self, lease: Lease) -> None:
-        with self._lock:
-            self._pins.release(lease.id, lease.keys)
+    def release(self, lease: Lease) -> None:
+        with self.lock:
+            self.pins.release(lease.id, lease.keys)
 
 
 class Prefetched:

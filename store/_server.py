@@ -42,7 +42,6 @@ import msgpack
 from .._bounded_log import BoundedLog
 from ..transfer import Caller, NotifyRefused, TransferEngine
 from ._errors import BlockNotFound, BlockPinned, LeaseExpired, StoreError
-from ._handoff import hand_off, restore, take
 from ._metrics import ServerMetrics, metrics_token
 from ._namespace_table import NamespaceTable
 from ._namespaces import Namespace
@@ -276,7 +275,7 @@ class CacheServer:
                     f"(at most {tenant.max_leases}): commit or release some"
                 )
         share = int(ns.slots * tenant.slots)
-        held = ns.book.held_by[tenant.name] + ns.holds_by[tenant.name]  # its pushes' holds too
+        held = ns.book.held_by[tenant.name] + ns.holds.of(tenant.name)  # its pushes' holds too
         if tenant.slots < 1 and held + blocks > share:
             raise TooManyRequests(
                 f"tenant {tenant.label} holds {held} slots of {ns.label}; with {blocks} more "
@@ -316,7 +315,7 @@ class CacheServer:
         own stagings (``_puts``), when they fit."""
         ns = self._namespace(caller, body)
         keys = keys_field(body)
-        new, room = ns.store.room_for(keys)
+        new, room = ns.remote.room_for(keys)
         put = _put_id(body)
         if put is not None and new <= room:
             ttl = self.config.lease_ttl
@@ -334,7 +333,7 @@ class CacheServer:
         if not keys:
             return {"lease": 0, "slots": [], "saved_bytes": 0}
         self._room(caller, ns, len(keys))
-        lease, slots = ns.store.stage(keys, ttl=ttl, owner=caller.session, protect=protect)
+        lease, slots = ns.remote.stage(keys, ttl=ttl, owner=caller.session, protect=protect)
         saved = (len(keys) - sum(slot is not None for slot in slots)) * ns.store.block_bytes
         self.metrics.saved.inc(saved)
         if lease:
@@ -347,14 +346,14 @@ class CacheServer:
         lease = message_field(body, "lease", int)
         staged = ns.book.stagings.get(lease)
         mine = staged is not None and staged.session == caller.session
-        if mine and ns.store.staging_busy(lease):
+        if mine and ns.remote.staging_busy(lease):
             raise BadRequest(f"lease {lease}: a commit while writes into it are in flight")
         ns.book.take_staging(lease, caller.session)
-        keys = ns.store.staged_keys(lease)
-        stored = ns.store.commit(lease)
+        keys = ns.remote.staged_keys(lease)
+        stored = ns.remote.commit(lease)
         ttl = min(self.config.handoff_ttl, self.config.lease_ttl)
         tenant = self._tenant(caller)
-        hand_off(ns, keys, ttl, tenant.name, tenant.slots)
+        ns.holds.hand_off(keys, ttl, tenant.name, tenant.slots)
         return {"stored": stored}
 
     def _abort(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
@@ -363,7 +362,7 @@ class CacheServer:
         staged = ns.book.stagings.get(lease)
         if staged is not None and staged.session == caller.session:  # else: nothing to give
             ns.book.take_staging(lease, caller.session)
-            ns.store.abort(lease)
+            ns.remote.abort(lease)
         return {}
 
     def _prefetch(self, caller: Caller, body: dict[str, Any]) -> Prefetched | None:
@@ -373,7 +372,7 @@ class CacheServer:
             with self._state:
                 ns = self._namespace(caller, body)
                 keys = keys_field(body)
-            return ns.store.prefetch(keys) if len(keys) <= ns.request_blocks else None
+            return ns.remote.prefetch(keys) if len(keys) <= ns.request_blocks else None
         except StoreError:
             return None
 
@@ -385,9 +384,9 @@ class CacheServer:
         if not keys:
             return {"lease": 0, "slots": []}  # nothing to read: no lease to count
         self._room(caller, ns, len(keys))
-        lease, slots = ns.store.pin_resident(keys, ttl=self.config.lease_ttl, early=early)
+        lease, slots = ns.remote.pin_resident(keys, ttl=self.config.lease_ttl, early=early)
         ns.book.add_pin(caller.session, lease, slots, caller.principal)
-        take(ns, keys)  # their first read: the handoff holds have done their job
+        ns.holds.take(keys)  # their first read: the handoff holds have done their job
         return {"lease": lease.id, "slots": slots}
 
     def _release(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
@@ -403,17 +402,17 @@ class CacheServer:
     def _remove(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
         ns = self._namespace(caller, body)
         keys = keys_field(body)
-        holds = take(ns, keys)  # a handoff hold must not make removal fail
+        holds = ns.holds.take(keys)  # a handoff hold must not make removal fail
         try:
             return {"removed": ns.store.remove(keys)}
         except BlockPinned:  # refused: the holds it released come back, nothing changed
-            restore(ns, holds)
+            ns.holds.restore(holds)
             raise
 
     def _clear(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
         """Every block of the namespace that no reader has pinned; handoff holds end."""
         ns = self._namespace(caller, body)
-        take(ns, list(ns.unread))
+        ns.holds.take(ns.holds.keys())
         return {"removed": ns.store.clear()}
 
     def _stats(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:

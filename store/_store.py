@@ -15,10 +15,11 @@ and raises :class:`StoreFull` otherwise. Pinned blocks (see :meth:`TieredStore.p
 never evicted, demoted, promoted or removed. All methods are thread-safe (one lock; the
 copies run under it, and numpy releases the GIL while copying).
 
-The class is split by job: this module has construction and the local API; ``_store_build``
-builds the tiers from the settings; ``_placement`` holds the shared state and the placement
-cascade (room, place, evict, demote, promote, lift); ``_remote`` what a cache server hands
-to remote clients (staged puts, resident pins, write admission).
+The store holds one :class:`Placement` (``_placement``: the tiers, their orders, the pins and
+the lock, and the placement cascade: room, place, evict, demote, promote, lift) and is the
+local API over it; ``_store_build`` builds the tiers from the settings. What a cache server
+hands to remote clients (staged puts, resident pins, write admission) is a second object
+over the same placement, :class:`RemoteAccess` (``_remote``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Literal
@@ -40,15 +40,10 @@ from ._errors import (
     StoreError,
     StoreFull,
 )
-from ._held import HeldOrder
 from ._keys import BlockKey, check_keys
-from ._pins import DEFAULT_PIN_TTL_S, Lease, PinTable
-from ._placement import Keep
-from ._policy import check_policy
-from ._remote import RemoteAccess
-from ._slots import SlotTier
+from ._pins import DEFAULT_PIN_TTL_S, Lease
+from ._placement import Keep, Placement
 from ._spill import spill
-from ._staging import StagingTable
 from ._stats import StoreStats, TierStats
 from ._store_build import DiskBound, PolicySpec, build_tiers
 from ._tier import Tier
@@ -56,7 +51,7 @@ from ._tier import Tier
 _log = logging.getLogger("kvbridge.store")
 
 
-class TieredStore(RemoteAccess, Closing):
+class TieredStore(Closing):
     """A KV-block store over device, host and disk tiers (any subset, in that order).
 
     ``block_bytes`` is the fixed size of every block. Capacities are bytes or strings like
@@ -138,49 +133,48 @@ class TieredStore(RemoteAccess, Closing):
         pin_ttl: float,
         clock: Callable[[], float],
     ) -> None:
-        if not tiers:
-            raise ValueError("a store needs at least one tier with a non-zero capacity")
-        sizes = {tier.block_bytes for tier in tiers}
-        if len(sizes) != 1:
-            raise ValueError(f"tiers disagree on the block size: {sorted(sizes)}")
-        if not pin_ttl > 0:
-            raise ValueError(f"pin_ttl must be positive, got {pin_ttl}")
-        persistent = [i for i, tier in enumerate(tiers) if tier.persistent]
-        if write_through and not persistent:
-            raise ValueError("write_through needs a disk tier")
-        self.block_bytes: int = sizes.pop()
-        self._tiers = tiers
-        self._persistent: int | None = persistent[-1] if persistent else None
-        self.write_through = write_through
-        self.promote = promote
-        self.pin_ttl = pin_ttl
-        self._lock = threading.RLock()
-        self._pins = PinTable(clock, on_change=self._pin_changed)
-        self._orders = [HeldOrder(check_policy(tier.policy), self._pins) for tier in tiers]
-        for tier, order in zip(tiers, self._orders, strict=True):
-            tier.policy = order  # the tier tells it what happens; pinned keys leave its walk
-        self.clock = clock
-        top = tiers[0]
-        self._staging = StagingTable(
-            top.capacity if isinstance(top, SlotTier) else 0, clock=self._pins.clock
+        self._placement = Placement(
+            tiers, write_through=write_through, promote=promote, pin_ttl=pin_ttl, clock=clock
         )
-        self._stats = StoreStats()
-        self._tier_evictions = [0] * len(tiers)
-        self._closed = False
+        self.block_bytes: int = self._placement.block_bytes
+
+    @property
+    def placement(self) -> Placement:
+        """The state and cascade under the store, for :class:`RemoteAccess` (a cache
+        server's staged puts and resident pins over this store): mutate it only under its
+        lock, through its methods."""
+        return self._placement
+
+    @property
+    def write_through(self) -> bool:
+        return self._placement.write_through
+
+    @property
+    def promote(self) -> bool:
+        return self._placement.promote
+
+    @property
+    def pin_ttl(self) -> float:
+        return self._placement.pin_ttl
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """Times pins and staged puts (``time.monotonic`` unless a test gives its own)."""
+        return self._placement.clock
 
     # -- queries -----------------------------------------------------------------------
 
     @property
     def tiers(self) -> tuple[Tier, ...]:
         """The tiers, highest first (for inspection; mutate them only through the store)."""
-        return tuple(self._tiers)
+        return tuple(self._placement.tiers)
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key is present in any tier. Does not count as a use."""
         checked = check_keys(keys)
-        with self._lock:
-            self._check_open()
-            return [self._locate(key) is not None for key in checked]
+        with self._placement.lock:
+            self._placement.check_open()
+            return [self._placement.locate(key) is not None for key in checked]
 
     def match_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading keys are present: the cache hit of a chained prefix, in blocks.
@@ -189,9 +183,9 @@ class TieredStore(RemoteAccess, Closing):
         before reading them if other threads may evict them meanwhile.
         """
         checked = check_keys(keys)
-        with self._lock:
-            self._check_open()
-            indexes = [tier.index for tier in self._tiers]
+        with self._placement.lock:
+            self._placement.check_open()
+            indexes = [tier.index for tier in self._placement.tiers]
             for count, key in enumerate(checked):
                 for index in indexes:
                     if key in index:
@@ -202,8 +196,9 @@ class TieredStore(RemoteAccess, Closing):
 
     def stats(self) -> StoreStats:
         """A snapshot of the counters and of each tier's occupancy."""
-        with self._lock:
-            snapshot = StoreStats(**{**self._stats.__dict__, "tiers": []})
+        placement = self._placement
+        with placement.lock:
+            snapshot = StoreStats(**{**self._placement.stats.__dict__, "tiers": []})
             snapshot.tiers = [
                 TierStats(
                     name=tier.name,
@@ -213,7 +208,9 @@ class TieredStore(RemoteAccess, Closing):
                     capacity_bytes=tier.capacity * self.block_bytes,
                     evictions=evictions,
                 )
-                for tier, evictions in zip(self._tiers, self._tier_evictions, strict=True)
+                for tier, evictions in zip(
+                    self._placement.tiers, self._placement.tier_evictions, strict=True
+                )
             ]
             return snapshot
 
@@ -233,35 +230,35 @@ class TieredStore(RemoteAccess, Closing):
         """
         checked = check_keys(keys)
         sources, source_at = split_blocks(blocks, len(checked), self.block_bytes, writable=False)
-        with self._lock:
-            self._check_open()
+        with self._placement.lock:
+            self._placement.check_open()
             stored = [False] * len(checked)
-            fresh = self._fresh(checked)
+            fresh = self._placement.fresh(checked)
             if not fresh:
                 return stored
-            room = self._room_beside(checked)
+            room = self._placement.room_beside(checked)
             if len(fresh) > room:
                 raise StoreFull(
                     f"{len(fresh)} new block(s) but the tiers hold at most {max(room, 0)} "
-                    f"more beside the put's stored ones ({len(self._pins.pinned())} pinned "
-                    "block(s) cannot be evicted)"
+                    f"more beside the put's stored ones ({len(self._placement.pins.pinned())} "
+                    "pinned block(s) cannot be evicted)"
                 )
             protect = Keep(fresh.keys(), set(checked))  # none of the put for another of it
             try:
-                with self._batch():
+                with self._placement.batch():
                     # One walk frees the top tier for the whole batch when it can (else each
                     # block finds its tier below); per-block walks past pinned blocks were
                     # O(pinned x batch).
-                    self._make_room_for(0, len(fresh), protect)
-                    if not self._place_all(fresh, sources, source_at, protect):
-                        self._place_each(fresh, sources, source_at, protect)
+                    self._placement.make_room_for(0, len(fresh), protect)
+                    if not self._placement.place_all(fresh, sources, source_at, protect):
+                        self._placement.place_each(fresh, sources, source_at, protect)
             except BaseException:
-                self._withdraw(fresh)  # blocks moved to make room stay where they went
+                self._placement.withdraw(fresh)  # blocks moved to make room stay where they went
                 raise
             for i in fresh.values():
                 stored[i] = True
-            self._stats.puts += len(fresh)
-            self._stats.bytes_in += len(fresh) * self.block_bytes
+            self._placement.stats.puts += len(fresh)
+            self._placement.stats.bytes_in += len(fresh) * self.block_bytes
             return stored
 
     def get(self, keys: Sequence[bytes], out: object) -> None:
@@ -273,36 +270,39 @@ class TieredStore(RemoteAccess, Closing):
         """
         checked = check_keys(keys)
         targets, target_at = split_blocks(out, len(checked), self.block_bytes, writable=True)
-        with self._lock:
-            self._check_open()
-            found = [self._locate(key) for key in checked]
+        with self._placement.lock:
+            self._placement.check_open()
+            found = [self._placement.locate(key) for key in checked]
             missing = [key for key, t in zip(checked, found, strict=True) if t is None]
             if missing:
-                self._stats.misses += len(missing)
+                self._placement.stats.misses += len(missing)
                 raise BlockNotFound(missing)
             where = [t for t in found if t is not None]
             with contextlib.ExitStack() as scopes:
-                readers = {t: scopes.enter_context(self._tiers[t].reading()) for t in set(where)}
+                readers = {
+                    t: scopes.enter_context(self._placement.tiers[t].reading()) for t in set(where)
+                }
                 sources: list[BlockArray | None] = [
                     readers[t](key) for key, t in zip(checked, where, strict=True)
                 ]
                 corrupt = [key for key, src in zip(checked, sources, strict=True) if src is None]
                 if not corrupt:
                     source_at = [
-                        self._tiers[t].position(key) for key, t in zip(checked, where, strict=True)
+                        self._placement.tiers[t].position(key)
+                        for key, t in zip(checked, where, strict=True)
                     ]
                     copy_blocks(targets, sources, target_at, source_at)
             if corrupt:
-                self._drop_corrupt(corrupt)
+                self._placement.drop_corrupt(corrupt)
                 raise BlockNotFound(corrupt)
-            self._stats.hits += len(checked)
-            self._stats.bytes_out += len(checked) * self.block_bytes
+            self._placement.stats.hits += len(checked)
+            self._placement.stats.bytes_out += len(checked) * self.block_bytes
             protect = set(checked)
             # Promotion is best effort: a disk that refuses a demoted block ends it (what
             # moved stays consistent, see DiskTier.batch); the hit stands.
-            with contextlib.suppress(StoreError), self._batch():
+            with contextlib.suppress(StoreError), self._placement.batch():
                 for key, dst in zip(checked, targets, strict=True):
-                    self._use(key, dst, protect)
+                    self._placement.use(key, dst, protect)
 
     # -- pins and removal --------------------------------------------------------------
 
@@ -316,19 +316,25 @@ class TieredStore(RemoteAccess, Closing):
         lifetime = self.pin_ttl if ttl is None else ttl
         if not lifetime > 0:
             raise ValueError(f"ttl must be positive, got {lifetime}")
-        with self._lock:
-            self._check_open()
-            missing = [key for key in checked if self._locate(key) is None]
+        with self._placement.lock:
+            self._placement.check_open()
+            missing = [key for key in checked if self._placement.locate(key) is None]
             if missing:
                 raise BlockNotFound(missing)
-            lease_id, deadline = self._pins.add(checked, lifetime)
-            return Lease(self._release, self._pins.clock, lease_id, tuple(checked), deadline)
+            lease_id, deadline = self._placement.pins.add(checked, lifetime)
+            return Lease(
+                self._placement.release,
+                self._placement.pins.clock,
+                lease_id,
+                tuple(checked),
+                deadline,
+            )
 
     def unpin(self, keys: Sequence[bytes]) -> None:
         """Release one pin on each key (the one that expires first); unpinned keys are fine."""
         checked = check_keys(keys)
-        with self._lock:
-            self._pins.release_one(checked)
+        with self._placement.lock:
+            self._placement.pins.release_one(checked)
 
     def remove(self, keys: Sequence[bytes]) -> list[bool]:
         """Remove blocks from every tier; return whether each key was present.
@@ -336,40 +342,40 @@ class TieredStore(RemoteAccess, Closing):
         Raises :class:`BlockPinned`, removing nothing, if any present key is pinned.
         """
         checked = check_keys(keys)
-        with self._lock:
-            self._check_open()
-            pinned = [key for key in checked if self._pins.is_pinned(key)]
+        with self._placement.lock:
+            self._placement.check_open()
+            pinned = [key for key in checked if self._placement.pins.is_pinned(key)]
             if pinned:
                 raise BlockPinned(pinned)
             return self._delete(checked)
 
     def clear(self) -> int:
         """Remove every block that no lease pins, from every tier; return how many."""
-        with self._lock:
-            self._check_open()
+        with self._placement.lock:
+            self._placement.check_open()
             held: set[BlockKey] = set()
-            for tier in self._tiers:
+            for tier in self._placement.tiers:
                 held.update(tier.keys())
-            return sum(self._delete([k for k in held if not self._pins.is_pinned(k)]))
+            return sum(self._delete([k for k in held if not self._placement.pins.is_pinned(k)]))
 
     def _delete(self, keys: Sequence[BlockKey]) -> list[bool]:
         removed = []
-        with self._batch():
+        with self._placement.batch():
             for key in keys:
-                holders = [tier for tier in self._tiers if key in tier]
+                holders = [tier for tier in self._placement.tiers if key in tier]
                 for tier in holders:
                     tier.delete(key)
                 removed.append(bool(holders))
-        self._stats.removed += sum(removed)
+        self._placement.stats.removed += sum(removed)
         return removed
 
     def check(self, *, repair: bool = False) -> CheckReport:
         """Verify every block of the persistent tier against its checksum."""
-        with self._lock:
-            self._check_open()
-            if self._persistent is None:
+        with self._placement.lock:
+            self._placement.check_open()
+            if self._placement.persistent is None:
                 return CheckReport()
-            disk = self._tiers[self._persistent]
+            disk = self._placement.tiers[self._placement.persistent]
             assert isinstance(disk, DiskTier)
             return disk.check(repair=repair)
 
@@ -378,15 +384,15 @@ class TieredStore(RemoteAccess, Closing):
         blocks held only in memory are first written to it (newest first, as many as its
         free room takes: it evicts nothing for them), so that a reopened store serves them:
         ``close()`` costs one disk write per memory-only block (see ``_spill``)."""
-        with self._lock:
-            if self._closed:
+        with self._placement.lock:
+            if self._placement.closed:
                 return
-            self._closed = True
+            self._placement.closed = True
             try:
-                if self._persistent is not None:
-                    spill(self._tiers, self._tiers[self._persistent])
+                if self._placement.persistent is not None:
+                    spill(self._placement.tiers, self._placement.tiers[self._placement.persistent])
             finally:
-                for tier in self._tiers:
+                for tier in self._placement.tiers:
                     tier.close()
 
     # -- internals ---------------------------------------------------------------------

@@ -64,7 +64,7 @@ _ON_TINY_FS = (
 import json
 import numpy as np
 from helpers import keys, payload, payloads
-from kvbridge.store import BlockNotFound, StoreFull, TieredStore
+from kvbridge.store import BlockNotFound, RemoteAccess, StoreFull, TieredStore
 BB = 64 << 10
 def readable(store, ks):
     out = np.empty((1, BB), np.uint8)
@@ -82,10 +82,10 @@ store = TieredStore(BB, host_capacity=host * BB, disk_path=sys.argv[1],
 def write(ks):
     if via == "put":
         return store.put(ks, payloads(ks, BB))
-    lease, slots = store.stage(ks)
+    lease, slots = RemoteAccess(store).stage(ks)
     for slot, k in zip(slots, ks):
         store.tiers[0].memory.slot(slot)[:] = payload(k, BB)
-    return store.commit(lease)
+    return RemoteAccess(store).commit(lease)
 first, big, after = keys(0, 8), keys(100, 132), keys(200, 204)
 write(first)                  # 512 KiB: fits in the 2 MiB
 error = None
@@ -96,7 +96,7 @@ except StoreFull as e:
 result = {"error": error, "visible": sum(store.contains(big))}
 write(after)                  # 256 KiB: fits in what is left
 if host:                      # every slot not holding a block can be staged
-    store.abort(store.stage(keys(300, 300 + host - 12))[0])
+    RemoteAccess(store).abort(RemoteAccess(store).stage(keys(300, 300 + host - 12))[0])
 store.close()
 store = TieredStore(BB, host_capacity=0, disk_path=sys.argv[1], disk_capacity=1024 * BB)
 result["readable"] = readable(store, first + after)

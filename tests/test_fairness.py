@@ -17,7 +17,14 @@ import pytest
 import zmq
 from helpers import keys, payloads
 
-from kvbridge.store import CacheServer, ServerConfig, StoreClient, TieredStore, _disk_reads
+from kvbridge.store import (
+    CacheServer,
+    RemoteAccess,
+    ServerConfig,
+    StoreClient,
+    TieredStore,
+    _disk_reads,
+)
 from kvbridge.store._disk import DiskTier
 from kvbridge.transfer import Caller, TransferEngine
 from kvbridge.transfer._calls import MAX_QUEUED_CALLS, CallPool, CallsFull
@@ -99,17 +106,18 @@ def test_a_prefetched_copy_stands_in_for_the_locked_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with _disk_store(tmp_path) as store:
+        remote = RemoteAccess(store)
         ks = keys(0, 3)
         store.put(ks, payloads(ks, BB))
         _evict(store, 1000)
-        early = store.prefetch(ks + keys(1000, 1001))  # a block in memory is not read
+        early = remote.prefetch(ks + keys(1000, 1001))  # a block in memory is not read
         assert len(early) == 3
 
         def no_disk(tier: DiskTier) -> Any:
             raise AssertionError("the disk was read under the lock")
 
         monkeypatch.setattr(DiskTier, "reading", no_disk)
-        lease, _ = store.pin_resident(ks, early=early)
+        lease, _ = remote.pin_resident(ks, early=early)
         lease.release()
         monkeypatch.undo()
         out = np.zeros((3, BB), np.uint8)
@@ -119,16 +127,17 @@ def test_a_prefetched_copy_stands_in_for_the_locked_read(
 
 def test_a_prefetched_copy_of_a_rewritten_block_is_never_served(tmp_path: Path) -> None:
     with _disk_store(tmp_path) as store:
+        remote = RemoteAccess(store)
         k = keys(0, 1)
         store.put(k, payloads(k, BB))
         _evict(store, 1000)
-        early = store.prefetch(k)
+        early = remote.prefetch(k)
         assert len(early) == 1
         store.remove(k)  # the key is given other bytes between the prefetch and the pin
         other = payloads(keys(7, 8), BB)
         store.put(k, other)
         _evict(store, 2000)
-        lease, _ = store.pin_resident(k, early=early)
+        lease, _ = remote.pin_resident(k, early=early)
         lease.release()
         out = np.zeros((1, BB), np.uint8)
         store.get(k, out)
@@ -141,11 +150,13 @@ def test_a_prefetch_of_a_closed_store_or_bad_keys_changes_nothing(tmp_path: Path
     store.put(ks, payloads(ks, BB))
     _evict(store, 1000)
     before = store.stats()
-    assert len(store.prefetch(ks + keys(50, 51))) == 2  # an absent key is just not read
+    assert (
+        len(RemoteAccess(store).prefetch(ks + keys(50, 51))) == 2
+    )  # an absent key is just not read
     assert store.stats() == before
     store.close()
     with pytest.raises(Exception, match="closed"):
-        store.prefetch(ks)
+        RemoteAccess(store).prefetch(ks)
 
 
 @pytest.fixture
@@ -236,6 +247,7 @@ def _grow_and_close(path: Path) -> None:
 
     _disk_reads._verified = slow  # type: ignore[assignment]  # this process only
     store = TieredStore(BB, host_capacity=32 * BB, disk_path=path, disk_capacity=4096 * BB)
+    remote = RemoteAccess(store)
     cold = keys(0, 8)
     store.put(cold, payloads(cold, BB))
     filler = keys(1000, 1032)
@@ -247,9 +259,9 @@ def _grow_and_close(path: Path) -> None:
     def prefetcher() -> None:
         try:
             while not stop.is_set():
-                early = store.prefetch(cold)
+                early = remote.prefetch(cold)
                 reads[0] += len(early)
-                lease, _ = store.pin_resident(cold, early=early)
+                lease, _ = remote.pin_resident(cold, early=early)
                 out = np.zeros((len(cold), BB), np.uint8)
                 store.get(cold, out)
                 lease.release()

@@ -11,7 +11,15 @@ import numpy as np
 import pytest
 from helpers import FakeClock, key, keys, payloads
 
-from kvbridge.store import POLICIES, BlockKey, HostSlab, SlotTier, StoreFull, TieredStore
+from kvbridge.store import (
+    POLICIES,
+    BlockKey,
+    HostSlab,
+    RemoteAccess,
+    SlotTier,
+    StoreFull,
+    TieredStore,
+)
 from kvbridge.store._order import StampOrder
 
 BB = 128
@@ -104,6 +112,7 @@ def _counting(store: TieredStore) -> list[int]:
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_making_room_reads_only_its_victims_however_many_are_pinned(name: str) -> None:
     with TieredStore(BB, host_capacity=1000 * BB, policy=name) as store:
+        remote = RemoteAccess(store)
         old, new = keys(0, 1000), keys(1000, 1050)
         store.put(old, payloads(old, BB))
         lease = store.pin(old[:900])  # the coldest 900
@@ -113,10 +122,10 @@ def test_making_room_reads_only_its_victims_however_many_are_pinned(name: str) -
         assert store.contains(old[:900]) == [True] * 900
         assert sum(store.contains(old[900:])) == 50
         lease.release()
-        lid, slots = store.stage(keys(2000, 2010))
+        lid, slots = remote.stage(keys(2000, 2010))
         assert walked[0] == 60 and None not in slots  # released: the coldest again
         assert store.contains(old[:10]) == [False] * 10
-        store.abort(lid)
+        remote.abort(lid)
 
 
 def test_an_expired_pin_puts_its_block_back_in_the_walk() -> None:
@@ -134,17 +143,18 @@ def test_an_expired_pin_puts_its_block_back_in_the_walk() -> None:
 
 def test_a_block_copied_up_while_pinned_is_pinned_in_its_new_tier(tmp_path: Path) -> None:
     with TieredStore(BB, host_capacity=2 * BB, disk_path=tmp_path, disk_capacity=8 * BB) as s:
+        remote = RemoteAccess(s)
         a, b, c = keys(0, 3)
         s.put([a, b, c], payloads([a, b, c], BB))  # a on disk only, b and c in host
         held = s.pin([a])
-        lease, _ = s.pin_resident([a])  # copied up next to its disk copy
+        lease, _ = remote.pin_resident([a])  # copied up next to its disk copy
         lease.release()  # the first lease still pins a, in both tiers
         with pytest.raises(StoreFull, match="1 pinned"):
-            s.stage(keys(10, 12))
+            remote.stage(keys(10, 12))
         held.release()
-        lid, slots = s.stage(keys(10, 12))
+        lid, slots = remote.stage(keys(10, 12))
         assert None not in slots
-        s.abort(lid)
+        remote.abort(lid)
         out = np.zeros((1, BB), np.uint8)
         s.get([a], out)
         np.testing.assert_array_equal(out, payloads([a], BB))
@@ -181,7 +191,7 @@ def test_unpin_ends_a_lease_whose_last_key_it_released() -> None:
             store.pin([a], ttl=float("inf"))
             store.unpin([a])
         assert store.remove([a]) == [True]  # not pinned
-        assert len(store._pins._leases) == 0
+        assert store.placement.pins.open_leases == 0
 
 
 def test_a_key_named_twice_in_one_pin_is_held_once() -> None:

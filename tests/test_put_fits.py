@@ -13,6 +13,7 @@ from helpers import keys, payloads
 
 from kvbridge.store import (
     CacheServer,
+    RemoteAccess,
     ServerConfig,
     StoreClient,
     StoreFull,
@@ -157,7 +158,7 @@ def test_a_pin_still_keeps_its_blocks_in_memory_beside_a_disk_copy(tmp_path: Pat
         ks = keys(0, 8)
         store.put(ks, payloads(ks, BB))  # memory holds the last four, the disk all eight
         wanted = [ks[0], ks[5], ks[4]]  # one to lift, then two in memory: the oldest first
-        lease, slots = store.pin_resident(wanted)
+        lease, slots = RemoteAccess(store).pin_resident(wanted)
         assert len(set(slots)) == 3
         out = np.zeros((3, BB), np.uint8)
         store.get(wanted, out)

@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 from helpers import FakeClock, keys, payload, payloads
 
-from kvbridge.store import BlockKey, BlockNotFound, LeaseExpired, StoreFull, TieredStore
+from kvbridge.store import (
+    BlockKey,
+    BlockNotFound,
+    LeaseExpired,
+    RemoteAccess,
+    StoreFull,
+    TieredStore,
+)
 
 BB = 4096
 
@@ -23,153 +30,164 @@ def _fill(store: TieredStore, slots: list[int | None], ks: Sequence[bytes]) -> N
 
 def test_a_staged_put_is_invisible_until_commit() -> None:
     with TieredStore(BB, host_capacity=8 * BB) as store:
+        remote = RemoteAccess(store)
         ks = keys(0, 3)
-        lease, slots = store.stage(ks)
+        lease, slots = remote.stage(ks)
         assert lease > 0 and all(s is not None for s in slots) and len(set(slots)) == 3
         assert store.contains(ks) == [False] * 3
         _fill(store, slots, ks)
-        assert store.commit(lease) == 3
+        assert remote.commit(lease) == 3
         out = np.zeros((3, BB), np.uint8)
         store.get(ks, out)
         np.testing.assert_array_equal(out, payloads(ks, BB))
         with pytest.raises(LeaseExpired):
-            store.commit(lease)  # once only
+            remote.commit(lease)  # once only
 
 
 def test_present_and_repeated_keys_get_no_slot() -> None:
     with TieredStore(BB, host_capacity=8 * BB) as store:
+        remote = RemoteAccess(store)
         ks = keys(0, 2)
         store.put(ks[:1], payloads(ks[:1], BB))
-        lease, slots = store.stage([ks[0], ks[1], ks[1]])
+        lease, slots = remote.stage([ks[0], ks[1], ks[1]])
         assert slots[0] is None and slots[1] is not None and slots[2] is None
         assert store.stats().duplicates == 2
-        store.abort(lease)
-        assert store.stage(ks[:1]) == (0, [None])  # nothing to fill: no lease
+        remote.abort(lease)
+        assert remote.stage(ks[:1]) == (0, [None])  # nothing to fill: no lease
 
 
 def test_abort_and_expiry_give_the_slots_back() -> None:
     clock = FakeClock()
     with TieredStore(BB, host_capacity=2 * BB, clock=clock) as store:
+        remote = RemoteAccess(store)
         ks = keys(0, 4)
-        lease, _ = store.stage(ks[:2])
+        lease, _ = remote.stage(ks[:2])
         with pytest.raises(StoreFull):
-            store.stage(ks[2:3])  # both slots are staged
-        store.abort(lease)
-        short, _ = store.stage(ks[:2], ttl=5.0)
+            remote.stage(ks[2:3])  # both slots are staged
+        remote.abort(lease)
+        short, _ = remote.stage(ks[:2], ttl=5.0)
         clock.advance(5.0)
-        lease, slots = store.stage(ks[2:4])  # the expired lease was swept
+        lease, slots = remote.stage(ks[2:4])  # the expired lease was swept
         assert sorted(s for s in slots if s is not None) == [0, 1]
         with pytest.raises(LeaseExpired):
-            store.commit(short)
+            remote.commit(short)
         assert store.contains(ks[:2]) == [False, False]
 
 
 def test_a_lease_that_expires_before_commit_stores_nothing() -> None:
     clock = FakeClock()
     with TieredStore(BB, host_capacity=2 * BB, clock=clock) as store:
+        remote = RemoteAccess(store)
         ks = keys(0, 2)
-        lease, _ = store.stage(ks, ttl=5.0)
+        lease, _ = remote.stage(ks, ttl=5.0)
         clock.advance(5.0)
         with pytest.raises(LeaseExpired):
-            store.commit(lease)
+            remote.commit(lease)
         assert store.contains(ks) == [False, False]
-        assert store.stage(ks)[0] > 0  # and its slots are free again
+        assert remote.stage(ks)[0] > 0  # and its slots are free again
 
 
 def test_staging_evicts_unpinned_blocks_and_refuses_when_all_are_pinned() -> None:
     with TieredStore(BB, host_capacity=2 * BB) as store:
+        remote = RemoteAccess(store)
         old, new = keys(0, 2), keys(2, 4)
         store.put(old, payloads(old, BB))
         with store.pin(old[:1]):
             with pytest.raises(StoreFull, match="pinned"):
-                store.stage(new)  # one slot can be freed, two are needed
+                remote.stage(new)  # one slot can be freed, two are needed
             assert store.contains(old) == [True, True]  # nothing changed
-            lease, _ = store.stage(new[:1])
+            lease, _ = remote.stage(new[:1])
         assert store.contains(old) == [True, False]
-        store.abort(lease)
+        remote.abort(lease)
 
 
 def test_a_commit_racing_a_put_of_the_same_key_stores_it_once() -> None:
     with TieredStore(BB, host_capacity=4 * BB) as store:
+        remote = RemoteAccess(store)
         ks = keys(0, 1)
-        lease, _ = store.stage(ks)
+        lease, _ = remote.stage(ks)
         store.put(ks, payloads(ks, BB))
-        assert store.commit(lease) == 0
+        assert remote.commit(lease) == 0
         assert len(store.tiers[0]) == 1
-        assert store.stage(keys(1, 4))[0] > 0  # the duplicate's slot was freed
+        assert remote.stage(keys(1, 4))[0] > 0  # the duplicate's slot was freed
 
 
 def test_writes_are_admitted_only_for_the_owner_of_an_open_staging() -> None:
     with TieredStore(BB, host_capacity=4 * BB) as store:
-        lease, slots = store.stage(keys(0, 2), owner=5)
+        remote = RemoteAccess(store)
+        lease, slots = remote.stage(keys(0, 2), owner=5)
         assert slots == [0, 1]
         first, last = np.array([0, 1, 0, 2, 0, 5]), np.array([0, 1, 1, 2, 2, 5])
-        allowed, held = store.admit_writes(5, first, last)
+        allowed, held = remote.admit_writes(5, first, last)
         assert allowed.tolist() == [True, True, True, False, False, False]
         assert held == []  # a batch with a refused range holds nothing
-        assert not store.admit_writes(6, first[:3], last[:3])[0].any()  # another session
-        assert not store.admit_writes(0, first[:3], last[:3])[0].any()  # nobody's
-        local, _ = store.stage(keys(2, 3))  # staged without an owner: no remote writes
-        assert not store.admit_writes(0, np.array([2]), np.array([2]))[0].any()
-        store.abort(local)
-        store.commit(lease)
-        assert not store.admit_writes(5, first[:3], last[:3])[0].any()  # committed: over
+        assert not remote.admit_writes(6, first[:3], last[:3])[0].any()  # another session
+        assert not remote.admit_writes(0, first[:3], last[:3])[0].any()  # nobody's
+        local, _ = remote.stage(keys(2, 3))  # staged without an owner: no remote writes
+        assert not remote.admit_writes(0, np.array([2]), np.array([2]))[0].any()
+        remote.abort(local)
+        remote.commit(lease)
+        assert not remote.admit_writes(5, first[:3], last[:3])[0].any()  # committed: over
 
 
 def test_an_ended_staging_keeps_its_slots_until_admitted_writes_land() -> None:
     """A late write (its lease aborted or expired while its bytes arrive) must not land in
     a slot that was handed to someone else: the slots come back only after it."""
     with TieredStore(BB, host_capacity=4 * BB) as store:
-        lease, slots = store.stage(keys(0, 2), owner=5)
-        allowed, held = store.admit_writes(5, np.array([0, 1]), np.array([0, 1]))
+        remote = RemoteAccess(store)
+        lease, slots = remote.stage(keys(0, 2), owner=5)
+        allowed, held = remote.admit_writes(5, np.array([0, 1]), np.array([0, 1]))
         assert allowed.all() and held == [lease]
-        assert store.staging_busy(lease)
-        store.abort(lease)  # the lease ends with the write still in flight
-        assert not store.admit_writes(5, np.array([0]), np.array([0]))[0].any()
-        _, other = store.stage(keys(2, 4), owner=6)
+        assert remote.staging_busy(lease)
+        remote.abort(lease)  # the lease ends with the write still in flight
+        assert not remote.admit_writes(5, np.array([0]), np.array([0]))[0].any()
+        _, other = remote.stage(keys(2, 4), owner=6)
         assert set(other).isdisjoint(slots)  # the slots being written are not handed out
         with pytest.raises(StoreFull):
-            store.stage(keys(4, 6), owner=6)
-        store.end_writes(held)  # the late bytes are in: now the slots come back
-        assert not store.staging_busy(lease)
-        _, reused = store.stage(keys(4, 6), owner=6)
+            remote.stage(keys(4, 6), owner=6)
+        remote.end_writes(held)  # the late bytes are in: now the slots come back
+        assert not remote.staging_busy(lease)
+        _, reused = remote.stage(keys(4, 6), owner=6)
         assert sorted(reused) == sorted(slots)  # type: ignore[type-var]
 
 
 def test_an_expired_staging_keeps_its_slots_until_admitted_writes_land() -> None:
     clock = FakeClock()
     with TieredStore(BB, host_capacity=2 * BB, clock=clock) as store:
-        lease, slots = store.stage(keys(0, 2), owner=5, ttl=1.0)
-        _, held = store.admit_writes(5, np.array([0]), np.array([1]))
+        remote = RemoteAccess(store)
+        lease, slots = remote.stage(keys(0, 2), owner=5, ttl=1.0)
+        _, held = remote.admit_writes(5, np.array([0]), np.array([1]))
         assert held == [lease]
         clock.advance(1.0)  # expired mid-write
-        assert not store.admit_writes(5, np.array([0]), np.array([0]))[0].any()
+        assert not remote.admit_writes(5, np.array([0]), np.array([0]))[0].any()
         with pytest.raises(StoreFull):
-            store.stage(keys(2, 4), owner=6)  # sweeps the expired lease, slots still held
-        store.end_writes(held)
-        assert sorted(store.stage(keys(2, 4), owner=6)[1]) == sorted(slots)  # type: ignore[type-var]
+            remote.stage(keys(2, 4), owner=6)  # sweeps the expired lease, slots still held
+        remote.end_writes(held)
+        assert sorted(remote.stage(keys(2, 4), owner=6)[1]) == sorted(slots)  # type: ignore[type-var]
 
 
 def test_pin_resident_lifts_blocks_from_disk_into_memory(tmp_path: Path) -> None:
     with TieredStore(BB, host_capacity=2 * BB, disk_path=tmp_path, disk_capacity=8 * BB) as store:
+        remote = RemoteAccess(store)
         ks = keys(0, 4)
         store.put(ks, payloads(ks, BB))  # two of them were demoted to disk
         assert len(store.tiers[0]) == 2
-        lease, slots = store.pin_resident(ks[:2])
+        lease, slots = remote.pin_resident(ks[:2])
         top = store.tiers[0]
         for k, slot in zip(ks[:2], slots, strict=True):
             np.testing.assert_array_equal(top.memory.slot(slot), payload(k, BB))  # type: ignore[attr-defined]
         with pytest.raises(StoreFull):
-            store.pin_resident(ks[2:])  # the two host slots are pinned
+            remote.pin_resident(ks[2:])  # the two host slots are pinned
         lease.release()
         with pytest.raises(BlockNotFound):
-            store.pin_resident(keys(9, 10))
+            remote.pin_resident(keys(9, 10))
 
 
 def test_staging_frees_a_batch_in_one_walk_past_pinned_blocks() -> None:
     """With `reuse`, pinned never-read blocks lead the candidates: a batch must not walk
     past them once per block (that made a server's handoff pins expire under load)."""
     with TieredStore(BB, host_capacity=64 * BB, policy="reuse") as store:
+        remote = RemoteAccess(store)
         old, held, new = keys(0, 32), keys(32, 64), keys(64, 80)
         store.put(old, payloads(old, BB))
         store.get(old, np.zeros((32, BB), np.uint8))  # reused now
@@ -185,9 +203,9 @@ def test_staging_frees_a_batch_in_one_walk_past_pinned_blocks() -> None:
             return candidates()
 
         policy.candidates = counted  # type: ignore[method-assign]
-        lease_id, slots = store.stage(new)
+        lease_id, slots = remote.stage(new)
         assert walks == 1 and all(s is not None for s in slots)
         assert store.contains(held) == [True] * 32  # the pinned ones stayed
         assert sum(store.contains(old)) == 16  # the 16 victims were reused blocks
-        store.abort(lease_id)
+        remote.abort(lease_id)
         lease.release()

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from helpers import keys, payload, payloads
 
-from kvbridge.store import BlockNotFound, StoreFull, TieredStore
+from kvbridge.store import BlockNotFound, RemoteAccess, StoreFull, TieredStore
 from kvbridge.store import _disk as disk_module
 from kvbridge.store._errors import StoreCorrupt
 
@@ -97,19 +97,20 @@ def test_commit_bigger_than_the_disk_stores_nothing_and_gives_its_slots_back(
     with TieredStore(
         BB, host_capacity=8 * BB, disk_path=tmp_path, disk_capacity=2 * BB, write_through=True
     ) as store:
+        remote = RemoteAccess(store)
         ks = keys(0, 4)
-        lease, slots = store.stage(ks)
+        lease, slots = remote.stage(ks)
         _fill(store, slots, ks)
         with pytest.raises(StoreFull):
-            store.commit(lease)
+            remote.commit(lease)
         assert store.contains(ks) == [False] * 4
         assert store.match_prefix(ks) == 0
         assert [t.blocks for t in store.stats().tiers] == [0, 0]
         # Every slot came back: the whole top tier can be staged again.
         again = keys(10, 18)
-        lease, slots = store.stage(again)
+        lease, slots = remote.stage(again)
         assert None not in slots
-        store.abort(lease)
+        remote.abort(lease)
         ok = keys(20, 22)
         assert store.put(ok, payloads(ok, BB)) == [True, True]
         assert _readable(store, ok) == [True, True]
@@ -120,9 +121,9 @@ def _write(store: TieredStore, ks: Sequence[bytes], via: str) -> None:
     if via == "put":
         store.put(ks, payloads(ks, BB))
         return
-    lease, slots = store.stage(ks)
+    lease, slots = RemoteAccess(store).stage(ks)
     _fill(store, slots, ks)
-    store.commit(lease)
+    RemoteAccess(store).commit(lease)
 
 
 @pytest.mark.parametrize("via", ["put", "commit"])
@@ -134,6 +135,7 @@ def test_a_write_through_on_a_full_lmdb_map_stores_nothing(
     with TieredStore(
         BB, host_capacity=64 * BB, disk_path=tmp_path, disk_capacity=64 * BB, write_through=True
     ) as store:
+        remote = RemoteAccess(store)
         before = keys(0, 4)
         store.put(before, payloads(before, BB))
         ks = keys(100, 140)
@@ -142,8 +144,8 @@ def test_a_write_through_on_a_full_lmdb_map_stores_nothing(
         assert store.contains(ks) == [False] * len(ks)
         assert [t.blocks for t in store.stats().tiers] == [4, 4]
         assert _readable(store, before) == [True] * 4
-        lease, _ = store.stage(keys(200, 260))  # 60 of 64 slots: none leaked
-        store.abort(lease)
+        lease, _ = remote.stage(keys(200, 260))  # 60 of 64 slots: none leaked
+        remote.abort(lease)
         small = keys(300, 302)
         _write(store, small, via)  # still usable
     with TieredStore(BB, host_capacity=0, disk_path=tmp_path, disk_capacity=64 * BB) as store:
@@ -161,7 +163,7 @@ def test_pin_resident_without_host_room_loses_no_block(tmp_path: Path) -> None:
         s.put(new, payloads(new, BB))  # old is demoted to disk
         with s.pin(new[:2]):  # two host slots cannot be freed
             with pytest.raises(StoreFull):
-                s.pin_resident(old[:3])  # needs three
+                RemoteAccess(s).pin_resident(old[:3])  # needs three
             assert s.stats().tiers[0].blocks == 4
             assert _readable(s, new) == [True] * 4
         assert s.remove(old + new) == [True] * 8  # nothing was left pinned
@@ -181,7 +183,9 @@ def test_pin_resident_keeps_what_it_demoted_when_a_later_block_is_corrupt(
         hot = keys(10, 14)
         s.put(hot, payloads(hot, BB))  # only in host memory
         with pytest.raises(BlockNotFound) as info:
-            s.pin_resident(old)  # lifts old[0] (demoting a hot block), then finds old[1] bad
+            RemoteAccess(s).pin_resident(
+                old
+            )  # lifts old[0] (demoting a hot block), then finds old[1] bad
         assert info.value.keys == (old[1],)
         assert s.contains(old) == [True, False, True]
         assert s.match_prefix(old) == 1
@@ -200,7 +204,7 @@ def test_a_block_found_bad_by_a_server_get_leaves_every_index(tmp_path: Path) ->
     _corrupt_payload(tmp_path, ks[1])
     with TieredStore(BB, host_capacity=8 * BB, disk_path=tmp_path, disk_capacity=64 * BB) as s:
         with pytest.raises(BlockNotFound) as info:
-            s.pin_resident(ks)
+            RemoteAccess(s).pin_resident(ks)
         assert info.value.keys == (ks[1],)
         assert s.contains(ks) == [True, False, True]
         assert s.match_prefix(ks) == 1
@@ -247,7 +251,7 @@ def test_a_damaged_leaf_page_is_a_miss_and_check_repair_does_not_raise(tmp_path:
         assert _readable(s, ks[:2]) == [False, False]
         assert s.contains(ks[:2]) == [False, False]
         with pytest.raises(BlockNotFound):
-            s.pin_resident(ks[2:3])
+            RemoteAccess(s).pin_resident(ks[2:3])
         assert s.contains(ks[2:3]) == [False]
         report = s.check(repair=True)
         assert sorted(report.corrupt) == sorted(ks[3:])

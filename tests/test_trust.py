@@ -69,7 +69,7 @@ def test_a_late_write_never_lands_in_a_slot_handed_to_someone_else(
         stream.start_write(slot_ops(attacker, slots))
         stream.send(b"\xaa" * BB)  # half of the payload: the first op's
         (ns,) = [n for n in server._namespaces.snapshot() if n.handle == attacker._ns]
-        until(lambda: ns.store.staging_busy(lease), "the server admitted the write")
+        until(lambda: ns.remote.staging_busy(lease), "the server admitted the write")
         if ending == "abort":
             attacker._call({"op": "abort", "ns": attacker._ns, "lease": lease})
         else:  # the session says goodbye mid-write: its leases end with it
