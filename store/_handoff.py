@@ -40,6 +40,9 @@ class HandoffHolds:
     def __len__(self) -> int:
         return len(self._holds)
 
+    def __contains__(self, key: object) -> bool:
+        return key in self._holds
+
     def of(self, principal: str) -> int:
         """How many holds ``principal``'s commits have."""
         return self._by[principal]

@@ -366,7 +366,7 @@ def test_a_refused_remove_keeps_the_handoff_holds(transport: str) -> None:
         with pytest.raises(BlockPinned):
             prefill.remove(pushed + pinned)
         ns = srv._namespaces.snapshot()[0]
-        assert pushed[0] in ns.holds.keys()  # still held for its first read
+        assert pushed[0] in ns.holds  # still held for its first read
         assert ns.store.placement.pins.is_pinned(pushed[0])
 
 
