@@ -93,7 +93,7 @@ def test_idle_step_cost(compare: Callable[..., Any], llm: Any) -> None:
     worker = get_kv_transfer_group()
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(8)]
-    from kvbridge.bindings._vllm_meta import StepMeta  # noqa: PLC0415
+    from kvbridge.bindings.vllm._meta import StepMeta  # noqa: PLC0415
 
     empty = StepMeta()
 

@@ -7,16 +7,24 @@
   It keeps blocks in a ``kvbridge serve`` or in a store inside the engine process
   (:class:`ConnectorConfig`), moving the engine's KV cache as pages (:class:`PagedKV`).
 - ``kvbridge.bindings.vllm``: the vLLM adapter, ``KVBridgeConnector`` (imports vLLM).
+- ``kvbridge.bindings.sglang``: the SGLang HiCache backend, ``KVBridgeHiCache`` (imports
+  sglang).
+
+Layout: ``core/`` (engine-agnostic), ``vllm/`` and ``sglang/`` (one adapter each).
 """
 
 from __future__ import annotations
 
-from ._config import ConnectorConfig
-from ._core import ConnectorCore
-from ._identity import Identity
-from ._jobs import SaveJob
-from ._pages import LayoutError, PagedKV, pages_of
-from ._stats import ConnectorStats
+from .core import (
+    ConnectorConfig,
+    ConnectorCore,
+    ConnectorStats,
+    Identity,
+    LayoutError,
+    PagedKV,
+    SaveJob,
+    pages_of,
+)
 
 __all__ = [
     "ConnectorConfig",

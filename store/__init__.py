@@ -15,6 +15,10 @@ Public surface:
 - Tenants (:class:`Tenant`, :func:`load_tenants`, ``kvbridge serve --tenants``): each
   with a secret of its own, the namespaces it may open, and its share of the server.
 - Typed errors, all subclasses of :class:`StoreError`.
+
+The layout (``docs/ARCHITECTURE.md``): the keys, errors, wire and settings every part
+shares here; ``local/`` (the store in one process, ``local/disk/`` its LMDB tier),
+``server/``, ``client/`` and ``cluster/``, each exporting its surface.
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .._lazy import lazy
-from ._disk import CheckReport, DiskTier
 from ._errors import (
     BlockNotFound,
     BlockPinned,
@@ -38,46 +41,62 @@ from ._errors import (
     TierUnavailable,
 )
 from ._keys import KEY_BYTES, BlockKey, HashAlgo, InvalidNamespace, prefix_hashes
-from ._pins import DEFAULT_PIN_TTL_S, Lease
-from ._policy import FIFO, LRU, POLICIES, EvictionPolicy, ReuseLRU
-from ._remote import RemoteAccess
 from ._sizes import parse_size
-from ._slab import DeviceSlab, HostSlab, SlotMemory
-from ._slots import SlotTier
 from ._stats import StoreStats, TierStats
-from ._store import TieredStore
-from ._tier import Tier
+from ._wire import (
+    DEFAULT_PORT,
+    BadRequest,
+    InternalError,
+    NotPermitted,
+    TooManyRequests,
+    UnknownNamespace,
+)
+from .local import (
+    DEFAULT_PIN_TTL_S,
+    FIFO,
+    LRU,
+    POLICIES,
+    CheckReport,
+    DeviceSlab,
+    DiskTier,
+    EvictionPolicy,
+    HostSlab,
+    Lease,
+    RemoteAccess,
+    ReuseLRU,
+    SlotMemory,
+    SlotTier,
+    Tier,
+    TieredStore,
+)
+from .settings import ConfigError, read_secret
 
 if TYPE_CHECKING:
-    from ._client import StoreClient
-    from ._cluster_client import ClusterClient
-    from ._metrics import metrics_token
-    from ._server import CacheServer
-    from ._server_config import DEFAULT_PORT, ConfigError, ServerConfig, load_config
-    from ._tenants import Tenant, TenantError, load_tenants
-    from ._wire import BadRequest, InternalError, NotPermitted, TooManyRequests, UnknownNamespace
+    from .client import StoreClient
+    from .cluster import ClusterClient
+    from .server import (
+        CacheServer,
+        ServerConfig,
+        Tenant,
+        TenantError,
+        load_config,
+        load_tenants,
+        metrics_token,
+    )
 
 _LAZY = {
-    "StoreClient": "._client",
-    "ClusterClient": "._cluster_client",
-    "CacheServer": "._server",
-    "metrics_token": "._metrics",
-    "DEFAULT_PORT": "._server_config",
-    "ConfigError": "._server_config",
-    "ServerConfig": "._server_config",
-    "load_config": "._server_config",
-    "BadRequest": "._wire",
-    "InternalError": "._wire",
-    "TooManyRequests": "._wire",
-    "NotPermitted": "._wire",
-    "Tenant": "._tenants",
-    "TenantError": "._tenants",
-    "load_tenants": "._tenants",
-    "UnknownNamespace": "._wire",
+    "StoreClient": ".client",
+    "ClusterClient": ".cluster",
+    "CacheServer": ".server",
+    "ServerConfig": ".server",
+    "Tenant": ".server",
+    "TenantError": ".server",
+    "load_config": ".server",
+    "load_tenants": ".server",
+    "metrics_token": ".server",
 }
-"""The client and the server load on first use: a plain store user does not pay for
-pyzmq, prometheus-client and the transfer engine (``python -X importtime``: 96 ms for
-``import kvbridge.store`` on the development machine, 229 ms when they loaded eagerly)."""
+"""The client, the cluster and the server load on first use (the transfer engine, pyzmq,
+prometheus-client): ``import kvbridge.store`` for a local store does not pay for them."""
 
 
 __getattr__ = lazy(__name__, _LAZY, globals())
@@ -136,4 +155,5 @@ __all__ = [
     "metrics_token",
     "parse_size",
     "prefix_hashes",
+    "read_secret",
 ]

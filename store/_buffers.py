@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ..transfer._device import is_device
+from ..transfer import is_device
 from ._errors import InvalidBlock
 
 BlockArray = Any

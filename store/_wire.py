@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..transfer._protocol import APP_CODES
+from ..transfer import APP_CODES
 from ._errors import (
     BlockNotFound,
     BlockPinned,
@@ -43,6 +43,9 @@ from ._errors import (
     StoreFull,
 )
 from ._keys import KEY_LENGTHS, validate_key
+
+DEFAULT_PORT = 7600
+"""Where a cache server listens for control requests unless told otherwise."""
 
 MAX_KEYS_PER_REQUEST = 16384
 """Keys in one request: 16,384 keys of 32 bytes are 0.5 MiB, inside the 1 MiB control limit."""
@@ -63,7 +66,7 @@ class UnknownNamespace(StoreError, LookupError):
 
 class NotPermitted(StoreError, PermissionError):
     """The session's tenant may not do this: open a namespace outside its prefixes, or
-    write as a read-only tenant (``store/_tenants.py``)."""
+    write as a read-only tenant (``store/server/_tenants.py``)."""
 
 
 class InternalError(StoreError):

@@ -22,8 +22,8 @@ from kvbridge.bindings import (
     SaveJob,
     pages_of,
 )
-from kvbridge.bindings._identity import effective_config, settings_digest, settle, weights
-from kvbridge.bindings._jobs import Saver
+from kvbridge.bindings.core._identity import effective_config, settings_digest, settle, weights
+from kvbridge.bindings.core._jobs import Saver
 from kvbridge.store import BlockNotFound, ConfigError, InvalidBlock, StoreClient
 
 PAGE = 4096

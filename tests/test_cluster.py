@@ -22,7 +22,7 @@ from helpers import payloads
 from serve import ServeProcess
 
 from kvbridge.store import BlockNotFound, ClusterClient, StoreClient, StoreClosed, prefix_hashes
-from kvbridge.store._rendezvous import Rendezvous
+from kvbridge.store.cluster._rendezvous import Rendezvous
 from kvbridge.tools._etcd_process import EtcdProcess
 
 pytestmark = needs_etcd
@@ -123,11 +123,13 @@ def test_a_killed_member_is_misses_not_errors_and_its_replicas_still_hit(
             client.put(chain, payloads(chain, BB))
         slowest = [0.0]
         wrong: list[bytes] = []
+        passes = [0]  # the reader's rounds over every chain
         stop = threading.Event()
 
         def reader() -> None:
             out = np.zeros((12, BB), np.uint8)
             while not stop.is_set():
+                passes[0] += 1
                 for chain in chains:
                     start = time.monotonic()
                     try:
@@ -152,10 +154,12 @@ def test_a_killed_member_is_misses_not_errors_and_its_replicas_still_hit(
         threads = [threading.Thread(target=reader), threading.Thread(target=writer)]
         for thread in threads:
             thread.start()
-        time.sleep(0.5)
+        until(lambda: passes[0] >= 2 and len(written) >= 1, "reads and writes under way")
         victim = servers[0]
         victim.kill()  # SIGKILL: no deregistration
-        time.sleep(2.0)
+        until(lambda: victim.address not in client.members(), "the dead member left out", 30)
+        after = passes[0]
+        until(lambda: passes[0] >= after + 2, "two rounds of reads without it", 60)
         stop.set()
         for thread in threads:
             thread.join(60)
@@ -238,14 +242,14 @@ def test_etcd_stopped_leaves_clients_on_the_members_they_saw(
         until(lambda: len(client.members()) == 3)
         chain = _chains(1, 20)[0]
         etcd.stop()
-        time.sleep(1.0)
+        until(lambda: client.membership_stale, "the client saw etcd go")
         client.put(chain, payloads(chain, BB))
         out = np.zeros((20, BB), np.uint8)
         client.get(chain, out)
         assert (out == payloads(chain, BB)).all()
         assert len(client.members()) == 3
         etcd.start()
-        until(lambda: len(client.members()) == 3)
+        until(lambda: not client.membership_stale and len(client.members()) == 3)
     for server in servers:
         assert server.proc.poll() is None  # the servers kept serving
     servers[0].stop(signal.SIGTERM)

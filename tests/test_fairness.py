@@ -23,9 +23,9 @@ from kvbridge.store import (
     ServerConfig,
     StoreClient,
     TieredStore,
-    _disk_reads,
 )
-from kvbridge.store._disk import DiskTier
+from kvbridge.store.local.disk import _reads as _disk_reads
+from kvbridge.store.local.disk._tier import DiskTier
 from kvbridge.transfer import Caller, TransferEngine
 from kvbridge.transfer._calls import MAX_QUEUED_CALLS, CallPool, CallsFull
 

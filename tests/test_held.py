@@ -20,7 +20,7 @@ from kvbridge.store import (
     StoreFull,
     TieredStore,
 )
-from kvbridge.store._order import StampOrder
+from kvbridge.store.local._order import StampOrder
 
 BB = 128
 

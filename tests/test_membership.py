@@ -17,9 +17,9 @@ import pytest
 from etcd_support import needs_etcd, until
 from serve import ServeProcess
 
-from kvbridge.store._cluster import members_prefix
-from kvbridge.store._etcd import EtcdGateway, EtcdUnavailable
-from kvbridge.store._membership import Member, Membership, Registrar
+from kvbridge.store.cluster._etcd import EtcdGateway, EtcdUnavailable
+from kvbridge.store.cluster._join import members_prefix
+from kvbridge.store.cluster._membership import Member, Membership, Registrar
 from kvbridge.tools._etcd_process import EtcdProcess
 
 pytestmark = needs_etcd
@@ -59,8 +59,8 @@ def test_a_member_appears_and_goes_at_once_when_it_stops(etcd: EtcdProcess) -> N
 
 def test_a_killed_member_goes_when_its_lease_expires(etcd: EtcdProcess) -> None:
     code = (
-        "import sys, time; from kvbridge.store._etcd import EtcdGateway; "
-        "from kvbridge.store._membership import Member, Registrar; "
+        "import sys, time; from kvbridge.store.cluster._etcd import EtcdGateway; "
+        "from kvbridge.store.cluster._membership import Member, Registrar; "
         f"r = Registrar(EtcdGateway('127.0.0.1', {etcd.port}), {PREFIX!r} + b'k', "
         "Member('k', '127.0.0.1:7001').to_record(), ttl=2); r.start(); print('up', flush=True); "
         "time.sleep(60)"

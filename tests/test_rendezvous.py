@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kvbridge.store import prefix_hashes
-from kvbridge.store._rendezvous import Rendezvous
+from kvbridge.store.cluster._rendezvous import Rendezvous
 
 KEYS = prefix_hashes(range(30_000 * 4), 4, algo="xxh3_128")
 SEQUENTIAL = [i.to_bytes(32, "big") for i in range(30_000)]  # keys that differ in a few bits
@@ -67,7 +67,7 @@ def test_member_order_does_not_matter_and_names_must_be_distinct() -> None:
 
 def test_every_process_computes_the_same_owners() -> None:
     code = (
-        "from kvbridge.store._rendezvous import Rendezvous; import sys; "
+        "from kvbridge.store.cluster._rendezvous import Rendezvous; import sys; "
         f"print(Rendezvous({NODES!r}).owners([bytes.fromhex(h) for h in sys.argv[1:]])"
         "[:, 0].tolist())"
     )

@@ -30,7 +30,7 @@ from kvbridge.store import (
     TooManyRequests,
     UnknownNamespace,
 )
-from kvbridge.store._registration import one_per_block
+from kvbridge.store.client._registration import one_per_block
 from kvbridge.transfer import OP_DTYPE, PeerClosed, TransferError, ucx_available
 
 BB = BLOCK  # client_of's block size

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -75,13 +76,20 @@ def _logged(text: str) -> Check:
 
 def _case(tmp: Path) -> dict[str, tuple[dict[str, str], Check]]:
     """Per setting: the variables that set it, and how to see that the server took it."""
-    port, metrics = free_port(), free_port()
+    port, data_port, metrics = free_port(), free_port(), free_port()
     disk = tmp / "disk"
     secret_file = tmp / "secret"
     secret_file.write_text("from a file\n")
 
     def on_port(started: _Started, settings: str) -> None:
         assert started.address.endswith(f":{port}")
+
+    def on_data_port(started: _Started, settings: str) -> None:
+        assert f"data_port={data_port}" in settings
+        socket.create_connection(("127.0.0.1", data_port), timeout=10).close()  # it listens
+        with StoreClient(started.address, block_bytes=BB, namespace="m") as client:
+            client.put(keys(0, 1), payloads(keys(0, 1), BB))
+            assert client.match_prefix(keys(0, 1)) == 1
 
     def on_metrics(started: _Started, settings: str) -> None:
         assert f"metrics on :{metrics}" in started.line
@@ -106,6 +114,7 @@ def _case(tmp: Path) -> dict[str, tuple[dict[str, str], Check]]:
     return {
         "host": ({"KVBRIDGE_HOST": "localhost"}, _logged("host=localhost")),
         "port": ({"KVBRIDGE_PORT": str(port)}, on_port),
+        "data_port": ({"KVBRIDGE_DATA_PORT": str(data_port)}, on_data_port),
         "host_capacity": ({"KVBRIDGE_HOST_CAPACITY": "3MiB"}, _logged(f"host_capacity={3 << 20}")),
         "disk_path": (
             {"KVBRIDGE_DISK_PATH": str(disk), "KVBRIDGE_DISK_CAPACITY": "32MiB"},
@@ -141,7 +150,7 @@ def test_every_setting_has_an_environment_case(tmp_path: Path) -> None:
 
 
 _SETTINGS = (
-    *("host", "port", "host_capacity", "disk_path", "metrics_port", "max_namespaces"),
+    *("host", "port", "data_port", "host_capacity", "disk_path", "metrics_port", "max_namespaces"),
     *("lease_ttl", "max_leases_per_client", "handoff_ttl", "policy", "transports", "keepalive"),
     *("insecure", "secret_file", "tenants_file"),
 )

@@ -14,8 +14,8 @@ import pytest
 from helpers import keys, payload, payloads
 
 from kvbridge.store import BlockNotFound, RemoteAccess, StoreFull, TieredStore
-from kvbridge.store import _disk as disk_module
 from kvbridge.store._errors import StoreCorrupt
+from kvbridge.store.local.disk import _tier as disk_module
 
 BB = 4096
 TESTS = str(Path(__file__).parent)

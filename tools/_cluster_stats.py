@@ -5,9 +5,13 @@ from __future__ import annotations
 import concurrent.futures
 from typing import Any
 
-from kvbridge.store._cluster import members_prefix
-from kvbridge.store._etcd import EtcdError, EtcdGateway, EtcdUnavailable
-from kvbridge.store._membership import Member
+from kvbridge.store.cluster import (
+    EtcdError,
+    EtcdGateway,
+    EtcdUnavailable,
+    Member,
+    members_prefix,
+)
 from kvbridge.transfer import TransferError
 
 Figures = dict[str, Any] | str

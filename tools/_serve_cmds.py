@@ -24,7 +24,7 @@ from kvbridge.transfer import TransferEngine, TransferError
 from ._fail import fail
 
 if TYPE_CHECKING:
-    from kvbridge.store._membership import Registrar
+    from kvbridge.store.cluster import Registrar
 
 _START_ERRORS = (StoreError, TransferError, OSError, ValueError, zmq.ZMQError)
 """What starting a server may raise for a reason the user can fix: a port in use (zmq
@@ -41,6 +41,9 @@ def add_parsers(commands: Any) -> None:
     )
     serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help=f"control port (default {DEFAULT_PORT})")
+    serve.add_argument(
+        "--data-port", type=int, help="TCP data streams' port (default 0: any free port)"
+    )
     serve.add_argument("--host-capacity", help="host memory, e.g. 4GiB (default 2GiB)")
     serve.add_argument("--disk-path", help="directory of the disk tier (LMDB)")
     serve.add_argument("--disk-capacity", help="disk tier size, e.g. 100GiB")
@@ -110,7 +113,8 @@ def add_parsers(commands: Any) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     names = [
-        *("host", "port", "host_capacity", "disk_path", "disk_capacity", "metrics_port"),
+        *("host", "port", "data_port", "metrics_port"),
+        *("host_capacity", "disk_path", "disk_capacity"),
         *("max_namespaces", "lease_ttl", "transports", "secret_file", "insecure", "policy"),
         *("tenants_file", "handoff_ttl", "max_leases_per_client", "keepalive"),
     ]
@@ -160,8 +164,11 @@ def _join(args: argparse.Namespace, address: str, capacity: int) -> Registrar | 
     """Register in the cluster named by ``--cluster`` (etcd is imported only then)."""
     if args.cluster is None:
         return None
-    from kvbridge.store._cluster import join  # noqa: PLC0415 - only with --cluster
-    from kvbridge.store._etcd import EtcdError, EtcdUnavailable  # noqa: PLC0415
+    from kvbridge.store.cluster import (  # noqa: PLC0415 - only with --cluster
+        EtcdError,
+        EtcdUnavailable,
+        join,
+    )
 
     try:
         return join(args.cluster, args.cluster_name, args.advertise or address, capacity)

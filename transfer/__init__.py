@@ -22,6 +22,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .._lazy import lazy
+from ._address import BadAddress, parse_address
+from ._device import is_device
 from ._errors import (
     AccessDenied,
     AuthenticationError,
@@ -33,6 +35,8 @@ from ._errors import (
     RemoteProtocolError,
     TransferError,
 )
+from ._protocol import APP_CODES
+from ._settings import DEFAULT_CONNECT_TIMEOUT_S
 
 if TYPE_CHECKING:
     from ._engine import TRANSPORTS, Notification, TransferEngine
@@ -71,12 +75,15 @@ __getattr__ = lazy(__name__, _LAZY, globals())
 
 
 __all__ = [
+    "APP_CODES",
+    "DEFAULT_CONNECT_TIMEOUT_S",
     "DEFAULT_PRINCIPAL",
     "OP_DTYPE",
     "TRANSPORTS",
     "AccessDenied",
     "Admission",
     "AuthenticationError",
+    "BadAddress",
     "Caller",
     "EngineClosed",
     "LocalProtocolError",
@@ -94,5 +101,7 @@ __all__ = [
     "TransferError",
     "TransferHandle",
     "TransferSettings",
+    "is_device",
+    "parse_address",
     "ucx_available",
 ]

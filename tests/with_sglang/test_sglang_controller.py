@@ -19,7 +19,7 @@ from host_pools import MHAPool, MLAPool
 from serve import ServeProcess
 from test_sglang_backend import backend, names
 
-import kvbridge.bindings._core as core_module
+import kvbridge.bindings.core._core as core_module
 
 T = TypeVar("T")
 

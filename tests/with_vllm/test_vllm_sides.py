@@ -6,10 +6,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from kvbridge.bindings._jobs import SaveJob
-from kvbridge.bindings._vllm_meta import StepMeta, Transfer
-from kvbridge.bindings._vllm_scheduler import SchedulerSide
-from kvbridge.bindings._vllm_worker import WorkerSide
+from kvbridge.bindings.core._jobs import SaveJob
+from kvbridge.bindings.vllm._meta import StepMeta, Transfer
+from kvbridge.bindings.vllm._scheduler import SchedulerSide
+from kvbridge.bindings.vllm._worker import WorkerSide
 from kvbridge.store import BlockKey
 
 

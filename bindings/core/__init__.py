@@ -1,0 +1,31 @@
+"""kvbridge.bindings.core: what every engine adapter shares.
+
+``_core`` (:class:`ConnectorCore`: keys from token ids, lookups, loads and saves through a
+``PageLayout``, the pause after a store fault, a lazy connection), ``_backend`` (a cache
+server through client connections), ``_embedded`` (the loopback server an engine runs when
+no ``server`` is set), ``_identity`` (what a block's bytes mean, and its namespace),
+``_pages`` (the engine's memory as pages), ``_config`` (settings), ``_jobs`` (the saver
+thread), ``_stats`` (counters). Imports ``kvbridge.store`` and ``kvbridge.transfer``; no
+engine.
+"""
+
+from __future__ import annotations
+
+from ._config import ConnectorConfig
+from ._core import ConnectorCore
+from ._identity import Identity
+from ._jobs import SaveJob
+from ._pages import LayoutError, PagedKV, PageLayout, pages_of
+from ._stats import ConnectorStats
+
+__all__ = [
+    "ConnectorConfig",
+    "ConnectorCore",
+    "ConnectorStats",
+    "Identity",
+    "LayoutError",
+    "PageLayout",
+    "PagedKV",
+    "SaveJob",
+    "pages_of",
+]

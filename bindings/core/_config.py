@@ -1,0 +1,107 @@
+"""The connector's settings, from an engine's free-form config (vLLM's
+``kv_connector_extra_config``): every key checked, an unknown one named."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ...store import ConfigError, read_secret
+from ...store.settings import Flag, Kind, Seconds, Size, Text, parse_settings
+from ...transfer import BadAddress, LocalProtocolError, Principal, parse_address
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """Where the blocks live and how long the connector waits for them.
+
+    With ``server`` the blocks live in a ``kvbridge serve`` (shared by every instance that
+    names it); without, in a :class:`~kvbridge.store.TieredStore` inside the engine process
+    (one instance's prefix cache, offloaded to host memory and optionally disk).
+    """
+
+    server: str | None = None
+    """``host:port`` of a ``kvbridge serve``."""
+    secret_file: str | None = None
+    """The server's shared secret, or the tenant's (a file, so that it never shows in a
+    command line)."""
+    tenant: str = ""
+    """The server's tenant this engine is (``kvbridge serve --tenants``; its secret in
+    ``secret_file``): namespaces are then named ``<tenant>/...``, inside the tenant's
+    default prefix."""
+    host_capacity: int = 1 << 30
+    """In-process store: bytes of host memory."""
+    disk_path: str | None = None
+    """In-process store: an LMDB directory (the cache survives restarts)."""
+    disk_capacity: int = 0
+    namespace: str = ""
+    """Mixed into the namespace, to keep deployments of one model apart."""
+    timeout: float = 30.0
+    """Seconds any one store call may take before it counts as failed."""
+    failed_key_ttl: float = 60.0
+    """A key whose load failed is not advertised again for this long (no livelock)."""
+    async_load: bool = False
+    """Load on a worker thread while the engine runs other requests (the request waits in
+    ``WAITING_FOR_REMOTE_KVS``) instead of before the forward of its next step."""
+    pd_wait: float = 10.0
+    """Decode side of P/D: how long a request waits for the blocks its prefill announced
+    before it computes what is missing itself."""
+
+    def __post_init__(self) -> None:
+        for name, kind in _KINDS.items():
+            value = getattr(self, name)
+            if value is not None or name not in _OPTIONAL:
+                kind.check(name, value)
+        if (self.disk_path is None) != (self.disk_capacity == 0):
+            raise ConfigError("disk_path and disk_capacity go together")
+        if self.server is not None and (self.disk_path is not None):
+            raise ConfigError("disk_path is for the in-process store; a server has its own")
+        if self.tenant and self.server is None:
+            raise ConfigError("tenant is a server's (set server too)", setting="tenant")
+        if self.tenant:
+            try:
+                Principal(self.tenant, b"-")  # the engine's check of a tenant's name
+            except LocalProtocolError as exc:
+                raise ConfigError(f"tenant: {exc}", setting="tenant") from None
+        if self.server is not None:
+            try:
+                parse_address(self.server)
+            except BadAddress as exc:
+                raise ConfigError(f"server: {exc}", setting="server") from None
+
+    @property
+    def secret(self) -> bytes | None:
+        return None if self.secret_file is None else read_secret(self.secret_file)
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        """Parse an engine's extra config. Raises :class:`ConfigError` naming an unknown
+        key or a value of the wrong kind."""
+        given = dict(extra or {})
+        unknown = sorted(set(given) - set(_KINDS))
+        if unknown:
+            raise ConfigError(
+                f"unknown kvbridge connector setting(s) {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(_KINDS))}"
+            )
+        return cls(**parse_settings(_KINDS, given, source="kvbridge connector", text=False))
+
+
+_KINDS: dict[str, Kind] = {
+    "server": Text(),
+    "secret_file": Text(),
+    "tenant": Text(empty_ok=True),
+    "host_capacity": Size(0),
+    "disk_path": Text(),
+    "disk_capacity": Size(0),
+    "namespace": Text(empty_ok=True),
+    "timeout": Seconds(),
+    "failed_key_ttl": Seconds(),
+    "async_load": Flag(),
+    "pd_wait": Seconds(),
+}
+"""Each setting's kind and bounds (``store/settings.py``, shared with the server's); the
+checks across settings follow in ``__post_init__``."""
+_OPTIONAL = {"server", "secret_file", "disk_path"}
+"""Settings that ``None`` leaves unset."""

@@ -1,0 +1,394 @@
+"""The engine-agnostic half of a KV connector: block keys from token ids, lookups that
+remember failures, pins between a lookup and its load, loads, saves off the step, and
+the counters. An engine adapter (``bindings/vllm/_connector.py``) maps its engine's calls onto this.
+
+Faults stay local: a store that is unreachable, slow or refuses a call makes the
+connector answer "nothing cached" (the engine computes the tokens) and log a warning; it
+is asked again after ``_RETRY_AFTER_S``. A key whose load failed is not advertised again
+for ``failed_key_ttl`` seconds, so an engine that re-asks after a failure cannot loop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import zmq
+
+from ..._closing import Closing
+from ...store import BlockKey, CacheServer, StoreClosed, StoreError, prefix_hashes
+from ...transfer import TransferError
+from ._backend import Backend, ServerBackend
+from ._config import ConnectorConfig
+from ._embedded import embedded_server
+from ._identity import Identity
+from ._jobs import SaveJob, Saver
+from ._pages import LayoutError, PageLayout, check_memory
+from ._stats import ConnectorStats
+
+_log = logging.getLogger("kvbridge.bindings")
+
+_RETRY_AFTER_S = 5.0
+"""After a store fault, calls are skipped (a miss, nothing saved) for this long."""
+
+FAULTS = (StoreError, TransferError, OSError, TimeoutError, zmq.ZMQError)
+"""What a store call may raise that is the store's fault, not the engine's (a control
+socket torn down under a call in flight included)."""
+
+
+class ConnectorCore(Closing):
+    """One side (lookups, or loads and saves) of a connector over one store."""
+
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        identity: Identity,
+        *,
+        saves: bool = False,
+        connections: int = 1,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``saves``: run :meth:`save_later` jobs on a thread of its own; ``connections``:
+        how many threads may call the store at once (see :class:`ServerBackend`)."""
+        self.config = config
+        self._connections = connections
+        self.identity = identity
+        tenant = f"{config.tenant}/".encode() if config.tenant else b""
+        self.namespace = tenant + identity.namespace()  # inside the tenant's default prefix
+        self._name_key = hashlib.blake2b(self.namespace, digest_size=32).digest()
+        self.block_tokens = identity.block_tokens
+        self.stats = ConnectorStats()
+        self._clock = clock
+        self._failed: dict[BlockKey, float] = {}
+        self._down_until = 0.0
+        self._quiet_until = 0.0
+        """Until then, faults are counted but not logged again."""
+        self._lock = threading.Lock()
+        self._memory: PageLayout | None = None
+        self._target: tuple[str, bytes | None] | None = None
+        self._backend: Backend | None = None
+        self._connecting = threading.Lock()
+        self._closed = False
+        self._embedded: CacheServer | None = None
+        if config.server is not None:
+            self.connect(config.server, config.secret)
+        self._saver = Saver(self._run_save) if saves else None
+
+    # -- where the blocks are -------------------------------------------------------------
+
+    def connect(self, address: str, secret: bytes | None) -> None:
+        """Use the cache server at ``address`` (the configured one, or the one the engine's
+        worker runs: see :meth:`host`). A server that does not answer now is a warning, and
+        asked again after the pause: an engine starts without its cache server."""
+        with self._connecting:
+            old, self._backend = self._backend, None
+            self._target = (address, secret)
+        if old is not None:
+            old.close()
+        self._down_until = 0.0
+        self._up()
+
+    def host(self) -> tuple[str, bytes]:
+        """Run this engine's own cache server (no ``server`` configured: the store lives in
+        the worker's process) and use it; returns its address and the secret that the
+        engine's other side needs to connect (never logged)."""
+        self._embedded = embedded_server(self.config)
+        assert self._embedded.config.secret is not None
+        self.connect(self._embedded.address, self._embedded.config.secret)
+        return self._embedded.address, self._embedded.config.secret
+
+    # -- keys and lookups (the scheduler's side) -----------------------------------------
+
+    def keys(self, token_ids: Sequence[int], extra: bytes = b"") -> list[BlockKey]:
+        """One key per full block of ``token_ids``, chained from the first token;
+        ``extra`` (an adapter, a cache salt) is mixed into every one."""
+        return prefix_hashes(token_ids, self.block_tokens, namespace=self.namespace, extra=extra)
+
+    def named(self, names: Sequence[str]) -> list[BlockKey]:
+        """Keys for blocks the engine names itself (SGLang's page hashes): a keyed hash of
+        each name under this namespace, so that the same name in another namespace is
+        another key."""
+        if not all(isinstance(name, str) for name in names):
+            raise TypeError("block names must be strings")
+        return [
+            BlockKey(hashlib.blake2b(_utf8(name), key=self._name_key, digest_size=32).digest())
+            for name in names
+        ]
+
+    def lookup(self, keys: Sequence[BlockKey]) -> int:
+        """How many leading blocks can be loaded now (0 while the store is unreachable)."""
+        usable = self._usable(keys)
+        if not usable or not self._up():
+            return 0
+        started = time.perf_counter()
+        try:
+            hit = self._store().lookup(keys[:usable])
+        except FAULTS as exc:
+            self._fault("lookup", exc)
+            return 0
+        self.stats.lookup(usable * self.block_tokens, hit * self.block_tokens, started)
+        return hit
+
+    def pin(self, keys: Sequence[BlockKey]) -> object | None:
+        """Keep the blocks from eviction until :meth:`unpin` (or the store's lease TTL);
+        ``None`` when one of them is gone or the store is unreachable."""
+        if not keys or not self._up():
+            return None
+        try:
+            return self._store().pin(keys)
+        except FAULTS as exc:
+            self._fault("pin", exc)
+            return None
+
+    def unpin(self, hold: object | None) -> None:
+        if hold is not None:
+            try:
+                self._store().unpin(hold)
+            except FAULTS as exc:  # the lease ends with its TTL anyway
+                self._fault("unpin", exc)
+
+    def mark_failed(self, keys: Sequence[BlockKey]) -> None:
+        """Stop advertising ``keys`` for ``failed_key_ttl`` seconds."""
+        until = self._clock() + self.config.failed_key_ttl
+        with self._lock:
+            for key in keys:
+                self._failed[key] = until
+
+    # -- loads and saves (the worker's side) ----------------------------------------------
+
+    def attach(self, memory: PageLayout) -> None:
+        """The engine's memory that loads and saves move blocks of; its blocks must be the
+        identity's size. Registered with the store now, or when it is reached."""
+        if memory.block_bytes != self.identity.block_bytes:
+            raise ValueError(
+                f"the engine's memory has {memory.block_bytes}-byte blocks, "
+                f"its config says {self.identity.block_bytes}"
+            )
+        check_memory(memory)
+        with self._connecting:
+            self._memory = memory
+            if self._backend is not None:
+                self._backend.attach(memory)
+
+    def load(self, keys: Sequence[BlockKey], at: Any) -> bool:
+        """Fill the blocks at ``at`` (block ids, host indices: what the attached memory's
+        ``offsets`` takes) now; False (keys remembered as failed) when they cannot be."""
+        return self.load_leading(keys, at, partial=False) == len(keys)
+
+    def load_leading(self, keys: Sequence[BlockKey], at: Any, *, partial: bool = True) -> int:
+        """Load as many leading blocks as the store holds; returns how many were loaded.
+        Raises :class:`LayoutError` (nothing moved) when ``at`` is outside the memory."""
+        if not keys:
+            return 0
+        offsets = self._offsets(keys, at)
+        return self._leading(
+            "load", keys, lambda store, n: store.load(keys[:n], offsets[:n]), partial=partial
+        )
+
+    def _leading(
+        self,
+        what: str,
+        keys: Sequence[BlockKey],
+        move: Callable[[Backend, int], None],
+        *,
+        partial: bool = True,
+    ) -> int:
+        """``move`` the first ``n`` blocks: all of them, or when one is gone (and
+        ``partial``) those before the first missing one. How many moved; 0 on a fault."""
+        started = time.perf_counter()
+        count = len(keys)
+        try:
+            if not self._up():  # paused after a fault: a miss, and no new fault
+                self._load_failed(keys, partial)
+                return 0
+            try:
+                move(self._store(), count)
+            except LookupError:  # a block is gone: move the ones before it
+                if not partial:
+                    raise
+                count = self._store().lookup(keys)
+                move(self._store(), count)
+        except FAULTS as exc:
+            self._load_failed(keys, partial)
+            self._fault(what, exc)
+            return 0
+        self.stats.loaded(count * self.block_tokens, count * self.identity.block_bytes, started)
+        return count
+
+    def _load_failed(self, keys: Sequence[BlockKey], partial: bool) -> None:
+        """An all-or-nothing load (vLLM's) that failed is remembered, so that the engine is
+        not offered the same keys again at once (no livelock); a leading-run load's
+        (SGLang's) is not: its engine computes what did not load and moves on."""
+        if not partial:
+            self.mark_failed(keys)
+        self.stats.load_failed(len(keys) * self.block_tokens)
+
+    def save(self, keys: Sequence[BlockKey], at: Any) -> bool:
+        """Store the blocks at ``at`` now (those the store holds already are not sent);
+        False when the store failed. Raises :class:`LayoutError` for a bad ``at``."""
+        if not keys:
+            return True
+        offsets = self._offsets(keys, at)
+        return self._saved(keys, lambda store: store.save(keys, offsets))
+
+    def get(self, keys: Sequence[BlockKey], out: Sequence[Any]) -> int:
+        """The copying twin of :meth:`load_leading`: fill one ``block_bytes`` buffer per
+        key; returns how many leading buffers were filled."""
+        if not keys or not self._up():
+            return 0
+        return self._leading("get", keys, lambda store, n: store.get(keys[:n], out[:n]))
+
+    def put(self, keys: Sequence[BlockKey], blocks: Sequence[Any]) -> bool:
+        """The copying twin of :meth:`save`: one ``block_bytes`` buffer per key."""
+        return not keys or self._saved(keys, lambda store: store.put(keys, blocks))
+
+    def clear(self) -> bool:
+        """Remove every block of this namespace from the store (those a reader holds at
+        this moment stay); False when the store failed."""
+        if not self._up():
+            return False
+        try:
+            removed = self._store().clear()
+        except FAULTS as exc:
+            self._fault("clear", exc)
+            return False
+        _log.info("kvbridge cleared %d blocks of %s", removed, self.namespace.decode())
+        return True
+
+    def save_later(self, jobs: Sequence[SaveJob]) -> None:
+        """Queue saves; the engine keeps their source blocks until :meth:`saving` is False."""
+        assert self._saver is not None, "this side of the connector does not save"
+        self._saver.submit(jobs)
+
+    def saving(self, request: str) -> bool:
+        return self._saver is not None and self._saver.busy(request)
+
+    def flush(self, requests: Sequence[str]) -> bool:
+        """Wait until the queued saves of ``requests`` ran (their blocks are about to be
+        overwritten). Bounded: each store call has its timeout, and after a fault the
+        remaining jobs skip the store."""
+        if self._saver is None:
+            return True
+        return self._saver.flush(requests)
+
+    def close(self) -> None:
+        """Stop: queued saves run first; later calls answer misses without the store."""
+        if self._saver is not None:
+            self._saver.close()
+        with self._connecting:
+            self._closed = True
+            backend, self._backend = self._backend, None
+        if backend is not None:
+            backend.close()  # waits for the calls in flight (each within its timeout)
+        if self._embedded is not None:
+            self._embedded.close()
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _run_save(self, job: SaveJob) -> None:
+        if not self.save(job.keys, job.block_ids):
+            self.stats.save_skipped(len(job.keys))
+
+    def _saved(self, keys: Sequence[BlockKey], store: Callable[[Backend], int]) -> bool:
+        if not self._up():
+            return False
+        started = time.perf_counter()
+        try:
+            moved = store(self._store())
+        except FAULTS as exc:
+            self._fault("save", exc)
+            return False
+        self.stats.saved(len(keys) * self.block_tokens, moved * self.identity.block_bytes, started)
+        return True
+
+    def _offsets(self, keys: Sequence[BlockKey], at: Any) -> Any:
+        if self._memory is None:
+            raise LayoutError("no engine memory attached")
+        offsets = self._memory.offsets(at)
+        if len(offsets) != len(keys):
+            raise LayoutError(f"{len(keys)} key(s) for {len(offsets)} block(s)")
+        return offsets
+
+    def _usable(self, keys: Sequence[BlockKey]) -> int:
+        with self._lock:
+            if not self._failed:
+                return len(keys)
+            now = self._clock()
+            for key in [k for k, until in self._failed.items() if until <= now]:
+                del self._failed[key]
+            for i, key in enumerate(keys):
+                if key in self._failed:
+                    return i
+            return len(keys)
+
+    def _up(self) -> bool:
+        """Whether to ask the store now: not closed, not paused after a fault, and
+        connected (a connection that failed is tried again here, after the pause)."""
+        if self._closed or self._clock() < self._down_until:
+            return False
+        return self._backend is not None or self._reach()
+
+    def _reach(self) -> bool:
+        with self._connecting:
+            if self._closed or self._target is None or self._clock() < self._down_until:
+                return False
+            if self._backend is not None:
+                return True
+            address, secret = self._target
+            try:
+                backend = ServerBackend(
+                    address,
+                    secret,
+                    self.namespace,
+                    self.identity.block_bytes,
+                    self.config.timeout,
+                    connections=self._connections,
+                    tenant=self.config.tenant,
+                )
+            except FAULTS as exc:
+                self._fault("connect", exc)
+                return False
+            if self._memory is not None:
+                backend.attach(self._memory)
+            self._backend = backend
+            return True
+
+    def _store(self) -> Backend:
+        backend = self._backend
+        if backend is None:  # closed since _up()
+            raise StoreClosed("the connector is closed")
+        return backend
+
+    def _fault(self, what: str, exc: BaseException) -> None:
+        """Log a store fault (once per pause). One the store answered (full, too many
+        requests, a block gone) concerns that call only; one it did not answer (down,
+        unreachable, timed out) pauses store calls for a while."""
+        if self._closed:
+            return  # a call that met close(): a miss, not a fault
+        unanswered = not isinstance(exc, StoreError)
+        with self._lock:
+            now = self._clock()
+            first = now >= self._quiet_until
+            self._quiet_until = (
+                max(self._quiet_until, now + _RETRY_AFTER_S) if first else self._quiet_until
+            )
+            if unanswered:
+                self._down_until = now + _RETRY_AFTER_S
+        if first:
+            _log.warning(
+                "kvbridge %s failed (%s: %s): computing instead%s",
+                what,
+                type(exc).__name__,
+                exc,
+                f"; store calls pause for {_RETRY_AFTER_S:.0f} s" if unanswered else "",
+            )
+        self.stats.fault()
+
+
+def _utf8(name: str) -> bytes:
+    """A name's bytes; a lone surrogate (no valid text has one) is kept as it is."""
+    return name.encode("utf-8", "surrogatepass")

@@ -1,0 +1,284 @@
+"""The scheduler side of the vLLM connector: which prefix to load for a request, which
+blocks to save each step, and the request's end.
+
+Per request it keeps the keys of its prompt's full blocks, the cached answer of its
+lookup (vLLM asks again every step a request waits: the answer must not change and must
+cost nothing), the pin that keeps the advertised blocks in the store until they are
+loaded, its engine block ids, and how many prompt blocks were queued for saving.
+
+Decisions (see ``docs/VLLM.md``): loads are synchronous (before the forward of the step
+that computes the rest of the prompt), saves run off the step on a worker thread, blocks
+are saved when full and only for the prompt, and a request with multimodal inputs or
+prompt embeddings is neither loaded nor saved (its token ids do not say what its KV is).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...store import BlockKey
+from ..core._core import ConnectorCore
+from ..core._identity import PROCESS_SALT, weights
+from ._meta import StepMeta, Transfer, WorkerReport
+
+PD_PARAM = "kvbridge_blocks"
+"""The ``kv_transfer_params`` key a prefill instance returns: how many leading prompt
+blocks it saved. The decode instance waits (up to ``pd_wait``) until it can load them."""
+
+_RELOOK_S = 0.01
+"""While a decode request waits for its prefill's blocks, look again at most this often."""
+_REPIN_S = 15.0
+"""A request that waits longer for admission looks (and pins) again: its pin is a server
+lease (60 s by default) and must still hold when the load runs."""
+
+
+@dataclass
+class _Request:
+    keys: list[BlockKey]
+    local: int = 0
+    """Tokens vLLM's own prefix cache holds (block-aligned), as of the last lookup."""
+    hit: int | None = None
+    """Leading blocks the store can give, cached until the request is admitted."""
+    hold: object | None = None
+    load: tuple[int, int] | None = None
+    """Blocks ``[first, last)`` to load, once vLLM allocated them."""
+    block_ids: list[int] = field(default_factory=list)
+    saved: int = 0
+    """Leading prompt blocks queued for saving."""
+    saves: bool = False
+    """A save of this request was sent to the workers (they may still be reading)."""
+    expect: int = 0
+    wait_until: float = 0.0
+    looked_at: float = 0.0
+
+
+class SchedulerSide:
+    def __init__(
+        self,
+        core: ConnectorCore,
+        *,
+        loads: bool,
+        saves: bool,
+        steps_in_flight: int = 1,
+        async_loads: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._core = core
+        self._loads = loads
+        self._saves = saves
+        self._clock = clock
+        self._async = async_loads
+        self._waiting_loads: dict[str, Transfer] = {}
+        """Async loads vLLM allocated blocks for, to send with the next step."""
+        self._block = core.block_tokens
+        self._requests: dict[str, _Request] = {}
+        self._loaded: list[dict[str, object]] = [{} for _ in range(max(1, steps_in_flight))]
+        """Pins of the loads sent in the last ``steps_in_flight`` steps, by request: a load
+        has run once vLLM plans that many steps after it (one, or two with async
+        scheduling), so its pin goes then, or at the request's end."""
+
+    # -- admission ----------------------------------------------------------------------
+
+    def matched(self, request: Any, num_computed: int) -> tuple[int | None, bool]:
+        """``get_num_new_matched_tokens``: tokens beyond vLLM's own hit to load (never all
+        of them: the last token is always computed), or ``None`` to be asked again."""
+        state = self._state(request)
+        if state is None or not self._loads:
+            return 0, False
+        cap = min(len(state.keys), (request.num_tokens - 1) // self._block)
+        stale = self._clock() - state.looked_at > _REPIN_S
+        if state.hit is None or state.local != num_computed or stale or self._waiting(state, cap):
+            self._look(state, cap, num_computed)
+        if self._waiting(state, cap):
+            return None, False  # the prefill's blocks are on their way
+        assert state.hit is not None
+        extra = state.hit - num_computed // self._block
+        return (extra * self._block, self._async) if extra > 0 else (0, False)
+
+    def allocated(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """``update_state_after_alloc``: the load range, once vLLM gave it blocks (an async
+        load goes out with the next step: the request is not scheduled until it ends)."""
+        state = self._requests.get(request.request_id)
+        if state is None:
+            return
+        if num_external_tokens > 0:
+            first = state.local // self._block
+            state.load = (first, first + num_external_tokens // self._block)
+            if self._async:
+                self._plan_async(request.request_id, state, blocks)
+        else:
+            self._core.unpin(state.hold)
+            state.hold = None
+        state.hit = None  # admitted: a later re-admission looks again
+
+    # -- each step ------------------------------------------------------------------------
+
+    def build(self, out: Any) -> StepMeta:
+        """``build_connector_meta``: this step's loads and saves."""
+        for hold in self._loaded.pop(0).values():
+            self._core.unpin(hold)
+        self._loaded.append({})
+        meta = StepMeta(preempted=sorted(out.preempted_req_ids or ()))
+        for req_id, load in self._waiting_loads.items():
+            meta.async_loads.append(load)
+            state = self._requests.get(req_id)
+            if state is not None and state.hold is not None:
+                self._loaded[-1][req_id], state.hold = state.hold, None
+        self._waiting_loads = {}
+        for req_id in meta.preempted:
+            state = self._requests.get(req_id)
+            if state is not None:
+                state.block_ids, state.load = [], None
+        steps = out.num_scheduled_tokens
+        for new in out.scheduled_new_reqs:
+            end = new.num_computed_tokens + steps[new.req_id]
+            self._step(meta, new.req_id, new.block_ids, replace=True, end=end)
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            resumed = req_id in cached.resumed_req_ids
+            end = cached.num_computed_tokens[i] + steps[req_id]
+            self._step(meta, req_id, cached.new_block_ids[i], replace=resumed, end=end)
+        return meta
+
+    def report(self, report: WorkerReport | None) -> None:
+        """``update_connector_output``: remember the keys whose load failed, and save again
+        the blocks of requests whose saves were dropped (a failed load in their step)."""
+        if report is None:
+            return
+        if report.failed:
+            self._core.mark_failed(list(report.failed))
+        for req_id in report.unsaved:
+            state = self._requests.get(req_id)
+            if state is not None:
+                state.saved = 0
+
+    def finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        """``request_finished``: keep the blocks while a save may read them; a prefill
+        tells its decode how many blocks it saved."""
+        state = self._requests.pop(request.request_id, None)
+        if state is None:
+            return False, None
+        self._core.unpin(state.hold)
+        self._waiting_loads.pop(request.request_id, None)
+        for loaded in self._loaded:
+            self._core.unpin(loaded.pop(request.request_id, None))
+        params = {PD_PARAM: state.saved} if self._saves and state.saved else None
+        return state.saves, params
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _state(self, request: Any) -> _Request | None:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            tokens = request.prompt_token_ids
+            if (
+                tokens is None
+                or request.mm_features
+                or getattr(request, "prompt_embeds", None) is not None
+            ):
+                return None  # what the KV is does not follow from token ids alone
+            keys = self._core.keys(tokens, _extra(request))
+            state = self._requests[request.request_id] = _Request(keys)
+            params = request.kv_transfer_params or {}
+            expect = params.get(PD_PARAM)
+            if isinstance(expect, int) and not isinstance(expect, bool) and expect > 0:
+                state.expect = min(expect, len(keys))
+                state.wait_until = self._clock() + self._core.config.pd_wait
+        return state
+
+    def _look(self, state: _Request, cap: int, num_computed: int) -> None:
+        now = self._clock()
+        if (
+            state.hit is not None
+            and state.local == num_computed
+            and now - state.looked_at < _RELOOK_S
+        ):
+            return
+        self._core.unpin(state.hold)
+        state.hold, state.local, state.looked_at = None, num_computed, now
+        hit = self._core.lookup(state.keys[:cap]) if cap > 0 else 0
+        first = num_computed // self._block
+        if hit > first:
+            state.hold = self._core.pin(state.keys[first:hit])
+            if state.hold is None:  # gone between the two calls: load nothing
+                hit = 0
+        state.hit = hit
+
+    def _plan_async(self, req_id: str, state: _Request, blocks: Any) -> None:
+        """The blocks vLLM gave the loaded tokens: the whole list when it covers them,
+        else the new (unhashed) ones, which are exactly those."""
+        assert state.load is not None
+        first, last = state.load
+        state.load = None
+        ids = list(blocks.get_block_ids()[0])
+        ids = ids[first:last] if len(ids) >= last else list(blocks.get_unhashed_block_ids())
+        self._waiting_loads[req_id] = _transfer(req_id, state.keys[first:last], ids[: last - first])
+
+    def _waiting(self, state: _Request, cap: int) -> bool:
+        wanted = min(state.expect, cap)
+        return state.hit is not None and state.hit < wanted and self._clock() < state.wait_until
+
+    def _step(
+        self,
+        meta: StepMeta,
+        req_id: str,
+        block_ids: tuple[list[int], ...] | None,
+        *,
+        replace: bool,
+        end: int,
+    ) -> None:
+        """One scheduled request: its blocks (``replace`` for new and resumed ones), its
+        load, and the prompt blocks full once it computed up to token ``end``."""
+        state = self._requests.get(req_id)
+        if state is None:
+            return
+        ids = list(block_ids[0]) if block_ids else []
+        state.block_ids = ids if replace else state.block_ids + ids
+        if state.load is not None:
+            first, last = state.load
+            state.load = None
+            meta.loads.append(
+                _transfer(req_id, state.keys[first:last], state.block_ids[first:last])
+            )
+            if state.hold is not None:
+                self._loaded[-1][req_id] = state.hold
+                state.hold = None
+        if not self._saves:
+            return
+        full = min(end // self._block, len(state.keys))
+        if full > state.saved:
+            keys, ids = state.keys[state.saved : full], state.block_ids[state.saved : full]
+            meta.saves.append(_transfer(req_id, keys, ids))
+            state.saved, state.saves = full, True
+
+
+def _transfer(request: str, keys: Iterable[BlockKey], block_ids: Iterable[int]) -> Transfer:
+    return Transfer(request, tuple(keys), tuple(block_ids))
+
+
+def _extra(request: Any) -> bytes:
+    """What besides the token ids decides a request's KV: its LoRA adapter (by its files,
+    :func:`_adapter`), its salt."""
+    parts = []
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        parts.append(f"lora={_adapter(str(lora.lora_path))}")
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        parts.append(f"salt={salt}")
+    return "\n".join(parts).encode()
+
+
+@functools.lru_cache(maxsize=256)
+def _adapter(path: str) -> str:
+    """A LoRA adapter named by its files, as the model's weights are (``weights``), never
+    by the name it was loaded under: two adapters loaded as ``chat`` on one base model
+    would otherwise load each other's KV. An adapter whose files cannot be named (a hub
+    branch with no commit in the local cache) gets this process's salt: it shares nothing
+    with another engine. Cached per path (a digest reads up to 1 MiB of each file)."""
+    named = weights(path)
+    return f"{named.name}#{PROCESS_SALT}" if named.doubt else named.name

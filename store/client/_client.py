@@ -1,0 +1,467 @@
+"""StoreClient: a cache server with the surface of a local :class:`TieredStore`.
+
+``put``/``get`` take the same buffers as the local store and move them without a copy:
+the client registers the caller's buffer with its transfer engine for the duration of the
+call, and the engine writes it straight into the server's staged slots (``put``) or reads
+pinned slots straight into it (``get``). ``put_from``/``get_into`` do the same with a
+region registered once (``client.register(buffer)``), for buffers that are reused.
+
+Deduplication happens before any byte moves: the server stages slots only for the keys it
+does not hold, and only those blocks are sent (``counters["bytes_saved"]`` adds up the rest).
+Every blocking call has an awaitable twin (``aput``, ``aget``, ...) that runs it off the
+event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import secrets
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any, NoReturn
+
+import msgpack
+import numpy as np
+
+from ..._closing import Closing
+from ...transfer import (
+    DEFAULT_CONNECT_TIMEOUT_S,
+    DEFAULT_PRINCIPAL,
+    OP_DTYPE,
+    AuthenticationError,
+    PeerClosed,
+    Region,
+    TransferEngine,
+    TransferError,
+)
+from .._errors import InvalidBlock, LeaseExpired, StoreClosed, StoreFull
+from .._keys import BlockKey, check_keys, namespace_bytes
+from .._sizes import positive_int
+from .._stats import StoreStats, TierStats
+from .._wire import DEFAULT_PORT, ERRORS, MAX_KEYS_PER_REQUEST, error_for, raise_error
+from ._registration import Locations as _Locations
+from ._registration import Registration as _Registration
+from ._registration import one_per_block, pages_of_blocks
+
+_COURTESY_S = 0.1
+"""Past a call's deadline, how long giving a lease back may wait (its TTL ends it anyway)."""
+
+_TRUSTED_LEASE_FRACTION = 0.5
+"""A read that finished within this part of the lease TTL (counted from before the pin
+request left) ran under the pin for sure; later ones ask the server whether it held."""
+
+
+class StoreClient(Closing):
+    """A connection to ``kvbridge serve`` for one namespace and block size.
+
+    ``address`` is ``host:port``. ``secret`` must match the server's: the shared secret,
+    or with ``tenant`` that tenant's own (a server with ``--tenants``; see
+    ``store/server/_tenants.py``). ``transports`` are the client engine's (the first one the
+    server also offers is used). Pass ``engine`` to share a :class:`TransferEngine` the
+    caller owns (it is not closed with the client; its principal is the tenant).
+    """
+
+    def __init__(
+        self,
+        address: str = f"127.0.0.1:{DEFAULT_PORT}",
+        *,
+        block_bytes: int,
+        namespace: bytes | str = b"",
+        secret: bytes | str | None = None,
+        tenant: str = DEFAULT_PRINCIPAL,
+        transports: Sequence[str] | str = ("tcp",),
+        timeout: float = 30.0,
+        engine: TransferEngine | None = None,
+    ) -> None:
+        positive_int("block_bytes", block_bytes)
+        self.block_bytes = block_bytes
+        self.namespace = namespace_bytes(namespace)
+        self._own_engine = engine is None
+        self.engine = engine or TransferEngine(
+            f"kvbridge-client-{secrets.token_hex(4)}",
+            transports=transports,
+            secret=secret,
+            principal=tenant,
+            timeout=timeout,
+            # A dead server must not cost more than one call's timeout to find out.
+            connect_timeout=min(timeout, DEFAULT_CONNECT_TIMEOUT_S),
+        )
+        self.counters = {"bytes_pushed": 0, "bytes_saved": 0, "bytes_pulled": 0}
+        self._timeout = timeout
+        self._closed = False
+        self._reopen = False
+        self._deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+            "kvbridge-store-client-deadline", default=None
+        )
+        """Per thread and asyncio task: a deadline is its caller's, never another's."""
+        try:
+            self.peer = self.engine.dial(address)
+            self._open()
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self) -> None:
+        opened = self._call(
+            {"op": "open", "namespace": self.namespace, "block_bytes": self.block_bytes}
+        )
+        self.peer.refresh()  # the namespace's region may be newer than our handshake
+        self._ns: int = opened["ns"]
+        self._region: int = opened["region"]
+        self.capacity_blocks: int = opened["capacity"]
+        self.lease_ttl: float = opened["lease_ttl"]
+        # A put or get stages or pins all of a request's blocks in host memory at once; the
+        # server bounds a request (a share of the namespace, so others have room meanwhile).
+        self._request_keys = max(1, min(MAX_KEYS_PER_REQUEST, int(opened["request_blocks"])))
+
+    # -- the TieredStore surface -------------------------------------------------------
+
+    def put(self, keys: Sequence[bytes], blocks: object) -> list[bool]:
+        """Store each block under its key; return, per key, whether this call sent it (a
+        key the server already held is not sent). ``blocks``: one buffer of
+        ``len(keys) * block_bytes`` bytes or a sequence of ``block_bytes`` buffers.
+
+        As ``TieredStore.put``, raises :class:`StoreFull` before a byte moves when the new
+        blocks do not fit in the namespace's unpinned room beside the put's stored ones,
+        and no block of the put is evicted to make room for another of it. A put larger
+        than one request (:attr:`request_keys`) moves a request at a time: a fault midway
+        leaves the requests before it stored."""
+        checked = check_keys(keys)
+        if not checked:
+            return []
+        with _Registration(
+            self.engine, self.block_bytes, blocks, len(checked), writable=False
+        ) as where:
+            return self._put(checked, where)
+
+    def put_from(self, keys: Sequence[bytes], region: Region, offsets: Sequence[int]) -> list[bool]:
+        """``put`` from a registered region: block ``i`` is at ``offsets[i]`` in it."""
+        checked = check_keys(keys)
+        return self._put(checked, one_per_block(region, offsets, len(checked), self.block_bytes))
+
+    def get(self, keys: Sequence[bytes], out: object) -> None:
+        """Fill ``out`` with the blocks of ``keys``; raises :class:`BlockNotFound` (``out``
+        untouched) when any is absent."""
+        checked = check_keys(keys)
+        if not checked:
+            return
+        with _Registration(
+            self.engine, self.block_bytes, out, len(checked), writable=True
+        ) as where:
+            self._get(checked, where)
+
+    def get_into(self, keys: Sequence[bytes], region: Region, offsets: Sequence[int]) -> None:
+        """``get`` into a registered region: block ``i`` lands at ``offsets[i]``."""
+        checked = check_keys(keys)
+        self._get(checked, one_per_block(region, offsets, len(checked), self.block_bytes))
+
+    def put_pages(
+        self, keys: Sequence[bytes], regions: Sequence[Region], offsets: np.ndarray
+    ) -> list[bool]:
+        """``put`` of blocks made of pages spread over registered regions (a KV cache's
+        layers): block ``i`` is ``len(regions)`` equal pages, page ``s`` at ``offsets[i, s]``
+        in ``regions[s]``. The pages go straight to the server's slots, one op each."""
+        checked = check_keys(keys)
+        return self._put(checked, pages_of_blocks(regions, offsets, len(checked), self.block_bytes))
+
+    def get_pages(
+        self, keys: Sequence[bytes], regions: Sequence[Region], offsets: np.ndarray
+    ) -> None:
+        """``get`` into pages, laid out as for :meth:`put_pages`."""
+        checked = check_keys(keys)
+        self._get(checked, pages_of_blocks(regions, offsets, len(checked), self.block_bytes))
+
+    def pin(self, keys: Sequence[bytes]) -> int:
+        """Keep the blocks of ``keys`` from eviction for the server's lease TTL (a reader's
+        guard between a lookup and its load); returns the lease for :meth:`release`.
+        Raises :class:`BlockNotFound` when a key is absent."""
+        checked = check_keys(keys)
+        if len(checked) > self._request_keys:
+            raise InvalidBlock(f"{len(checked)} keys; a pin covers at most {self._request_keys}")
+        return int(self._call({"op": "pin", "ns": self._ns, "keys": list(checked)})["lease"])
+
+    def release(self, lease: int) -> None:
+        """End a :meth:`pin` (an expired one is ignored: it is gone already)."""
+        if lease:
+            self._quietly({"op": "release", "ns": self._ns, "lease": lease})
+
+    @property
+    def request_keys(self) -> int:
+        """The most keys one request stages or pins (the server's bound; ``put`` and
+        ``get`` split larger calls themselves)."""
+        return self._request_keys
+
+    def match_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading keys the server holds (the cache hit of a prefix, in blocks)."""
+        checked = check_keys(keys)
+        total = 0
+        for start, chunk in _chunks(checked, MAX_KEYS_PER_REQUEST):
+            count = int(self._call({"op": "match", "ns": self._ns, "keys": chunk})["count"])
+            total = start + count
+            if count < len(chunk):
+                break
+        return total
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        checked = check_keys(keys)
+        present: list[bool] = []
+        for _, chunk in _chunks(checked, MAX_KEYS_PER_REQUEST):
+            present += self._call({"op": "contains", "ns": self._ns, "keys": chunk})["present"]
+        return present
+
+    def remove(self, keys: Sequence[bytes]) -> list[bool]:
+        checked = check_keys(keys)
+        removed: list[bool] = []
+        for _, chunk in _chunks(checked, MAX_KEYS_PER_REQUEST):
+            removed += self._call({"op": "remove", "ns": self._ns, "keys": chunk})["removed"]
+        return removed
+
+    def clear(self) -> int:
+        """Remove every block of this namespace that no reader has pinned (every client of
+        the namespace loses them); returns how many were removed."""
+        return int(self._call({"op": "clear", "ns": self._ns})["removed"])
+
+    def stats(self) -> StoreStats:
+        """The namespace's store counters, as the server sees them."""
+        for entry in self.server_stats()["namespaces"]:
+            if entry["handle"] == self._ns:
+                tiers = [TierStats(**t) for t in entry.pop("tiers")]
+                entry.pop("handle")
+                entry.pop("name")
+                return StoreStats(**entry, tiers=tiers)
+        raise LookupError("the server no longer lists this namespace")
+
+    def server_stats(self) -> dict[str, Any]:
+        return self._call({"op": "stats"})
+
+    def register(self, buffer: Any, *, access: str = "none") -> Region:
+        """Register a buffer for ``put_from``/``get_into`` (keep it alive meanwhile). No
+        peer may touch it (``access="none"``): only this client's own transfers move its
+        bytes."""
+        return self.engine.register(buffer, access=access)
+
+    @contextlib.contextmanager
+    def deadline(self, seconds: float) -> Iterator[None]:
+        """Bound the calls made inside the block to ``seconds`` in all: every wait for the
+        server (each has ``timeout`` on its own) gets only what is left, and one that
+        would start after the deadline raises ``TimeoutError``. A call of many blocks
+        makes several requests; without this, each may take ``timeout``.
+
+        The deadline belongs to the thread or asyncio task that entered the block (and to
+        what it awaits, ``aget`` and friends included, and to tasks it creates inside the
+        block, which copy its context as asyncio does): other threads, and tasks made
+        outside it, never see it. Nested blocks keep the earlier of the two deadlines."""
+        outer = self._deadline.get()
+        until = time.monotonic() + seconds
+        token = self._deadline.set(until if outer is None else min(outer, until))
+        try:
+            yield
+        finally:
+            self._deadline.reset(token)
+
+    def close(self) -> None:
+        self._closed = True
+        peer = getattr(self, "peer", None)
+        if peer is not None:
+            peer.close()
+        if self._own_engine:
+            self.engine.close()
+
+    # -- awaitable twins ---------------------------------------------------------------
+
+    async def aput(self, keys: Sequence[bytes], blocks: object) -> list[bool]:
+        return await asyncio.to_thread(self.put, keys, blocks)
+
+    async def aget(self, keys: Sequence[bytes], out: object) -> None:
+        await asyncio.to_thread(self.get, keys, out)
+
+    async def aput_from(
+        self, keys: Sequence[bytes], region: Region, offsets: Sequence[int]
+    ) -> list[bool]:
+        return await asyncio.to_thread(self.put_from, keys, region, offsets)
+
+    async def aget_into(
+        self, keys: Sequence[bytes], region: Region, offsets: Sequence[int]
+    ) -> None:
+        await asyncio.to_thread(self.get_into, keys, region, offsets)
+
+    async def amatch_prefix(self, keys: Sequence[bytes]) -> int:
+        return await asyncio.to_thread(self.match_prefix, keys)
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _call(self, body: dict[str, Any]) -> dict[str, Any]:
+        """One request; if the connection broke since the last one (the server restarted,
+        a stream died, the session ended), connect and open the namespace again first. A
+        namespace whose re-open failed (the server was full, or slow) is opened again
+        before the next request."""
+        if self._closed:
+            raise StoreClosed("this client is closed")
+        if body.get("op") != "open" and (self.peer.closed or self._reopen):
+            self._reconnect(session=self.peer.closed)
+            body = self._rebound(body)
+        try:
+            reply = self.peer.call(body, timeout=self._left())
+        except AuthenticationError:
+            if body.get("op") == "open":
+                raise
+            self._reconnect()  # the session is gone: leases it held are gone with it
+            reply = self.peer.call(self._rebound(body), timeout=self._left())
+        raise_error(reply)
+        return reply
+
+    def _left(self) -> float:
+        """How long the next wait may take: the timeout, or less under a :meth:`deadline`
+        (raises ``TimeoutError`` once it has passed)."""
+        deadline = self._deadline.get()
+        if deadline is None:
+            return self._timeout
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the call ran past its deadline")
+        return min(self._timeout, left)
+
+    def _reconnect(self, *, session: bool = True) -> None:
+        self._reopen = True  # until the namespace is open again
+        if session:
+            self.peer.reconnect()
+        self._open()
+        self._reopen = False
+
+    def _rebound(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``body`` with the namespace handle of the current session."""
+        return {**body, "ns": self._ns} if "ns" in body else body
+
+    def _put(self, keys: Sequence[BlockKey], where: _Locations) -> list[bool]:
+        """Stage, write and commit ``keys`` a request at a time. A put of several requests
+        is checked whole first, and the server keeps its blocks from being evicted by its
+        own later requests (:meth:`_begin_put`) until it ends, well or not."""
+        chunks = list(_chunks(keys, self._request_keys))
+        put = self._begin_put(keys) if len(chunks) > 1 else None
+        sent: list[bool] = []
+        try:
+            for n, (start, chunk) in enumerate(chunks):
+                request: dict[str, Any] = {"op": "stage", "ns": self._ns, "keys": chunk}
+                if put is not None:
+                    request.update(put=put, last=n == len(chunks) - 1)
+                sent += self._put_request(request, start, where)
+        except BaseException:
+            if put is not None:  # its record would keep the blocks until the lease TTL
+                self._end_put(put)
+            raise
+        return sent
+
+    def _put_request(self, request: dict[str, Any], start: int, where: _Locations) -> list[bool]:
+        """One staged request of a put: its keys' slots written and committed; per key,
+        whether it was sent."""
+        staged = self._call(request)
+        self.counters["bytes_saved"] += int(staged["saved_bytes"])
+        slots, lease = staged["slots"], int(staged["lease"])
+        picked = [i for i, slot in enumerate(slots) if slot is not None]
+        if lease:
+            commit = msgpack.packb({"op": "commit", "ns": self._ns, "lease": lease})
+            try:
+                ops = self._ops(where, start, picked, [slots[i] for i in picked])
+                left = self._left()  # past the deadline: raises before a byte is read
+                done = self.peer.write(ops, notify=commit)
+            except BaseException as exc:
+                self._abandon(lease, exc)
+            try:
+                done.wait(left)  # landed and committed
+            except TimeoutError:
+                # The write may still be reading the caller's memory: close the streams
+                # (joined) before raising, so that nothing reads it once put has returned;
+                # the session ends, and the staging with it (nothing of it is committed).
+                self.peer.close("a write did not finish in time")
+                raise
+            except BaseException as exc:
+                self._abandon(lease, exc)
+            self.counters["bytes_pushed"] += len(picked) * self.block_bytes
+        return [slot is not None for slot in slots]
+
+    def _abandon(self, lease: int, exc: BaseException) -> NoReturn:
+        """A staged put that will not be committed: give its lease back, and raise the
+        store's error for a refusal the server sent as a transfer error."""
+        self._quietly({"op": "abort", "ns": self._ns, "lease": lease})
+        if isinstance(exc, TransferError) and exc.code in ERRORS:
+            raise error_for(exc.code, f"put not committed: {exc}") from exc
+        raise exc
+
+    def _end_put(self, put: int) -> None:
+        """End the server's record of a put of several requests (its last staging does)."""
+        self._quietly({"op": "stage", "ns": self._ns, "keys": [], "put": put, "last": True})
+
+    def _begin_put(self, keys: Sequence[BlockKey]) -> int:
+        """Start a put of several requests: the server records its keys, so that no request
+        of it evicts a block another stored or found stored (each request makes room, and
+        a chain with a hole never hits past it). :class:`StoreFull`, before a byte moves,
+        when its new blocks do not fit beside its stored ones (as ``TieredStore.put``)."""
+        put = secrets.randbits(63)
+        new = room = 0
+        for _, chunk in _chunks(list(dict.fromkeys(keys)), MAX_KEYS_PER_REQUEST):
+            reply = self._call({"op": "room", "ns": self._ns, "keys": chunk, "put": put})
+            new, room = new + int(reply["new"]), int(reply["room"])
+        if new > room:
+            self._end_put(put)
+            raise StoreFull(
+                f"{new} new block(s) but the namespace holds at most {max(room, 0)} more "
+                "beside the put's stored ones (pinned and staged blocks stay): nothing was "
+                "stored"
+            )
+        return put
+
+    def _get(self, keys: Sequence[BlockKey], where: _Locations) -> None:
+        for start, chunk in _chunks(keys, self._request_keys):
+            pinned_at = time.monotonic()
+            pinned = self._call({"op": "pin", "ns": self._ns, "keys": chunk})
+            lease, slots = int(pinned["lease"]), pinned["slots"]
+            try:
+                ops = self._ops(where, start, list(range(len(chunk))), slots)
+                self.peer.read(ops).wait(self._left())
+            except TimeoutError:
+                # The read may still be landing: close the streams (joined) so that no byte
+                # arrives after the caller reused its buffer; the session and its pin end.
+                self.peer.close("a read did not finish in time")
+                raise
+            except BaseException:
+                self._quietly({"op": "release", "ns": self._ns, "lease": lease})
+                raise
+            release = {"op": "release", "ns": self._ns, "lease": lease}
+            if time.monotonic() - pinned_at < self.lease_ttl * _TRUSTED_LEASE_FRACTION:
+                self.peer.cast(release)  # the pin held while we read: no answer needed
+            else:
+                self._call(release)  # raises LeaseExpired if the bytes may have changed
+            self.counters["bytes_pulled"] += len(chunk) * self.block_bytes
+
+    def _ops(
+        self, where: _Locations, start: int, picked: list[int], slots: list[int]
+    ) -> np.ndarray:
+        regions, offsets = where
+        segments = regions.shape[1]
+        part = self.block_bytes // segments
+        index = np.asarray(picked, dtype=np.int64) + start
+        ops = np.zeros((len(picked), segments), dtype=OP_DTYPE)
+        ops["local_region"] = regions[index]
+        ops["local_offset"] = offsets[index]
+        ops["remote_region"] = self._region
+        at = np.asarray(slots, dtype=np.uint64) * np.uint64(self.block_bytes)
+        ops["remote_offset"] = at[:, None] + np.arange(segments, dtype=np.uint64) * np.uint64(part)
+        ops["length"] = part
+        return ops.reshape(-1)
+
+    def _quietly(self, body: dict[str, Any]) -> None:
+        """Give a lease back after a failure; the lease (or the session) ending does the
+        same if this fails."""
+        wait = self._timeout
+        deadline = self._deadline.get()
+        if deadline is not None:  # past it, only a moment for the courtesy
+            wait = min(wait, max(_COURTESY_S, deadline - time.monotonic()))
+        with contextlib.suppress(TransferError, LeaseExpired, PeerClosed):
+            self.peer.call(body, timeout=wait)
+
+
+def _chunks(keys: Sequence[BlockKey], size: int) -> Iterator[tuple[int, list[bytes]]]:
+    for start in range(0, len(keys), size):
+        yield start, list(keys[start : start + size])

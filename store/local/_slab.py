@@ -1,0 +1,126 @@
+"""Slot memory: one preallocated buffer carved into fixed-size slots.
+
+:class:`HostSlab` is an anonymous ``mmap`` (so it is page-aligned), registered with CUDA as
+pinned memory when cupy and a GPU are present (host<->device copies then run at full PCIe
+speed and can be asynchronous). :class:`DeviceSlab` is one ``cupy`` allocation. Both hand
+out zero-copy views of slots; the slot tier on top of them is the same code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+from typing import Literal, Protocol
+
+import numpy as np
+
+from .._buffers import BlockArray, cupy_module
+from .._errors import TierUnavailable
+
+PAGE_BYTES = mmap.PAGESIZE
+
+
+class SlotMemory(Protocol):
+    """Fixed-size slots over one buffer."""
+
+    slots: int
+    block_bytes: int
+
+    @property
+    def on_device(self) -> bool:
+        """True when slots live in GPU memory."""
+
+    def slot(self, index: int) -> BlockArray:
+        """A zero-copy view of slot ``index``."""
+
+    def close(self) -> None:
+        """Release the memory (views still held elsewhere keep it alive)."""
+
+
+class HostSlab:
+    """``slots * block_bytes`` bytes of page-aligned host memory.
+
+    ``pin``: ``"auto"`` pins through cupy when a GPU is present, ``True`` requires it,
+    ``False`` never pins. ``pinned`` says what happened. ``prefault`` maps every page up
+    front (``MAP_POPULATE``): a cache server wants that, because a remote write into a
+    never-touched slot otherwise pays a page fault per 4 KiB (4 MiB writes into fresh slots
+    took 3.7 ms against 1.7 ms into touched ones).
+    """
+
+    def __init__(
+        self,
+        slots: int,
+        block_bytes: int,
+        *,
+        pin: bool | Literal["auto"] = "auto",
+        prefault: bool = False,
+    ):
+        if slots < 0 or block_bytes <= 0:
+            raise ValueError(f"bad slab geometry: {slots} slots of {block_bytes} bytes")
+        self.slots = slots
+        self.block_bytes = block_bytes
+        flags = mmap.MAP_SHARED  # what mmap(-1, n) maps by default (anonymous added for -1)
+        if prefault:
+            flags |= getattr(mmap, "MAP_POPULATE", 0)
+        self._mmap: mmap.mmap | None = mmap.mmap(-1, max(slots * block_bytes, 1), flags=flags)
+        self.array: np.ndarray = np.frombuffer(self._mmap, dtype=np.uint8)[: slots * block_bytes]
+        self.pinned = False
+        if pin is not False:
+            cupy = cupy_module()
+            if cupy is not None and slots:
+                cupy.cuda.runtime.hostRegister(self.array.ctypes.data, self.array.nbytes, 0)
+                self.pinned = True
+            elif pin is True:
+                raise TierUnavailable("pinned host memory needs cupy and a GPU")
+
+    @property
+    def on_device(self) -> bool:
+        return False
+
+    @property
+    def address(self) -> int:
+        """Address of slot 0 (page-aligned)."""
+        return int(self.array.ctypes.data)
+
+    def slot(self, index: int) -> np.ndarray:
+        start = index * self.block_bytes
+        return self.array[start : start + self.block_bytes]
+
+    def close(self) -> None:
+        if self._mmap is None:
+            return
+        if self.pinned:
+            cupy = cupy_module()
+            assert cupy is not None
+            cupy.cuda.runtime.hostUnregister(self.array.ctypes.data)
+            self.pinned = False
+        self.array = np.empty(0, dtype=np.uint8)
+        # A caller still holding a view keeps the mapping alive until it drops the view.
+        with contextlib.suppress(BufferError):
+            self._mmap.close()
+        self._mmap = None
+
+
+class DeviceSlab:
+    """``slots * block_bytes`` bytes of GPU memory on ``device_id`` (needs cupy)."""
+
+    def __init__(self, slots: int, block_bytes: int, *, device_id: int = 0):
+        cupy = cupy_module()
+        if cupy is None:
+            raise TierUnavailable("the device tier needs cupy and a GPU: pip install kvbridge[gpu]")
+        self.slots = slots
+        self.block_bytes = block_bytes
+        self.device_id = device_id
+        with cupy.cuda.Device(device_id):
+            self.array = cupy.empty(max(slots * block_bytes, 1), dtype=cupy.uint8)
+
+    @property
+    def on_device(self) -> bool:
+        return True
+
+    def slot(self, index: int) -> BlockArray:
+        start = index * self.block_bytes
+        return self.array[start : start + self.block_bytes]
+
+    def close(self) -> None:
+        self.array = None

@@ -1,0 +1,97 @@
+"""Handoff holds: freshly committed blocks kept for their first read.
+
+Prefill pushes a request's blocks and decode pulls them moments later; until then nothing
+says they are wanted, and a policy that evicts never-reused blocks first (``reuse``) would
+drop them first. So a commit pins its new blocks for ``ttl`` seconds; the pin goes at the
+first read, at the deadline, or oldest first once holds would fill more than half of the
+namespace's memory (so pushes alone cannot fill it with pins), or more than the committing
+tenant's share of that half (so one tenant's pushes cannot take what another's leave). A
+tenant's holds count against its share of the namespace (``CacheServer._tenant_room``).
+A namespace owns one :class:`HandoffHolds`; the server calls it under its state lock.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..local._store import TieredStore
+
+
+@dataclass(frozen=True)
+class Hold:
+    """A committed block held for its first read: until when, and for which tenant."""
+
+    deadline: float
+    principal: str
+
+
+class HandoffHolds:
+    """One namespace's handoff holds (pins on its ``store``), oldest first; at most
+    ``limit`` in all (half the namespace's memory slots)."""
+
+    def __init__(self, store: TieredStore, limit: int) -> None:
+        self._store = store
+        self._limit = limit
+        self._holds: dict[bytes, Hold] = {}
+        self._by: Counter[str] = Counter()
+
+    def __len__(self) -> int:
+        return len(self._holds)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._holds
+
+    def of(self, principal: str) -> int:
+        """How many holds ``principal``'s commits have."""
+        return self._by[principal]
+
+    def keys(self) -> list[bytes]:
+        return list(self._holds)
+
+    def hand_off(
+        self, keys: Sequence[bytes], ttl: float, principal: str = "", share: float = 1.0
+    ) -> None:
+        """Hold the committed ``keys`` (those still present) for their first read, as
+        ``principal``'s, which holds at most ``share`` of them."""
+        store = self._store
+        fresh = [key for key in keys if key not in self._holds and store.contains([key])[0]]
+        if ttl <= 0 or not fresh:
+            return
+        store.pin(fresh, ttl=ttl)
+        deadline = store.clock() + ttl
+        for key in fresh:
+            self._holds[key] = Hold(deadline, principal)
+            self._by[principal] += 1
+        mine = max(1, int(self._limit * share))
+        while self._by[principal] > mine:  # its own oldest first
+            key = next(k for k, hold in self._holds.items() if hold.principal == principal)
+            self._release(key, self._holds.pop(key))
+        while len(self._holds) > self._limit:
+            key = next(iter(self._holds))
+            self._release(key, self._holds.pop(key))
+
+    def take(self, keys: Sequence[bytes]) -> dict[bytes, Hold]:
+        """Release the holds on ``keys`` (being read, or removed: the holds have done their
+        job); return them for :meth:`restore`."""
+        taken = {key: self._holds.pop(key) for key in keys if key in self._holds}
+        for key, hold in taken.items():
+            self._release(key, hold)
+        return taken
+
+    def restore(self, taken: dict[bytes, Hold]) -> None:
+        """Put back holds taken for a request that was then refused (it changes nothing)."""
+        now = self._store.clock()
+        for key, hold in taken.items():
+            if hold.deadline > now:
+                self._store.pin([key], ttl=hold.deadline - now)
+                self._holds[key] = hold
+                self._by[hold.principal] += 1
+
+    def _release(self, key: bytes, hold: Hold) -> None:
+        self._by[hold.principal] -= 1
+        if self._by[hold.principal] <= 0:
+            del self._by[hold.principal]
+        if hold.deadline > self._store.clock():  # an expired pin is gone already
+            self._store.unpin([key])  # the pin expiring first: handoff_ttl <= lease_ttl

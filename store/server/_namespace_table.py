@@ -1,0 +1,231 @@
+"""The cache server's namespace table: opening by name, handles, and reclaiming idle ones.
+
+Only the control thread changes the table (under the server's state lock, and its own lock
+for readers on other threads: metrics, stats). See ``_namespaces`` for what a namespace is
+and who may use its handle.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..._bounded_log import BoundedLog
+from ...transfer import Caller, TransferEngine
+from .._errors import StoreFull
+from .._wire import BadRequest, NotPermitted, TooManyRequests, UnknownNamespace
+from ..local._slots import SlotTier
+from ..local._store import TieredStore
+from ..local.disk._tier import DiskTier, blocks_within
+from ._config import MIN_BLOCK_BYTES, ServerConfig
+from ._disk_dirs import FILES_BESIDE_DATA, NamespaceDirs
+from ._namespaces import Namespace
+from ._tenants import Tenant
+
+MAX_NAMESPACE_BYTES = 256
+MAX_BLOCK_BYTES = 1 << 30
+MAX_NAMESPACES_PER_SESSION = 8
+"""Namespaces one session may have open at once (one client squatting every namespace)."""
+
+_log = logging.getLogger("kvbridge.server")
+
+
+class NamespaceTable:
+    """The namespaces a server serves, by handle and by name."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        engine: TransferEngine,
+        state: threading.Lock,
+        clock: Callable[[], float],
+    ) -> None:
+        self._config = config
+        self._clock = clock
+        self._engine = engine
+        self._state = state
+        self._by_handle: dict[int, Namespace] = {}
+        self._by_name: dict[bytes, int] = {}
+        self._handles = itertools.count(1)
+        self._lock = threading.Lock()
+        self._events = BoundedLog(_log)  # a client may open and close as fast as it likes
+        self._dirs = (
+            None
+            if config.disk_path is None
+            else NamespaceDirs(
+                config.disk_path,
+                config.max_namespaces,
+                config.disk_capacity // config.max_namespaces,
+                self._events,
+            )
+        )
+
+    def snapshot(self) -> list[Namespace]:
+        with self._lock:
+            return list(self._by_handle.values())
+
+    def get(self, caller: Caller, handle: int) -> Namespace:
+        """The namespace ``handle`` names, if ``caller``'s session has it open."""
+        ns = self._by_handle.get(handle)
+        if ns is None or caller.session not in ns.openers:
+            raise UnknownNamespace(f"no namespace {handle} open in this session: open it first")
+        ns.last_used = time.monotonic()
+        return ns
+
+    def open(self, caller: Caller, name: bytes, block_bytes: int, tenant: Tenant) -> Namespace:
+        """Open (or create) the namespace ``name`` for ``caller``'s session, of ``tenant``;
+        every check comes before anything changes (a refused open reclaims nothing).
+
+        A namespace belongs to the tenant that created it. A tenant holds at most its
+        ``max_namespaces`` (open or idle, in memory and on disk): a new one takes the place
+        of its own least recently used idle one, never another tenant's, unless the
+        tenants' quotas add up to more than the server serves (the operator's choice). A
+        read-only tenant creates nothing: it opens namespaces that are in memory."""
+        if len(name) > MAX_NAMESPACE_BYTES:
+            raise BadRequest(f"a namespace is at most {MAX_NAMESPACE_BYTES} bytes")
+        if not MIN_BLOCK_BYTES <= block_bytes <= MAX_BLOCK_BYTES:
+            raise BadRequest(
+                f"block_bytes must be {MIN_BLOCK_BYTES}..{MAX_BLOCK_BYTES}, got {block_bytes}"
+            )
+        handle = self._by_name.get(name)
+        ns = self._by_handle[handle] if handle is not None else None
+        if ns is not None and ns.store.block_bytes != block_bytes:
+            raise BadRequest(
+                f"namespace {ns.label} has {ns.store.block_bytes}-byte blocks, not {block_bytes}"
+            )
+        if ns is None or caller.session not in ns.openers:
+            mine = sum(caller.session in n.openers for n in self._by_handle.values())
+            if mine >= MAX_NAMESPACES_PER_SESSION:
+                raise TooManyRequests(f"a session opens at most {MAX_NAMESPACES_PER_SESSION}")
+        if ns is None:
+            if tenant.read_only:
+                raise NotPermitted(
+                    f"tenant {tenant.label} is read-only: it opens namespaces in memory only"
+                )
+            ns = self._create(name, block_bytes, tenant)
+        ns.openers[caller.session] = caller.principal
+        return ns
+
+    def close(self) -> None:
+        for ns in self.snapshot():
+            if ns.region is not None:
+                self._engine.unregister(ns.region)
+            ns.store.close()
+
+    def _create(self, name: bytes, block_bytes: int, tenant: Tenant) -> Namespace:
+        cfg = self._config
+        host_share = cfg.host_capacity // cfg.max_namespaces
+        if host_share < block_bytes:  # checked before anything is reclaimed for it
+            raise StoreFull(f"a namespace's {host_share} bytes of host memory hold no block")
+        disk_share = _data_share(cfg)
+        if cfg.disk_path is not None and not blocks_within(disk_share, block_bytes):
+            raise StoreFull(
+                f"a namespace's {disk_share} bytes of disk hold no {block_bytes}-byte block "
+                "beside LMDB's records"
+            )
+        self._make_room(tenant)
+        disk = self._disk_settings(name, block_bytes, tenant)
+        store = TieredStore(
+            block_bytes,
+            host_capacity=host_share,
+            namespace=name,
+            pin_ttl=cfg.lease_ttl,
+            policy=cfg.policy,
+            prefault=True,
+            clock=self._clock,
+            **disk,
+        )
+        ns = Namespace(next(self._handles), name, store, self._state, owner=tenant.name)
+        top = store.tiers[0]
+        assert isinstance(top, SlotTier)
+        try:
+            memory = top.memory.array  # type: ignore[attr-defined]
+            ns.region = self._engine.register(memory, access="rw", guard=ns.guard)
+        except BaseException:
+            store.close()
+            raise
+        with self._lock:
+            self._by_handle[ns.handle] = ns
+            self._by_name[name] = ns.handle
+        self._events.refused(
+            "opened", logging.INFO, "namespace %s opened (handle %d)", ns.label, ns.handle
+        )
+        return ns
+
+    def _quota(self, tenant: Tenant) -> int:
+        return tenant.max_namespaces or self._config.max_namespaces
+
+    def _make_room(self, tenant: Tenant) -> None:
+        """Room for one more namespace of ``tenant``: at its quota, its own least recently
+        used idle namespace goes; with the server full (quotas that add up to more than it
+        serves), anyone's. :class:`TooManyRequests` or :class:`StoreFull` if none can."""
+        served = self._config.max_namespaces
+        quota = self._quota(tenant)
+        owned = [n for n in self._by_handle.values() if n.owner == tenant.name]
+        if len(owned) >= quota:  # at its quota: only its own may make way
+            if self._reclaim(owned):
+                return
+            if quota < served:
+                raise TooManyRequests(
+                    f"tenant {tenant.label} holds {len(owned)} namespaces, all in use "
+                    f"(at most {quota}): close a client of one first"
+                )
+        elif len(self._by_handle) < served or self._reclaim(list(self._by_handle.values())):
+            return
+        raise StoreFull(f"the server serves at most {served} namespaces, all in use")
+
+    def _disk_settings(self, name: bytes, block_bytes: int, tenant: Tenant) -> dict[str, Any]:
+        """The disk tier of a new namespace, its directory made room for (``_disk_dirs``)."""
+        cfg = self._config
+        if self._dirs is None:
+            return {}
+        path = self._dirs.path_for(name, block_bytes)
+        live = {_disk_path(ns) for ns in self._by_handle.values()}
+        self._dirs.make_room(path, live, tenant.name, self._quota(tenant))
+        return {
+            "disk_path": path,
+            "disk_capacity": _data_share(cfg),
+            "disk_bound": "files",  # the share bounds the files, LMDB's records included
+            "write_through": True,
+        }
+
+    def _reclaim(self, among: list[Namespace]) -> bool:
+        """Close the least recently used namespace of ``among`` that no live session has
+        open and that holds no lease (a disk tier keeps its blocks for the next open);
+        ``False`` if there is none."""
+        for ns in sorted(among, key=lambda n: n.last_used):
+            ns.sweep()
+            if not ns.idle or ns.region is None:
+                continue
+            try:
+                self._engine.unregister(ns.region)  # refused while a transfer still uses it
+            except Exception:
+                continue
+            with self._lock:
+                del self._by_handle[ns.handle]
+                del self._by_name[ns.name]
+            ns.store.close()
+            if self._dirs is not None:
+                self._dirs.used(_disk_path(ns))  # kept, the most recently used
+            self._events.refused(
+                "reclaimed", logging.INFO, "namespace %s reclaimed (handle %d)", ns.label, ns.handle
+            )
+            return True
+        return False
+
+
+def _disk_path(ns: Namespace) -> Path:
+    """The directory of a namespace's disk tier (a server with a disk gives every one)."""
+    disk = ns.store.tiers[-1]
+    assert isinstance(disk, DiskTier)
+    return Path(disk.path)
+
+
+def _data_share(cfg: ServerConfig) -> int:
+    """Bytes of a namespace's disk share for LMDB's data file (the rest is its other files)."""
+    return max(0, cfg.disk_capacity // cfg.max_namespaces - FILES_BESIDE_DATA)

@@ -1,0 +1,164 @@
+"""The cache server's namespaces: one tiered store each, the sessions that opened it, and the
+guard that decides which remote op may touch its memory.
+
+A namespace (model, layout, tenant) is opened by name; the server answers with a handle.
+Handles are never reused, and a handle works only for a session that opened it: knowing
+(or guessing) a number gives no access to another tenant's blocks. A namespace that no live
+session has open and that holds no lease can be reclaimed (closed; a disk tier keeps its
+blocks for the next open) when a new namespace needs its place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ...transfer import Admission, Caller, Region
+from ..local._remote import RemoteAccess
+from ..local._store import TieredStore
+from ._handoff import HandoffHolds
+from ._leases import LeaseBook, Pinned, Use
+from ._puts import PutsInProgress
+
+REQUEST_SHARE = 4
+"""One request stages or pins at most 1/4 of a namespace's memory slots, so that a single
+request never takes the room every other client needs."""
+
+SESSION_SHARE = 2
+"""One session holds at most 1/2 of a namespace's memory slots (staged and pinned at once)."""
+
+
+@dataclass
+class Namespace:
+    handle: int
+    name: bytes
+    store: TieredStore
+    state: threading.Lock
+    """The server's state lock (leases are read by the guard on serving threads)."""
+    owner: str = ""
+    """The tenant that created it (its quota counts it; see ``_namespace_table``)."""
+    region: Region | None = None
+    book: LeaseBook = field(default_factory=LeaseBook)
+    openers: dict[int, str] = field(default_factory=dict)
+    """Sessions that opened the namespace and have not ended, each with its principal."""
+    last_used: float = field(default_factory=time.monotonic)
+    remote: RemoteAccess = field(init=False)
+    """The lease protocol over ``store``: staged puts, resident pins, write admission."""
+    holds: HandoffHolds = field(init=False)
+    """Committed blocks held for their first read (``_handoff``)."""
+    puts: PutsInProgress = field(init=False)
+    """Puts of several requests in progress, and the blocks each keeps (``_puts``)."""
+
+    def __post_init__(self) -> None:
+        self.remote = RemoteAccess(self.store)
+        self.holds = HandoffHolds(self.store, self.slots // 2)
+        self.puts = PutsInProgress(self.blocks, self.store.clock)
+
+    @property
+    def label(self) -> str:
+        text = self.name.decode("utf-8", "replace")
+        return f"{text}/{self.store.block_bytes}"
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The clock of the namespace's leases (the store's: ``CacheServer(clock=...)``)."""
+        return self.store.clock
+
+    @property
+    def anonymous(self) -> str:
+        """The label shown to sessions that did not open it: a digest, not the name."""
+        digest = hashlib.sha256(self.name).hexdigest()[:12]
+        return f"sha256:{digest}/{self.store.block_bytes}"
+
+    @property
+    def slots(self) -> int:
+        return self.store.tiers[0].capacity
+
+    @property
+    def blocks(self) -> int:
+        """Blocks the namespace holds in all (a write-through disk tier holds a copy of
+        every block, so it alone bounds them)."""
+        tiers = self.store.tiers
+        if self.store.write_through:
+            return max(tier.capacity for tier in tiers)
+        return sum(tier.capacity for tier in tiers)
+
+    @property
+    def request_blocks(self) -> int:
+        """Most blocks one stage or pin request (and one remote frame) may cover."""
+        return max(1, self.slots // REQUEST_SHARE)
+
+    @property
+    def session_blocks(self) -> int:
+        """Most slots one session may hold at once."""
+        return max(self.request_blocks, self.slots // SESSION_SHARE)
+
+    def sweep(self) -> None:
+        """End the leases past their deadline (their slots and pins are already void)."""
+        self._finish(*self.book.expired(self.remote.staging_open))
+        self.puts.sweep()
+
+    def end_session(self, session: int) -> None:
+        """The session ended: it no longer has the namespace open, and its leases end."""
+        self.openers.pop(session, None)
+        self.puts.end_session(session)
+        self._finish(*self.book.end_session(session))
+
+    def _finish(self, staged: list[int], pinned: list[Pinned]) -> None:
+        for lease_id in staged:
+            self.remote.abort(lease_id)  # slots still being written come back after that
+        for entry in pinned:
+            entry.lease.release()
+
+    def open_for(self, principal: str) -> bool:
+        """Whether a live session of ``principal`` has the namespace open."""
+        return principal in self.openers.values()
+
+    @property
+    def idle(self) -> bool:
+        """No live session has it open and nothing is leased: it may be reclaimed."""
+        return not self.openers and not len(self.book)
+
+    def guard(
+        self, caller: Caller, access: str, offsets: np.ndarray, lengths: np.ndarray
+    ) -> Admission:
+        """A remote write lands only in slots staged for the writing session, a remote read
+        only from slots pinned for the reading session, each under a live lease; what an
+        admitted op touches is held until its bytes have moved."""
+        block = np.uint64(self.store.block_bytes)
+        first = (offsets // block).astype(np.int64)
+        last = ((offsets + lengths - np.uint64(1)) // block).astype(np.int64)
+        refused = Admission(np.zeros(len(offsets), dtype=bool))
+        if int((last - first + 1).sum()) > len(offsets) + self.request_blocks:
+            return refused  # more than any request covers (ops cut in slices count once each)
+        with self.state:
+            if caller.session not in self.openers:
+                return refused
+            if access == "w":
+                allowed, staged = self.remote.admit_writes(caller.session, first, last)
+                if not allowed.all():
+                    return Admission(allowed)
+                uses: list[Use] = [("stage", lease) for lease in staged]
+                self.book.begin_use(uses)
+                return Admission(allowed, self._ender(uses, lambda: self.remote.end_writes(staged)))
+            allowed, keys, uses = self.book.readable(caller.session, first, last)
+            if not allowed.all():
+                return Admission(allowed)
+            hold = self.remote.hold(keys)  # no slot is reused mid-send
+            self.book.begin_use(uses)
+            return Admission(allowed, self._ender(uses, hold.release))
+
+    def _ender(self, uses: list[Use], release: Callable[[], None]) -> Callable[[], None]:
+        """What ends an admitted transfer: release what it held, then stop counting it."""
+
+        def end() -> None:
+            release()
+            with self.state:
+                self.book.end_use(uses)
+
+        return end

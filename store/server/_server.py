@@ -1,0 +1,466 @@
+"""CacheServer: tiered stores, one per namespace, behind a transfer engine.
+
+Clients reach the server's engine (``StoreClient`` dials ``host:port``); their control
+requests ride the engine's authenticated, signed ``call`` channel and run on its call
+threads (each session's in order, sessions side by side), each a few store operations under
+the server's state lock. A pin first reads the blocks that only the disk holds without that
+lock (``prefetch``), so a client lifting from disk does not hold up the others. Bytes
+never pass through the control path: a client writes blocks straight into staged slots of
+the namespace's host slab, and reads pinned slots straight out of it, with the engine.
+
+Put: ``stage`` (slots under a lease) -> the client writes -> ``commit`` (only now visible).
+The commit normally rides the data stream as the write's notification: the server commits
+on the serve thread once the bytes landed, before the client's write completes, so a put
+costs one control round trip. Get: ``pin`` (blocks lifted into host memory, pinned under a
+lease) -> the client reads -> ``release``.
+
+Who may do what (the access model, in full in ``docs/ACCESS.md``): every lease belongs to the
+session that took it (``Caller.session``: one authenticated handshake); only that session
+may commit, abort or release it, write its staged slots or read its pinned ones (the
+namespace's region guard), and only a session that opened a namespace may use its handle.
+A write is admitted only while its lease is open and holds the slots until its bytes
+landed: a lease that ends meanwhile gives its slots back only after that, so late bytes
+never land in a reused slot. When a session ends (its streams closed, the client was
+killed) its leases end with it. Limits per request and per session keep one client from
+taking a namespace's memory (``_namespaces``).
+
+With a disk tier every commit is written through to it: a killed server loses no committed
+block, and a restart on the same ``disk_path`` serves them again.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+
+from ..._bounded_log import BoundedLog
+from ...transfer import Caller, NotifyRefused, TransferEngine
+from .._errors import BlockNotFound, BlockPinned, LeaseExpired, StoreError
+from .._stats import StoreStats
+from .._wire import (
+    BadRequest,
+    InternalError,
+    NotPermitted,
+    TooManyRequests,
+    code_of,
+    error_reply,
+    keys_field,
+    optional_field,
+)
+from .._wire import field as message_field
+from ..local._placement import Prefetched
+from ._config import ServerConfig
+from ._metrics import ServerMetrics, metrics_token
+from ._namespace_table import NamespaceTable
+from ._namespaces import Namespace
+from ._tenants import Tenant, default_tenant
+
+_log = logging.getLogger("kvbridge.server")
+_WRITE_OPS = frozenset({"room", "stage", "commit", "abort", "remove", "clear"})
+"""Ops a read-only tenant may not send."""
+_QUIET = (BlockNotFound,)  # refusals that are the normal course of things (a cache miss)
+_QUICK_OPS = frozenset({"contains", "match", "pin", "release", "abort", "stats"})
+"""Ops that never touch the disk (a pin only when its blocks are in memory): answered on
+the control thread when the state lock is free, saving the hop to a call thread."""
+
+
+class CacheServer:
+    """A standalone KV-block cache: ``CacheServer(config)``, then clients connect to
+    ``address``; ``close()`` stops it (also a context manager)."""
+
+    def __init__(
+        self, config: ServerConfig | None = None, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        """``clock`` times leases and handoff holds (tests pass a fake one)."""
+        self.config = config or ServerConfig()
+        cfg = self.config
+        tenants = cfg.tenants or (default_tenant(cfg.secret),)
+        self._tenants = {tenant.name: tenant for tenant in tenants}
+        self.engine = TransferEngine(
+            "kvbridge-server",
+            host=cfg.host,
+            port=cfg.port,
+            transports=cfg.transports,
+            principals=[tenant.principal() for tenant in tenants],
+            keepalive=cfg.keepalive,
+            data_port=cfg.data_port,
+        )
+        self._state = threading.Lock()  # leases and stores: control and serving threads
+        self._namespaces = NamespaceTable(cfg, self.engine, self._state, clock)
+        self._started = time.time()
+        self._refusals = BoundedLog(_log)
+        self.metrics = ServerMetrics(self._store_stats, lambda: self.engine.stats()["refused"])
+        self.metrics_port: int | None = None
+        try:
+            if cfg.metrics_port is not None:
+                token = None if cfg.secret is None else metrics_token(cfg.secret)
+                self.metrics_port = self.metrics.serve(cfg.host, cfg.metrics_port, token=token)
+        except BaseException:
+            self.engine.close()
+            raise
+        self.address = self.engine.address
+        self._ops: dict[str, Callable[[Caller, dict[str, Any]], dict[str, Any]]] = {
+            "open": self._open,
+            "contains": self._contains,
+            "match": self._match,
+            "room": self._room_for,
+            "stage": self._stage,
+            "commit": self._commit,
+            "abort": self._abort,
+            "pin": self._pin,
+            "release": self._release,
+            "remove": self._remove,
+            "clear": self._clear,
+            "stats": self._stats,
+        }
+        self._closed = False
+        self.engine.set_request_handler(self._handle, quick=self._quick)
+        self.engine.set_notify_handler(self._on_notify)
+        self.engine.set_session_end_handler(self._end_session)
+        _log.info("serving on %s: %s", self.address, _settings(cfg))
+
+    def close(self) -> None:
+        """Stop answering, close every stream, then close the stores (disk synced)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.engine.set_session_end_handler(None)
+        self.engine.close()  # joins every engine thread: no request is mid-way after this
+        self.metrics.close()
+        self._namespaces.close()
+        _log.info("stopped")
+
+    def __enter__(self) -> CacheServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def stats(self) -> dict[str, Any]:
+        return self._server_stats()
+
+    # -- dispatch ----------------------------------------------------------------------
+
+    def _handle(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
+        """Answer a request (on a call thread, or the serve thread for a commit)."""
+        reply = self._answer(caller, body, wait=True)
+        assert reply is not None
+        return reply
+
+    def _quick(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any] | None:
+        """Answer on the control thread when it costs no wait: an op that never touches
+        the disk (a pin only of blocks in memory), with the state lock free at once.
+        ``None`` leaves the request to a call thread."""
+        if body.get("op") not in _QUICK_OPS:
+            return None
+        return self._answer(caller, body, wait=False)
+
+    def _answer(self, caller: Caller, body: dict[str, Any], *, wait: bool) -> dict[str, Any] | None:
+        op = body.get("op")
+        handler = self._ops.get(op) if isinstance(op, str) else None
+        label = op if handler is not None and isinstance(op, str) else "unknown"
+        start = time.perf_counter()
+        answered = True
+        try:
+            if handler is None:
+                raise BadRequest(f"unknown op {op!r}; known: {sorted(self._ops)}")
+            if op == "pin" and wait:  # disk reads first, outside the lock all requests need
+                handler = functools.partial(self._pin, early=self._prefetch(caller, body))
+            if op in _WRITE_OPS and self._tenant(caller).read_only:
+                raise NotPermitted(f"tenant {self._tenant(caller).label} is read-only: no {op}")
+            if not self._state.acquire(blocking=wait):
+                answered = False
+                return None
+            try:
+                # Checked under the state lock: a session that ends after this is cleaned
+                # up after this request (_end_session waits for the lock), never before.
+                if not self.engine.session_alive(caller):
+                    raise BadRequest(f"session {caller.session} has ended")
+                if op == "pin" and not wait and not self._in_memory(caller, body):
+                    answered = False
+                    return None
+                return handler(caller, body)
+            finally:
+                self._state.release()
+        except StoreError as exc:
+            self._refused(caller, label, exc)
+            return error_reply(exc)
+        except Exception as exc:  # a bug here, not the client's fault: say so, keep serving
+            _log.exception("internal error in %s from session %d", label, caller.session)
+            self.metrics.errors.labels(label, "InternalError").inc()
+            return error_reply(InternalError(f"{type(exc).__name__} in {label}"))
+        finally:
+            if answered:
+                self.metrics.requests.labels(label).observe(time.perf_counter() - start)
+
+    def _in_memory(self, caller: Caller, body: dict[str, Any]) -> bool:
+        """Whether every block a pin names is in the namespace's top (memory) tier now."""
+        top = self._namespace(caller, body).store.tiers[0].index
+        return all(key in top for key in keys_field(body))
+
+    def _refused(self, caller: Caller, op: str, exc: StoreError) -> None:
+        """Count a refused request; log it at a bounded rate per op and kind (a client may
+        send refused requests as fast as it likes)."""
+        kind = type(exc).__name__
+        self.metrics.errors.labels(op, kind).inc()
+        level = logging.DEBUG if isinstance(exc, _QUIET) else logging.INFO
+        message = "refused %s from session %d: %s: %s"
+        self._refusals.refused(f"{op}/{kind}", level, message, op, caller.session, kind, exc)
+
+    def _on_notify(self, caller: Caller, message: bytes) -> None:
+        """A write's notification: ``{"op": "commit", "ns", "lease"}`` commits the put whose
+        bytes just landed; a refusal fails the client's write with the error's code."""
+        try:
+            body = msgpack.unpackb(message, raw=False, strict_map_key=True)
+        except Exception as exc:
+            body = None
+            error: StoreError = BadRequest(f"a notification must be a msgpack map ({exc})")
+        else:
+            error = BadRequest("a notification must be a commit")
+        if not isinstance(body, dict) or body.get("op") != "commit":
+            self._refused(caller, "commit", error)
+            raise NotifyRefused(str(error), code_of(error))
+        reply = self._handle(caller, body)
+        if "error" in reply:
+            raise NotifyRefused(f"{reply['kind']}: {reply['message']}", reply["error"])
+
+    def _end_session(self, caller: Caller) -> None:
+        """A client's session ended (it closed, or was killed): its leases end now."""
+        with self._state:
+            for ns in self._namespaces.snapshot():
+                ns.end_session(caller.session)
+        _log.debug("session %d (%s) ended", caller.session, caller.peer)
+
+    def _namespace(self, caller: Caller, body: dict[str, Any]) -> Namespace:
+        return self._namespaces.get(caller, message_field(body, "ns", int))
+
+    def _tenant(self, caller: Caller) -> Tenant:
+        """The tenant a session proved at its handshake (the engine admits no other)."""
+        return self._tenants[caller.principal]
+
+    def _room(self, caller: Caller, ns: Namespace, blocks: int) -> None:
+        """Refuse a request that would take more than its share (TooManyRequests)."""
+        ns.sweep()
+        leases = sum(n.book.leases[caller.session] for n in self._namespaces.snapshot())
+        if leases >= self.config.max_leases_per_client:
+            raise TooManyRequests(
+                f"session {caller.session} holds {leases} open leases "
+                f"(at most {self.config.max_leases_per_client}): commit or release some"
+            )
+        self._tenant_room(caller, ns, blocks)
+        if blocks > ns.request_blocks:
+            raise TooManyRequests(
+                f"{blocks} blocks in one request; at most {ns.request_blocks} in {ns.label}"
+            )
+        held = ns.book.held[caller.session]
+        if held + blocks > ns.session_blocks:
+            raise TooManyRequests(
+                f"session {caller.session} holds {held} slots of {ns.label}; with {blocks} "
+                f"more it would pass its share of {ns.session_blocks}: release some first"
+            )
+
+    def _tenant_room(self, caller: Caller, ns: Namespace, blocks: int) -> None:
+        """The tenant's shares: every session of it together (more sessions gain nothing)."""
+        tenant = self._tenant(caller)
+        if tenant.max_leases is not None:
+            leases = sum(n.book.leases_by[tenant.name] for n in self._namespaces.snapshot())
+            if leases >= tenant.max_leases:
+                raise TooManyRequests(
+                    f"tenant {tenant.label} holds {leases} open leases "
+                    f"(at most {tenant.max_leases}): commit or release some"
+                )
+        share = int(ns.slots * tenant.slots)
+        held = ns.book.held_by[tenant.name] + ns.holds.of(tenant.name)  # its pushes' holds too
+        if tenant.slots < 1 and held + blocks > share:
+            raise TooManyRequests(
+                f"tenant {tenant.label} holds {held} slots of {ns.label}; with {blocks} more "
+                f"it would pass its share of {share}: release some first"
+            )
+
+    # -- ops ---------------------------------------------------------------------------
+
+    def _open(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
+        name = message_field(body, "namespace", bytes)
+        block_bytes = message_field(body, "block_bytes", int)
+        tenant = self._tenant(caller)
+        if not tenant.may_open(name):
+            raise NotPermitted(f"tenant {tenant.label} may not open this namespace")
+        ns = self._namespaces.open(caller, name, block_bytes, tenant)
+        assert ns.region is not None
+        return {
+            "ns": ns.handle,
+            "region": ns.region.id,
+            "block_bytes": block_bytes,
+            "capacity": ns.slots,
+            "lease_ttl": self.config.lease_ttl,
+            "request_blocks": ns.request_blocks,
+        }
+
+    def _contains(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
+        ns = self._namespace(caller, body)
+        return {"present": ns.store.contains(keys_field(body))}
+
+    def _match(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
+        ns = self._namespace(caller, body)
+        return {"count": ns.store.match_prefix(keys_field(body))}
+
+    def _room_for(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
+        """How many of the keys are new and how many new blocks fit beside the stored ones;
+        with ``put``, a put of several requests: its keys are kept from eviction by its
+        own stagings (``_puts``), when they fit."""
+        ns = self._namespace(caller, body)
+        keys = keys_field(body)
+        new, room = ns.remote.room_for(keys)
+        put = _put_id(body)
+        if put is not None and new <= room:
+            ttl = self.config.lease_ttl
+            ns.puts.begin(caller.session, put, keys, ttl, principal=caller.principal)
+        return {"new": new, "room": room}
+
+    def _stage(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
+        ns = self._namespace(caller, body)
+        keys = keys_field(body)
+        put, last = _put_id(body), optional_field(body, "last", bool)
+        ttl = self.config.lease_ttl
+        protect = set() if put is None else ns.puts.keys_of(caller.session, put, ttl)
+        if put is not None and last:
+            ns.puts.end(caller.session, put)  # its last staging protects them till its commit
+        if not keys:
+            return {"lease": 0, "slots": [], "saved_bytes": 0}
+        self._room(caller, ns, len(keys))
+        lease, slots = ns.remote.stage(keys, ttl=ttl, owner=caller.session, protect=protect)
+        saved = (len(keys) - sum(slot is not None for slot in slots)) * ns.store.block_bytes
+        self.metrics.saved.inc(saved)
+        if lease:
+            taken = sum(s is not None for s in slots)
+            ns.book.add_staging(caller.session, lease, taken, caller.principal)
+        return {"lease": lease, "slots": slots, "saved_bytes": saved}
+
+    def _commit(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
+        ns = self._namespace(caller, body)
+        lease = message_field(body, "lease", int)
+        staged = ns.book.stagings.get(lease)
+        mine = staged is not None and staged.session == caller.session
+        if mine and ns.remote.staging_busy(lease):
+            raise BadRequest(f"lease {lease}: a commit while writes into it are in flight")
+        ns.book.take_staging(lease, caller.session)
+        keys = ns.remote.staged_keys(lease)
+        stored = ns.remote.commit(lease)
+        ttl = min(self.config.handoff_ttl, self.config.lease_ttl)
+        tenant = self._tenant(caller)
+        ns.holds.hand_off(keys, ttl, tenant.name, tenant.slots)
+        return {"stored": stored}
+
+    def _abort(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
+        ns = self._namespace(caller, body)
+        lease = message_field(body, "lease", int)
+        staged = ns.book.stagings.get(lease)
+        if staged is not None and staged.session == caller.session:  # else: nothing to give
+            ns.book.take_staging(lease, caller.session)
+            ns.remote.abort(lease)
+        return {}
+
+    def _prefetch(self, caller: Caller, body: dict[str, Any]) -> Prefetched | None:
+        """A pin's blocks that only the disk holds, read without the state lock (a hint:
+        ``None`` when the request is bad, the locked pin then says why)."""
+        try:
+            with self._state:
+                ns = self._namespace(caller, body)
+                keys = keys_field(body)
+            return ns.remote.prefetch(keys) if len(keys) <= ns.request_blocks else None
+        except StoreError:
+            return None
+
+    def _pin(
+        self, caller: Caller, body: dict[str, Any], early: Prefetched | None = None
+    ) -> dict[str, Any]:
+        ns = self._namespace(caller, body)
+        keys = keys_field(body)
+        if not keys:
+            return {"lease": 0, "slots": []}  # nothing to read: no lease to count
+        self._room(caller, ns, len(keys))
+        lease, slots = ns.remote.pin_resident(keys, ttl=self.config.lease_ttl, early=early)
+        ns.book.add_pin(caller.session, lease, slots, caller.principal)
+        ns.holds.take(keys)  # their first read: the handoff holds have done their job
+        return {"lease": lease.id, "slots": slots}
+
+    def _release(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
+        ns = self._namespace(caller, body)
+        lease_id = message_field(body, "lease", int)
+        lease = ns.book.take_pin(lease_id, caller.session).lease
+        expired = lease.expired
+        lease.release()
+        if expired:
+            raise LeaseExpired(f"read lease {lease_id} expired before its release")
+        return {}
+
+    def _remove(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
+        ns = self._namespace(caller, body)
+        keys = keys_field(body)
+        holds = ns.holds.take(keys)  # a handoff hold must not make removal fail
+        try:
+            return {"removed": ns.store.remove(keys)}
+        except BlockPinned:  # refused: the holds it released come back, nothing changed
+            ns.holds.restore(holds)
+            raise
+
+    def _clear(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
+        """Every block of the namespace that no reader has pinned; handoff holds end."""
+        ns = self._namespace(caller, body)
+        ns.holds.take(ns.holds.keys())
+        return {"removed": ns.store.clear()}
+
+    def _stats(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
+        """Server figures. A namespace this session has not opened is named by a digest of
+        its name, and one its tenant may not open is not listed at all: other tenants'
+        namespaces are not every client's business."""
+        return self._server_stats(caller.session, self._tenant(caller))
+
+    def _server_stats(
+        self, session: int | None = None, tenant: Tenant | None = None
+    ) -> dict[str, Any]:
+        """Every namespace's figures; with ``session``, names hidden where it is not open,
+        with ``tenant`` only the namespaces it may open."""
+        namespaces = [
+            ns for ns in self._namespaces.snapshot() if tenant is None or tenant.may_open(ns.name)
+        ]
+        return {
+            "server": {
+                "address": self.address,
+                "uptime_s": time.time() - self._started,
+                "transports": list(self.engine.stats()["transports"]),
+                "open_leases": sum(len(ns.book) for ns in namespaces),
+            },
+            "namespaces": [
+                {
+                    "handle": ns.handle,
+                    "name": ns.label if session is None or session in ns.openers else ns.anonymous,
+                    **ns.store.stats().as_dict(),
+                }
+                for ns in namespaces
+            ],
+        }
+
+    def _store_stats(self) -> dict[str, StoreStats]:
+        return {ns.label: ns.store.stats() for ns in self._namespaces.snapshot()}
+
+
+def _put_id(body: dict[str, Any]) -> int | None:
+    """The ``put`` a request belongs to (a put of several requests), if it names one."""
+    put: int | None = optional_field(body, "put", int)
+    return put
+
+
+def _settings(cfg: ServerConfig) -> str:
+    """The settings as one log line, the secret left out (only whether there is one)."""
+    shown = {k: v for k, v in vars(cfg).items() if k not in ("secret", "tenants")}
+    shown["secret"] = "set" if cfg.secret is not None else "none"
+    if cfg.tenants is not None:  # their names, never their secrets
+        shown["tenants"] = "/".join(tenant.name for tenant in cfg.tenants)
+    return ", ".join(f"{k}={v}" for k, v in shown.items())
