@@ -72,7 +72,7 @@ from .local import (
 from .settings import ConfigError, read_secret
 
 if TYPE_CHECKING:
-    from .client import StoreClient
+    from .client import SERVER_FAULTS, ClientPool, Lent, StoreClient
     from .cluster import ClusterClient
     from .server import (
         CacheServer,
@@ -86,6 +86,9 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "StoreClient": ".client",
+    "ClientPool": ".client",
+    "Lent": ".client",
+    "SERVER_FAULTS": ".client",
     "ClusterClient": ".cluster",
     "CacheServer": ".server",
     "ServerConfig": ".server",
@@ -109,12 +112,14 @@ __all__ = [
     "KEY_BYTES",
     "LRU",
     "POLICIES",
+    "SERVER_FAULTS",
     "BadRequest",
     "BlockKey",
     "BlockNotFound",
     "BlockPinned",
     "CacheServer",
     "CheckReport",
+    "ClientPool",
     "ClusterClient",
     "ConfigError",
     "DeviceSlab",
@@ -130,6 +135,7 @@ __all__ = [
     "InvalidTokens",
     "Lease",
     "LeaseExpired",
+    "Lent",
     "NotPermitted",
     "RemoteAccess",
     "ReuseLRU",

@@ -8,9 +8,10 @@ takes. It speaks the client's transport: TCP, or UCX (where a payload goes op by
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import socket
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import msgpack
@@ -18,10 +19,12 @@ import numpy as np
 import zmq
 
 from kvbridge.store import StoreClient
+from kvbridge.transfer import OP_DTYPE, Peer, Region, TransferEngine
 from kvbridge.transfer._control import CONTROL_VERSION
 from kvbridge.transfer._events import Data, Event
 from kvbridge.transfer._pipes import Pipe, SocketPipe
 from kvbridge.transfer._protocol import DESCRIPTOR, Connection, Role
+from kvbridge.transfer._sessions import Credentials
 from kvbridge.transfer._streams import next_event
 from kvbridge.transfer._ucx import UcxPipe
 
@@ -50,9 +53,8 @@ class RawStream:
         """``greeted``: wait for the server's answer to the HELLO (an ACK); ``False``
         leaves it to :meth:`event` (a refusal, say)."""
         peer = client.peer
-        credentials = peer._credentials
-        assert credentials is not None
-        address = peer._info.transports[peer.transport]
+        session = credentials(peer)
+        address = peer_transports(peer)[peer.transport]
         self.sock: socket.socket | None = None
         self.pipe: Pipe
         if peer.transport == "tcp":
@@ -61,7 +63,7 @@ class RawStream:
         else:
             self.pipe = peer._transport.open(address, 10)
         self.conn = Connection(Role.INITIATOR)
-        self.pipe.send([self.conn.hello(credentials.hello(index), index)])
+        self.pipe.send([self.conn.hello(session.hello(index), index)])
         if greeted:
             self.event()  # ACK
 
@@ -166,37 +168,118 @@ def guess_auth(address: str, name: str = "mallory", principal: str = "") -> Any:
     return control_request(address, guess)
 
 
+class RawClient:
+    """The requests a ``StoreClient`` makes, made by hand in its session: any op with any
+    fields, in any order, with another namespace's handle or a lease never taken. This is
+    the one place the tests reach into a client's private state (its namespace handle, its
+    region, its session's credentials), on purpose: it is what an attacker holding the
+    session would know."""
+
+    def __init__(self, client: StoreClient) -> None:
+        self.client = client
+
+    @property
+    def ns(self) -> int:
+        """The namespace handle the server gave the client (what an attacker would guess)."""
+        return int(self.client._ns)
+
+    @property
+    def region(self) -> int:
+        """The id of the server region that holds the client's namespace."""
+        return int(self.client._region)
+
+    def call(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Send ``body`` as one request in the client's session; the server's reply (or
+        its refusal, raised as the client raises it)."""
+        return self.client._call(body)
+
+    def op(self, op: str, **fields: Any) -> dict[str, Any]:
+        """``call`` of ``op`` on the client's own namespace."""
+        return self.call({"op": op, "ns": self.ns, **fields})
+
+
+def raw(client: StoreClient) -> RawClient:
+    return RawClient(client)
+
+
+def credentials(peer: Peer) -> Credentials:
+    """The session credentials a peer holds (what a thief of the session would hold)."""
+    held = peer._credentials
+    assert held is not None
+    return held
+
+
+def peer_transports(peer: Peer) -> dict[str, dict[str, Any]]:
+    """Where the peer's engine takes data streams, per transport (its metadata)."""
+    return dict(peer._info.transports)
+
+
+def data_pipe(target: TransferEngine, opener: TransferEngine) -> Pipe:
+    """A data stream to ``target``'s only transport, opened by hand: a socket over TCP, a
+    pipe of ``opener``'s transport otherwise (over UCX each ``send`` is one message)."""
+    (name,) = target._transports
+    address = target._transports[name].address()
+    if name == "tcp":
+        return SocketPipe(socket.create_connection((address["host"], address["port"])))
+    return opener._transports[name].open(address, 5.0)
+
+
+@contextlib.contextmanager
+def region_in_use(engine: TransferEngine, region: Region) -> Iterator[None]:
+    """Hold ``region`` as a transfer in flight holds it (no real transfer needed)."""
+    engine._regions.acquire([region])
+    try:
+        yield
+    finally:
+        engine._regions.release([region])
+
+
+def registered(engine: TransferEngine) -> int:
+    """How many regions ``engine`` has registered."""
+    return len(engine._regions.infos())
+
+
+def write_ops(client: StoreClient, source: Region, slots: Sequence[int]) -> np.ndarray:
+    """Engine ops that write whole blocks of ``source`` (block ``i`` at ``i * block_bytes``)
+    into the client's namespace at ``slots``: what a put's write is, for sending by hand."""
+    bb = client.block_bytes
+    ops = np.zeros(len(slots), dtype=OP_DTYPE)
+    ops["local_region"], ops["local_offset"] = source.id, np.arange(len(slots)) * bb
+    ops["remote_region"], ops["remote_offset"] = raw(client).region, np.asarray(slots) * bb
+    ops["length"] = bb
+    return ops
+
+
 def stage(client: StoreClient, ks: Sequence[bytes]) -> tuple[int, list[int]]:
     """Stage ``ks`` by hand (one request, no write): the lease and the slots."""
-    reply = client._call({"op": "stage", "ns": client._ns, "keys": ks})
+    reply = raw(client).op("stage", keys=ks)
     return int(reply["lease"]), [int(s) for s in reply["slots"]]
 
 
 def abort(client: StoreClient, lease: int) -> None:
     """Give back a lease taken with :func:`stage` (one request, as the client would)."""
-    client._call({"op": "abort", "ns": client._ns, "lease": lease})
+    raw(client).op("abort", lease=lease)
 
 
 def ask_room(client: StoreClient, ks: Sequence[bytes], put: int) -> dict[str, Any]:
     """The ``room`` request a put of several requests starts with, by hand (a put that
     then never comes: its keys stay protected until its record ends)."""
-    return client._call({"op": "room", "ns": client._ns, "keys": list(ks), "put": put})
+    return raw(client).op("room", keys=list(ks), put=put)
 
 
 def handle_of(client: StoreClient) -> int:
     """The namespace handle the server gave ``client`` (what an attacker would guess)."""
-    return client._ns
+    return raw(client).ns
 
 
 def data_address(client: StoreClient, transport: str = "tcp") -> dict[str, Any]:
     """Where ``client``'s server takes data streams over ``transport`` (its metadata)."""
-    address: dict[str, Any] = client.peer._info.transports[transport]
-    return address
+    return peer_transports(client.peer)[transport]
 
 
 def slot_ops(client: StoreClient, slots: list[int], region: int | None = None) -> np.ndarray:
     """Descriptors of whole blocks at ``slots`` of ``region`` (the client's namespace by
     default), with the region's real key."""
-    region = client._region if region is None else region
+    region = raw(client).region if region is None else region
     bb = client.block_bytes
     return descriptors(region, region_key(client, region), [(s * bb, bb) for s in slots])

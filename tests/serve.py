@@ -7,13 +7,16 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pytest
 
-from kvbridge.store import ServerConfig, StoreClient
+from kvbridge.store import CacheServer, ServerConfig, StoreClient
 from kvbridge.tools._serve_cmds import read_listening
-from kvbridge.transfer import ucx_available
+from kvbridge.transfer import Caller, ucx_available
+
+if TYPE_CHECKING:
+    from kvbridge.store.server._namespaces import Namespace
 
 needs_ucx = pytest.mark.skipif(not ucx_available(), reason="ucxx is not installed (kvbridge[ucx])")
 
@@ -98,3 +101,15 @@ def client_of(server: Served, namespace: str = "m", transports: str = "tcp") -> 
     return StoreClient(
         server.address, block_bytes=BLOCK, namespace=namespace, transports=transports
     )
+
+
+def namespaces(server: CacheServer) -> list[Namespace]:
+    """The namespaces an in-process server has open (their stores, holds and leases), for
+    tests that check what a request left behind inside it."""
+    return list(server._namespaces.snapshot())
+
+
+def handle(server: CacheServer, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
+    """Answer ``body`` as the server's request handler would for ``caller`` (a session the
+    engine never saw, say), without the wire."""
+    return server._handle(caller, body)

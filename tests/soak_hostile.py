@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import msgpack
 import zmq
-from attack import RawStream, descriptors, region_key
+from attack import RawStream, data_address, descriptors, raw, region_key
 from soak_common import (
     BB,
     CLIENT_TIMEOUT_S,
@@ -152,7 +152,7 @@ class _Hostile:
 
     def _data_address(self) -> tuple[str, int]:
         with StoreClient(self.address, block_bytes=BB, namespace=NAMESPACES[0]) as client:
-            address = client.peer._info.transports["tcp"]
+            address = data_address(client)
             return str(address["host"]), int(address["port"])
 
     def _late_writes(self) -> None:
@@ -183,14 +183,16 @@ class _Hostile:
 
     def _late_write(self, client: StoreClient, ns: str) -> None:
         keys = [block_key(ns, self.rng.randrange(CONVERSATIONS), i) for i in range(2)]
-        reply = client._call({"op": "stage", "ns": client._ns, "keys": keys})
+        reply = raw(client).op("stage", keys=keys)
         lease, slots = int(reply["lease"]), [s for s in reply["slots"] if s is not None]
         if not lease or not slots:
             return
         stream = RawStream(client)
         try:
             ops = descriptors(
-                client._region, region_key(client, client._region), [(s * BB, BB) for s in slots]
+                raw(client).region,
+                region_key(client, raw(client).region),
+                [(s * BB, BB) for s in slots],
             )
             stream.start_write(ops)
             total = len(slots) * BB
@@ -199,7 +201,7 @@ class _Hostile:
             time.sleep(0.2)  # admitted: the server waits for the rest
             ending = self.rng.choice(["abort", "expire"])
             if ending == "abort":
-                client._call({"op": "abort", "ns": client._ns, "lease": lease})
+                raw(client).op("abort", lease=lease)
             else:
                 time.sleep(LEASE_TTL + 0.3)
             time.sleep(self.rng.uniform(0.2, 2.0))  # others reuse slots meanwhile
@@ -211,7 +213,7 @@ class _Hostile:
             stream.close()
         if ending == "expire":
             try:
-                client._call({"op": "commit", "ns": client._ns, "lease": lease})
+                raw(client).op("commit", lease=lease)
             except LeaseExpired:
                 self.count("late_commits_refused")
             else:

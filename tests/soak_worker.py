@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from attack import raw
 from soak_common import (
     BB,
     BLOCKS,
@@ -222,7 +223,7 @@ class _Worker:
     def _stage(self, client: StoreClient, keys: list[BlockKey]) -> tuple[int, list[int], list[int]]:
         """Stage ``keys``: the lease, and the indices of the keys that got a slot, and
         those slots (a key already stored gets none)."""
-        reply = client._call({"op": "stage", "ns": client._ns, "keys": keys})
+        reply = raw(client).op("stage", keys=keys)
         given = [(i, int(slot)) for i, slot in enumerate(reply["slots"]) if slot is not None]
         return int(reply["lease"]), [i for i, _ in given], [slot for _, slot in given]
 
@@ -230,7 +231,7 @@ class _Worker:
         ops = np.zeros(len(slots), dtype=OP_DTYPE)
         ops["local_region"] = region
         ops["local_offset"] = np.arange(len(slots), dtype=np.uint64) * np.uint64(BB)
-        ops["remote_region"] = client._region
+        ops["remote_region"] = raw(client).region
         ops["remote_offset"] = np.asarray(slots, dtype=np.uint64) * np.uint64(BB)
         ops["length"] = BB
         return ops
@@ -241,7 +242,7 @@ class _Worker:
         ns = self.rng.choice(NAMESPACES)
         client = self.client(ns)
         keys = prefix(ns, self.rng.randrange(CONVERSATIONS), self.rng.randint(1, BLOCKS))
-        keys = keys[: client._request_keys]
+        keys = keys[: client.request_keys]
         lease, picked, slots = self._stage(client, keys)
         self.counts["aborted_puts"] += 1
         if lease and picked:
@@ -269,7 +270,7 @@ class _Worker:
             client.engine.unregister(region)
         time.sleep(LEASE_TTL + 0.5)
         try:
-            client._call({"op": "commit", "ns": client._ns, "lease": lease})
+            raw(client).op("commit", lease=lease)
         except LeaseExpired:
             self.counts["expired_planned"] += 1
         else:
@@ -281,8 +282,8 @@ class _Worker:
             return
         ns, conversation, length = self.rng.choice(self.committed)
         client = self.client(ns)
-        keys = prefix(ns, conversation, min(length, client._request_keys))
-        reply = client._call({"op": "pin", "ns": client._ns, "keys": keys})
+        keys = prefix(ns, conversation, min(length, client.request_keys))
+        reply = raw(client).op("pin", keys=keys)
         lease, slots = int(reply["lease"]), [int(s) for s in reply["slots"]]
         time.sleep(LEASE_TTL + 0.5)
         out = np.full((len(keys), BB), 0x5A, dtype=np.uint8)
@@ -297,7 +298,7 @@ class _Worker:
         finally:
             client.engine.unregister(region)
         try:
-            client._call({"op": "release", "ns": client._ns, "lease": lease})
+            raw(client).op("release", lease=lease)
         except LeaseExpired:
             self.counts["expired_planned"] += 1
         else:

@@ -10,7 +10,6 @@ makes: the listener drops anything else, see ``test_ucx_faults``).
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -18,12 +17,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from attack import descriptors
+from attack import credentials, data_pipe, descriptors
 from helpers import until
 
 from kvbridge.transfer import TransferEngine, TransferError, ucx_available
 from kvbridge.transfer import _served as served_module
-from kvbridge.transfer._pipes import Pipe, SocketPipe
+from kvbridge.transfer._pipes import Pipe
 from kvbridge.transfer._protocol import Connection, Role
 from kvbridge.transfer._streams import next_event
 
@@ -62,13 +61,7 @@ class _RawStream:
     each ``send`` one message. A reader thread takes what comes back until the end."""
 
     def __init__(self, target: TransferEngine, opener: TransferEngine) -> None:
-        (name,) = target._transports
-        address = target._transports[name].address()
-        self.pipe: Pipe
-        if name == "tcp":
-            self.pipe = SocketPipe(socket.create_connection((address["host"], address["port"])))
-        else:
-            self.pipe = opener._transports[name].open(address, 5.0)
+        self.pipe: Pipe = data_pipe(target, opener)
         self.conn = Connection(Role.INITIATOR)
         self._closed = threading.Event()
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -126,6 +119,10 @@ def test_a_thread_that_cannot_start_costs_one_stream_not_the_listener(
     assert failures[0] < 3
 
 
+def _served(engine: TransferEngine) -> int:
+    return int(engine.stats()["served_streams"])
+
+
 def _refused(engine: TransferEngine) -> int:
     return int(engine.stats()["refused"].get("streams_full", 0))
 
@@ -136,13 +133,13 @@ def test_a_connection_flood_is_capped_and_leaves_room_afterwards(
     a, b = pair
     monkeypatch.setattr(served_module, "MAX_SERVED_STREAMS", 8)
     flood = [_RawStream(b, a) for _ in range(40)]
-    until(lambda: len(b._served) + _refused(b) >= 40, "every stream served or refused")
-    assert len(b._served) <= 8
+    until(lambda: _served(b) + _refused(b) >= 40, "every stream served or refused")
+    assert _served(b) <= 8
     closed = sum(s.closed_within(0.1) for s in flood)
     assert closed >= 40 - 8  # the ones past the cap were closed at once
     for s in flood:
         s.close()
-    until(lambda: not b._served, "the rest time out (no greeting)")
+    until(lambda: not _served(b), "the rest time out (no greeting)")
     _write_once(a, b)
 
 
@@ -182,10 +179,9 @@ def test_a_slow_loris_inside_a_frame_is_dropped_and_frees_what_it_held(
     target = np.zeros(64 * KiB, np.uint8)
     there = b.register(target)
     peer = a.connect(b.metadata())  # a real session
-    credentials = peer._credentials
-    assert credentials is not None
+    session = credentials(peer)
     stream = _RawStream(b, a)
-    stream.send(stream.conn.hello(credentials.hello(5), 5))
+    stream.send(stream.conn.hello(session.hello(5), 5))
     stream.send(stream.conn.write(99, descriptors(there.id, there.key, [(0, 64 * KiB)])))
     start = time.monotonic()
     assert stream.closed_within(6.0, drip=drip)
@@ -258,7 +254,7 @@ def test_frame_deadlines_leave_one_watchdog_entry_per_stream(
     peer = a.connect(b.metadata())
     for _ in range(300):
         peer.write([(src, 0, dst.id, 0, 4 * KiB)]).wait(10)
-    assert len(b._watchdog._heap) <= 2 * a.settings.streams
+    assert b.stats()["deadlines"] <= 2 * a.settings.streams
     peer.close()
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
+from attack import raw, write_ops
 from helpers import FakeClock, keys, payloads, until
 from serve import BLOCK, TRANSPORTS, ServeProcess, client_of, small_server
 
@@ -30,7 +31,6 @@ from kvbridge.store import (
     TooManyRequests,
     UnknownNamespace,
 )
-from kvbridge.store.client._registration import one_per_block
 from kvbridge.transfer import OP_DTYPE, PeerClosed, TransferError, ucx_available
 
 BB = BLOCK  # client_of's block size
@@ -101,9 +101,9 @@ def test_missing_blocks_and_bad_requests_are_typed_and_change_nothing(
         assert set(missing.value.keys) == set(ks[2:])
         assert (out == 7).all()  # untouched
         with pytest.raises(BadRequest):
-            client._call({"op": "nope"})
+            raw(client).call({"op": "nope"})
         with pytest.raises(UnknownNamespace):
-            client._call({"op": "match", "ns": 99, "keys": []})
+            raw(client).call({"op": "match", "ns": 99, "keys": []})
         with pytest.raises(BadRequest):
             StoreClient(server.address, block_bytes=BB * 2, namespace="m", transports=transport)
         assert client.contains(ks) == [True, True, False, False]
@@ -117,7 +117,7 @@ def test_a_client_cannot_write_outside_its_staged_slots(
         client.put(ks[:1], payloads(ks[:1], BB))
         junk = client.register(np.full(BB, 0xEE, np.uint8))
         ops = np.zeros(1, OP_DTYPE)
-        ops["local_region"], ops["remote_region"] = junk.id, client._region
+        ops["local_region"], ops["remote_region"] = junk.id, raw(client).region
         ops["remote_offset"], ops["length"] = 0, BB  # slot 0 holds a committed block
         with pytest.raises(TransferError, match="refuses"):
             client.peer.write(ops).wait(5)
@@ -129,16 +129,18 @@ def test_a_client_cannot_write_outside_its_staged_slots(
 _HOLD_LEASES = textwrap.dedent(
     """
     import sys, time
+    sys.path.insert(0, sys.argv[5])  # the tests' folder: attack.py
+    from attack import raw
     from kvbridge.store import StoreClient
     client = StoreClient(
         sys.argv[1], block_bytes=int(sys.argv[2]), namespace="m", transports=sys.argv[4]
     )
     keys = [i.to_bytes(32, "little") for i in range(int(sys.argv[3]))]
-    step, held = client._request_keys, 0
+    step, held = client.request_keys, 0
     for start in range(0, len(keys), step):  # as much as the server lets one session hold
         try:
             chunk = keys[start : start + step]
-            reply = client._call({"op": "stage", "ns": client._ns, "keys": chunk})
+            reply = raw(client).op("stage", keys=chunk)
         except Exception as exc:
             print(held, type(exc).__name__, flush=True)
             break
@@ -162,7 +164,10 @@ def test_one_client_holds_at_most_its_share_and_a_killed_ones_leases_end_with_it
     capacity = (16 << 20) // 2 // BB  # the namespace's share of host memory, in blocks
     try:
         holder = subprocess.Popen(
-            [sys.executable, "-c", _HOLD_LEASES, server.address, str(BB), str(capacity), transport],
+            [
+                *(sys.executable, "-c", _HOLD_LEASES, server.address, str(BB), str(capacity)),
+                *(transport, str(Path(__file__).parent)),
+            ],
             stdout=subprocess.PIPE,
             text=True,
         )
@@ -194,13 +199,10 @@ def test_too_many_open_leases_is_refused(transport: str) -> None:
         CacheServer(config) as server,
         client_of(server, "m", transport) as client,
     ):
-        leases = [
-            client._call({"op": "stage", "ns": client._ns, "keys": keys(i, i + 1)})["lease"]
-            for i in range(2)
-        ]
+        leases = [raw(client).op("stage", keys=keys(i, i + 1))["lease"] for i in range(2)]
         with pytest.raises(TooManyRequests):
             client.put(keys(10, 11), payloads(keys(10, 11), BB))
-        client._call({"op": "abort", "ns": client._ns, "lease": leases[0]})
+        raw(client).op("abort", lease=leases[0])
         client.put(keys(10, 11), payloads(keys(10, 11), BB))  # room for one lease again
         assert client.contains(keys(0, 2) + keys(10, 11)) == [False, False, True]
 
@@ -218,7 +220,7 @@ def test_everything_pinned_means_store_full_fast(transport: str) -> None:
             client_of(server, "m", transport) as two,
         ):
             for holder, key in zip((one, one, two, two), ks[:4], strict=True):
-                holder._call({"op": "pin", "ns": holder._ns, "keys": [key]})  # each its share
+                raw(holder).op("pin", keys=[key])  # each its share
             start = time.monotonic()
             with pytest.raises(StoreFull):
                 client.put(ks[4:], payloads(ks[4:], BB))
@@ -333,11 +335,11 @@ def test_a_put_whose_lease_expired_is_refused_and_stores_nothing(transport: str)
         client_of(server, "m", transport) as client,
     ):
         ks = keys(0, 2)
-        staged = client._call({"op": "stage", "ns": client._ns, "keys": ks})
+        staged = raw(client).op("stage", keys=ks)
         clock.advance(5.0)  # the lease is over, with no sleep
         src = client.register(payloads(ks, BB).reshape(-1), access="r")
-        ops = client._ops(one_per_block(src, [0, BB], 2, BB), 0, [0, 1], staged["slots"])
-        commit = msgpack.packb({"op": "commit", "ns": client._ns, "lease": staged["lease"]})
+        ops = write_ops(client, src, staged["slots"])
+        commit = msgpack.packb({"op": "commit", "ns": raw(client).ns, "lease": staged["lease"]})
         with pytest.raises(TransferError, match=r"LeaseExpired|refuses"):
             client.peer.write(ops, notify=commit).wait(5)
         assert client.contains(ks) == [False, False]

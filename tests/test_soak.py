@@ -238,7 +238,7 @@ class _Soak:
         for ns in NAMESPACES:
             keys = sorted(block_key(n, c, i) for n, c, i in committed if n == ns)
             with StoreClient(self.address, block_bytes=BB, namespace=ns, timeout=30) as client:
-                step = client._request_keys
+                step = client.request_keys
                 for start in range(0, len(keys), step):
                     chunk = keys[start : start + step]
                     present = client.contains(chunk)

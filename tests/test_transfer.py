@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from attack import credentials, data_pipe, region_in_use
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -217,10 +218,8 @@ def test_the_target_checks_every_op_itself(
 def test_unregister_refuses_while_a_transfer_uses_the_region() -> None:
     with TransferEngine(transports=("memory",)) as a:
         region = a.register(np.zeros(10, np.uint8))
-        a._regions.acquire([region])
-        with pytest.raises(RegionBusy):
+        with region_in_use(a, region), pytest.raises(RegionBusy):
             a.unregister(region)
-        a._regions.release([region])
         a.unregister(region)
         with pytest.raises(LocalProtocolError):
             a.unregister(region)
@@ -255,17 +254,14 @@ def test_a_stream_greeting_must_prove_a_live_session(transport: str) -> None:
     id with a MAC made without the session key, or a real greeting seen once and replayed."""
     with TransferEngine(transports=(transport,)) as a, TransferEngine(transports=(transport,)) as b:
         peer = a.connect(b.metadata())  # a live session, its id visible on the wire
-        credentials = peer._credentials
-        assert credentials is not None
-        transport_a = a._transports[transport]
-        address = b._transports[transport].address()
+        session = credentials(peer)
 
         def stream() -> InitiatorStream:
-            return InitiatorStream(transport_a.open(address, 5), 0, lambda reason: None)
+            return InitiatorStream(data_pipe(b, a), 0, lambda reason: None)
 
         attempts = [
             (bytes(64), "unknown or ended session"),
-            (credentials.id + bytes(48), "signature"),
+            (session.id + bytes(48), "signature"),
         ]
         for greeting, reason in attempts:
             refused = stream()
@@ -273,7 +269,7 @@ def test_a_stream_greeting_must_prove_a_live_session(transport: str) -> None:
                 refused.handshake(greeting, 5)
             assert caught.value.code == ErrorCode.AUTHENTICATION
             refused.close()
-        seen = credentials.hello(0)
+        seen = session.hello(0)
         first, second = stream(), stream()
         first.handshake(seen, 5)  # the real client's greeting
         with pytest.raises(AuthenticationError, match="replayed"):

@@ -6,7 +6,6 @@ import contextlib
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +16,7 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
+from attack import data_pipe
 from helpers import reap, spawn_python, until
 
 from kvbridge.transfer import (
@@ -126,13 +126,7 @@ def test_frozen_peer_times_out(target: tuple[subprocess.Popen[str], bytes]) -> N
 def _garbage_stream(target: TransferEngine, opener: TransferEngine, garbage: bytes) -> None:
     """Open a data stream to ``target`` by hand, send ``garbage`` on it, and close it (over
     UCX the stream is one of ``opener``'s pipes, the garbage one message)."""
-    (name,) = target._transports
-    address = target._transports[name].address()
-    if name == "tcp":
-        with socket.create_connection((address["host"], address["port"])) as raw:
-            raw.sendall(garbage)
-        return
-    pipe = opener._transports[name].open(address, 5.0)
+    pipe = data_pipe(target, opener)
     pipe.send([garbage])
     pipe.close()
 
@@ -160,7 +154,7 @@ def test_fuzzing_the_control_port_while_a_client_works(transport: str) -> None:
         TransferEngine("b", transports=transport) as b,
     ):
         src, dst = a.register(np.full(4096, 5, np.uint8)), b.register(np.zeros(4096, np.uint8))
-        endpoint = b._control.endpoint
+        endpoint = f"tcp://{b.address}"
         stop = threading.Event()
         errors: list[BaseException] = []
 
@@ -237,10 +231,10 @@ def test_an_idle_client_that_dies_or_freezes_loses_its_session(transport: str, f
         try:
             assert client.stdout is not None
             assert client.stdout.readline().strip() == "connected"
-            until(lambda: len(server._served) == DEFAULT_STREAMS)
+            until(lambda: server.stats()["served_streams"] == DEFAULT_STREAMS)
             os.kill(client.pid, fault)
             assert ended.wait(KEEPALIVE_MISSES * KEEPALIVE + SLACK), "the session lives on"
-            until(lambda: len(server._served) == 0)
+            until(lambda: server.stats()["served_streams"] == 0)
         finally:
             reap(client)
 

@@ -16,7 +16,16 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
-from attack import RawStream, control_request, descriptors, slot_ops, stage
+from attack import (
+    RawStream,
+    control_request,
+    credentials,
+    descriptors,
+    raw,
+    slot_ops,
+    stage,
+    write_ops,
+)
 from helpers import keys, payloads, until
 from serve import (
     BLOCK,
@@ -24,6 +33,7 @@ from serve import (
     TRANSPORTS,
     ServeProcess,
     client_of,
+    namespaces,
     small_config,
     small_server,
 )
@@ -68,14 +78,13 @@ def test_a_late_write_never_lands_in_a_slot_handed_to_someone_else(
         stream = RawStream(attacker)
         stream.start_write(slot_ops(attacker, slots))
         stream.send(b"\xaa" * BB)  # half of the payload: the first op's
-        (ns,) = [n for n in server._namespaces.snapshot() if n.handle == attacker._ns]
+        (ns,) = [n for n in namespaces(server) if n.handle == raw(attacker).ns]
         until(lambda: ns.remote.staging_busy(lease), "the server admitted the write")
         if ending == "abort":
-            attacker._call({"op": "abort", "ns": attacker._ns, "lease": lease})
+            raw(attacker).op("abort", lease=lease)
         else:  # the session says goodbye mid-write: its leases end with it
-            credentials = attacker.peer._credentials
-            assert credentials is not None
-            assert control_request(server.address, credentials.sign("bye", b""))["ok"]
+            session = credentials(attacker.peer)
+            assert control_request(server.address, session.sign("bye", b""))["ok"]
         whole = keys(100, 100 + SLOTS)  # as many blocks as the namespace has slots
         with pytest.raises(StoreFull):  # two of them are still being written
             victim.put(whole, payloads(whole, BB))
@@ -114,14 +123,14 @@ def test_a_session_cannot_write_another_sessions_staged_slots(
             attacker.peer.write(_engine_ops(attacker, slots)).wait(10)
         assert refused.value.code == ErrorCode.ACCESS_DENIED
         with pytest.raises(LeaseExpired):  # nor commit the victim's lease
-            attacker._call({"op": "commit", "ns": attacker._ns, "lease": lease})
-        attacker._call({"op": "abort", "ns": attacker._ns, "lease": lease})  # a no-op for it
+            raw(attacker).op("commit", lease=lease)
+        raw(attacker).op("abort", lease=lease)  # a no-op for it
         own_stream = RawStream(victim)  # the lease is still the victim's: it writes, commits
         own_stream.start_write(slot_ops(victim, slots))
         for block in payloads(ks, BB):
             own_stream.send(block.tobytes())
         assert isinstance(own_stream.event(), Ack)
-        assert victim._call({"op": "commit", "ns": victim._ns, "lease": lease})["stored"] == 2
+        assert raw(victim).op("commit", lease=lease)["stored"] == 2
         own_stream.close()
         out = np.zeros((2, BB), np.uint8)
         victim.get(ks, out)
@@ -130,14 +139,8 @@ def test_a_session_cannot_write_another_sessions_staged_slots(
 
 
 def _engine_ops(client: StoreClient, slots: list[int]) -> np.ndarray:
-    from kvbridge.transfer import OP_DTYPE  # noqa: PLC0415
-
     source = client.engine.register(np.full(len(slots) * BB, 0xCC, np.uint8), access="none")
-    ops = np.zeros(len(slots), dtype=OP_DTYPE)
-    ops["local_region"], ops["local_offset"] = source.id, np.arange(len(slots)) * BB
-    ops["remote_region"], ops["remote_offset"] = client._region, np.asarray(slots) * BB
-    ops["length"] = BB
-    return ops
+    return write_ops(client, source, slots)
 
 
 # -- reads ------------------------------------------------------------------------------
@@ -154,10 +157,10 @@ def test_reads_only_from_slots_pinned_for_the_reading_session(
     ):
         ks = keys(0, 2)
         a.put(ks, payloads(ks, BB))
-        pinned = a._call({"op": "pin", "ns": a._ns, "keys": ks})
+        pinned = raw(a).op("pin", keys=ks)
         slots = [int(s) for s in pinned["slots"]]
         thief = RawStream(b)
-        answer, _ = thief.read(slot_ops(b, slots, region=a._region))  # tenant-a's memory
+        answer, _ = thief.read(slot_ops(b, slots, region=raw(a).region))  # tenant-a's memory
         assert isinstance(answer, Error) and answer.code == ErrorCode.ACCESS_DENIED
         with client_of(
             server, "tenant-a", transport
@@ -170,7 +173,7 @@ def test_reads_only_from_slots_pinned_for_the_reading_session(
         answer, payload = own.read(slot_ops(a, slots))
         assert isinstance(answer, Data)
         assert payload == payloads(ks, BB).tobytes()
-        a._call({"op": "release", "ns": a._ns, "lease": pinned["lease"]})
+        raw(a).op("release", lease=pinned["lease"])
         answer, _ = own.read(slot_ops(a, slots))  # released: no more reads
         assert isinstance(answer, Error)
         thief.close()
@@ -187,7 +190,7 @@ def test_a_namespace_handle_works_only_for_a_session_that_opened_it(
         a.put(keys(0, 1), payloads(keys(0, 1), BB))
         for op in ("match", "contains", "remove"):
             with pytest.raises(LookupError, match="open it first"):
-                b._call({"op": op, "ns": a._ns, "keys": keys(0, 1)})
+                raw(b).call({"op": op, "ns": raw(a).ns, "keys": keys(0, 1)})
         assert a.contains(keys(0, 1)) == [True]
         stats = b.server_stats()["namespaces"]
         assert "tenant-a" not in str(stats) and any("tenant-b" in n["name"] for n in stats)
@@ -202,21 +205,20 @@ def test_a_session_id_seen_on_the_wire_is_worth_nothing(
     """The session id travels in clear; requests are signed with a key that never does.
     Forged, replayed and after-disconnect requests are all refused with a code."""
     victim = client_of(server, transports=transport)
-    credentials = victim.peer._credentials
-    assert credentials is not None
+    session = credentials(victim.peer)
     body = b"\x81\xa2op\xa5stats"  # {"op": "stats"}
-    forged = {"op": "call", "session": credentials.id, "seq": 10**6, "body": body, "mac": bytes(32)}
+    forged = {"op": "call", "session": session.id, "seq": 10**6, "body": body, "mac": bytes(32)}
     answer = control_request(server.address, forged)
     assert answer["ok"] is False and answer["code"] == 2  # ControlCode.AUTHENTICATION
-    captured = credentials.sign("call", body)  # a real request, as sniffed
+    captured = session.sign("call", body)  # a real request, as sniffed
     assert control_request(server.address, captured)["ok"] is True
     replayed = control_request(server.address, captured)
     assert replayed["ok"] is False and "replayed" in replayed["error"]
-    later = credentials.sign("call", body)  # signed while the session lives
+    later = session.sign("call", body)  # signed while the session lives
     victim.close()  # the client goes: its session ends with its streams
 
     def ended() -> bool:  # asked with requests signed after the close
-        return not control_request(server.address, credentials.sign("call", body))["ok"]
+        return not control_request(server.address, session.sign("call", body))["ok"]
 
     until(ended, "the session ended with the client's streams")
     gone = control_request(server.address, later)
@@ -303,17 +305,14 @@ def test_fuzzed_control_port_while_a_client_keeps_working(
         with StoreClient(
             server.address, block_bytes=BB, namespace="m", transports=transport
         ) as client:
-            credentials = (
-                client.peer._credentials
-            )  # junk signed as the client: it reaches the handler
-            assert credentials is not None
+            session = credentials(client.peer)  # junk signed as the client: it reaches the handler
             for round_ in range(300):
                 kind = round_ % 3
                 if kind == 0:
                     body = rng.bytes(int(rng.integers(0, 200)))
                 elif kind == 1:
                     junk = msgpack.packb(_random_message(rng), use_bin_type=True)
-                    body = msgpack.packb(credentials.sign("call", junk), use_bin_type=True)
+                    body = msgpack.packb(session.sign("call", junk), use_bin_type=True)
                 else:
                     body = msgpack.packb(_random_message(rng), use_bin_type=True)
                 fuzzer.send_multipart([b"", body])

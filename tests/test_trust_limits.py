@@ -16,9 +16,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from attack import RawStream, descriptors, guess_auth, region_key, stage
+from attack import RawStream, descriptors, guess_auth, raw, region_key, stage
 from helpers import keys, payloads, until
-from serve import BLOCK, SLOTS, TRANSPORTS, ServeProcess, client_of, small_server
+from serve import (
+    BLOCK,
+    SLOTS,
+    TRANSPORTS,
+    ServeProcess,
+    client_of,
+    handle,
+    namespaces,
+    small_server,
+)
 
 from kvbridge.store import BadRequest, StoreClient, StoreFull, TooManyRequests
 from kvbridge.store._wire import InternalError
@@ -47,14 +56,14 @@ def test_limits_per_request_per_session_and_on_block_size(
     server: ServeProcess, transport: str
 ) -> None:
     with client_of(server, transports=transport) as client:
-        assert client._request_keys == SLOTS // 4
+        assert client.request_keys == SLOTS // 4
         with pytest.raises(TooManyRequests, match="in one request"):
             stage(client, keys(0, SLOTS // 4 + 1))
         leases = [stage(client, keys(0, 2))[0], stage(client, keys(2, 4))[0]]
         with pytest.raises(TooManyRequests, match="share"):
             stage(client, keys(4, 5))
         for lease in leases:
-            client._call({"op": "abort", "ns": client._ns, "lease": lease})
+            raw(client).op("abort", lease=lease)
         whole = keys(20, 20 + SLOTS)  # the whole namespace, in requests within the limits
         client.put(whole, payloads(whole, BB))
         assert client.match_prefix(whole) == SLOTS
@@ -135,7 +144,7 @@ def test_an_internal_error_is_its_own_kind_and_logged(
         with StoreClient(
             srv.address, block_bytes=BB, namespace="m", secret=secret, transports=transport
         ) as client:
-            ns = srv._namespaces.snapshot()[0]
+            ns = namespaces(srv)[0]
 
             def broken(keys: object) -> int:
                 raise RuntimeError("a bug")
@@ -264,7 +273,7 @@ def test_blocks_larger_than_a_slice_move_through_the_guard(transport: str) -> No
         CacheServer(config) as srv,
         StoreClient(srv.address, block_bytes=big, namespace="big", transports=transport) as client,
     ):
-        ks = keys(0, client._request_keys)
+        ks = keys(0, client.request_keys)
         client.put(ks, payloads(ks, big))
         out = np.zeros((len(ks), big), np.uint8)
         client.get(ks, out)
@@ -304,7 +313,7 @@ def test_kvbridge_serve_logs_its_events_on_stderr_and_never_the_secret(
             server.address, block_bytes=BB, namespace="m", secret=secret, transports=transport
         )
         with client, pytest.raises(TooManyRequests):  # one request may not cover 64 blocks
-            client._call({"op": "stage", "ns": client._ns, "keys": keys(0, 64)})
+            raw(client).op("stage", keys=keys(0, 64))
     finally:
         server.proc.send_signal(signal.SIGTERM)
         _, err = server.proc.communicate(timeout=30)
@@ -331,7 +340,7 @@ def test_a_refused_open_reclaims_nothing(transport: str) -> None:
         ks = keys(0, 4)
         with client_of(server, "tenant-a", transport) as tenant:
             tenant.put(ks, payloads(ks, BB))
-        (ns,) = server._namespaces.snapshot()
+        (ns,) = namespaces(server)
 
         def idle() -> bool:
             with ns.state:
@@ -362,10 +371,10 @@ def test_a_refused_remove_keeps_the_handoff_holds(transport: str) -> None:
     ):
         pushed, pinned = keys(0, 1), keys(1, 2)
         prefill.put(pushed + pinned, payloads(pushed + pinned, BB))
-        reader._call({"op": "pin", "ns": reader._ns, "keys": pinned})
+        raw(reader).op("pin", keys=pinned)
         with pytest.raises(BlockPinned):
             prefill.remove(pushed + pinned)
-        ns = srv._namespaces.snapshot()[0]
+        ns = namespaces(srv)[0]
         assert pushed[0] in ns.holds  # still held for its first read
         assert ns.store.placement.pins.is_pinned(pushed[0])
 
@@ -388,25 +397,25 @@ def test_a_read_stalled_on_a_released_lease_still_counts_against_the_share(
             client.put(ks, payloads(ks, block))
             leases, slots = [], []
             for start in (0, 4):  # the session's share: 8 of 16 slots, 4 per request
-                reply = client._call({"op": "pin", "ns": client._ns, "keys": ks[start : start + 4]})
+                reply = raw(client).op("pin", keys=ks[start : start + 4])
                 leases.append(reply["lease"])
                 slots += [int(s) for s in reply["slots"]]
             stalled = RawStream(client)
             if stalled.sock is not None:  # over UCX a payload waits for its receive anyway
                 stalled.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            key = region_key(client, client._region)
-            ops = descriptors(client._region, key, [(s * block, block) for s in slots])
+            key = region_key(client, raw(client).region)
+            ops = descriptors(raw(client).region, key, [(s * block, block) for s in slots])
             stalled.start_read(ops)
             assert isinstance(stalled.event(), Data)  # under way; its payload is never read
             for lease in leases:
-                client._call({"op": "release", "ns": client._ns, "lease": lease})
+                raw(client).op("release", lease=lease)
             with pytest.raises(TooManyRequests, match="share"):
-                client._call({"op": "pin", "ns": client._ns, "keys": ks[8:12]})
+                raw(client).op("pin", keys=ks[8:12])
             stalled.close()  # the read ends: its blocks are the session's no longer
 
             def pinned() -> bool:
                 try:
-                    client._call({"op": "pin", "ns": client._ns, "keys": ks[8:12]})
+                    raw(client).op("pin", keys=ks[8:12])
                 except TooManyRequests:
                     return False
                 return True
@@ -422,5 +431,5 @@ def test_a_request_of_an_ended_session_is_refused(transport: str) -> None:
 
     config = ServerConfig(port=0, host_capacity=16 * BB, transports=(transport,))
     with CacheServer(config) as srv:
-        reply = srv._handle(Caller(session=12345, peer="gone"), {"op": "stats"})
+        reply = handle(srv, Caller(session=12345, peer="gone"), {"op": "stats"})
         assert reply["kind"] == "BadRequest" and "ended" in reply["message"]

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from attack import data_pipe
 from helpers import reap, spawn_python, until
 from serve import ServeProcess
 
@@ -102,7 +103,7 @@ engine = TransferEngine("server", transports=sys.argv[1], timeout=float(sys.argv
 engine.register(np.full(int(sys.argv[3]), 0xAB, np.uint8))
 print(engine.metadata().hex(), flush=True)
 for line in sys.stdin:  # each line: how many streams it serves
-    print(len(engine._served), flush=True)
+    print(engine.stats()["served_streams"], flush=True)
 engine.close()
 """
 
@@ -218,9 +219,10 @@ def test_streams_that_never_greet_leave_nothing_posted() -> None:
         TransferEngine("silent", transports="ucx") as silent,
     ):
         baseline = _posted(server)
-        address = server._transports["ucx"].address()
-        pipes = [silent._transports["ucx"].open(address, 5.0) for _ in range(8)]
-        until(lambda: len(server._served) == 0, "the greeting timeout ended the streams")
+        pipes = [data_pipe(server, silent) for _ in range(8)]
+        until(
+            lambda: server.stats()["served_streams"] == 0, "the greeting timeout ended the streams"
+        )
         until(lambda: _posted(server) == baseline, "nothing is posted for them any more")
         for pipe in pipes:
             pipe.close()

@@ -6,6 +6,7 @@ import contextlib
 import hmac
 import secrets
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import zmq
@@ -32,25 +33,29 @@ _RAISES: dict[int, type[Exception]] = {
 
 
 class ControlClient:
-    """A DEALER to one engine's control socket."""
+    """A DEALER to one engine's control socket. A ``zmq.ZMQError`` (the socket closed under
+    a call by another thread, the context terminated) never escapes: it is ``PeerClosed``."""
 
     def __init__(self, context: zmq.Context[Any], endpoint: str, timeout: float) -> None:
-        self._socket = context.socket(zmq.DEALER)
+        self._endpoint = endpoint
+        with self._socket_errors():
+            self._socket = context.socket(zmq.DEALER)
         try:
-            self._socket.setsockopt(zmq.LINGER, 0)
-            self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)
-            self._socket.connect(endpoint)
+            with self._socket_errors():
+                self._socket.setsockopt(zmq.LINGER, 0)
+                self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)
+                self._socket.connect(endpoint)
         except BaseException:
             self._socket.close(linger=0)
             raise
-        self._endpoint = endpoint
         self.timeout = timeout
         self._rid = 0
 
     def send(self, message: dict[str, Any]) -> None:
         """Send without waiting: the answer is skipped by the next :meth:`request`."""
         self._rid += 1
-        self._socket.send_multipart([b"", pack({**message, "rid": self._rid})])
+        with self._socket_errors():
+            self._socket.send_multipart([b"", pack({**message, "rid": self._rid})])
 
     def request(self, message: dict[str, Any]) -> dict[str, Any]:
         self.send(message)
@@ -58,9 +63,11 @@ class ControlClient:
         deadline = time.monotonic() + self.timeout
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not self._socket.poll(int(left * 1000) + 1):
+            with self._socket_errors():
+                answered = left > 0 and self._socket.poll(int(left * 1000) + 1)
+                frames = self._socket.recv_multipart() if answered else []
+            if not answered:
                 raise PeerClosed(f"no answer from {self._endpoint} within {self.timeout} s")
-            frames = self._socket.recv_multipart()
             if len(frames) != 2 or frames[0] != b"":
                 continue
             reply = unpack(frames[1])
@@ -127,3 +134,10 @@ class ControlClient:
 
     def close(self) -> None:
         self._socket.close()
+
+    @contextlib.contextmanager
+    def _socket_errors(self) -> Iterator[None]:
+        try:
+            yield
+        except zmq.ZMQError as exc:
+            raise PeerClosed(f"{self._endpoint}: control socket: {exc}") from None

@@ -276,7 +276,8 @@ class TransferEngine(Closing):
             return taken
 
     def stats(self) -> dict[str, Any]:
-        """Counters, and each peer with its transport."""
+        """Counters, each peer with its transport, the data streams this engine serves
+        (``served_streams``) and the frame and batch deadlines armed (``deadlines``)."""
         with self._lock:
             counters = dict(self._counters)
             peers = [
@@ -288,6 +289,8 @@ class TransferEngine(Closing):
             "refused": refused,
             "transports": list(self._transports),
             "peers": peers,
+            "served_streams": len(self._served),
+            "deadlines": self._watchdog.armed(),
         }
 
     # -- lifecycle ---------------------------------------------------------------------

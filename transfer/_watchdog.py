@@ -29,6 +29,11 @@ class Watchdog:
             if self._heap[0] is entry:
                 self._cond.notify()
 
+    def armed(self) -> int:
+        """Deadlines waiting (a moot one counts until its time comes)."""
+        with self._cond:
+            return len(self._heap)
+
     def close(self) -> None:
         with self._cond:
             self._stopped = True

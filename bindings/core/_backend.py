@@ -11,15 +11,13 @@ the server's slots, one op per segment of a block (a vLLM page, an SGLang K or V
 from __future__ import annotations
 
 import contextlib
-import itertools
-import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
 from ..._closing import Closing
-from ...store import BlockKey, StoreClient
+from ...store import BlockKey, ClientPool, StoreClient
 from ...transfer import Region
 from ._pages import LayoutError, PageLayout
 
@@ -62,6 +60,7 @@ class ServerBackend(Closing):
     requests). ``connections`` clients (each its own control channel and streams) let that
     many threads call at once: an engine whose lookups must not wait behind a large save (SGLang
     looks up, loads and saves on three threads) asks for more than one. Pins use the first.
+    A client whose call failed is replaced by the next call (``ClientPool``).
     """
 
     def __init__(
@@ -75,40 +74,36 @@ class ServerBackend(Closing):
         connections: int = 1,
         tenant: str = "",
     ) -> None:
-        self._lanes: list[_Lane] = []
-        self._timeout = timeout
+        self._address = address
+        self._pool = ClientPool(
+            per_server=connections,
+            block_bytes=block_bytes,
+            namespace=namespace,
+            secret=secret,
+            tenant=tenant,
+            timeout=timeout,
+        )
         try:
-            for _ in range(connections):
-                client = StoreClient(
-                    address,
-                    block_bytes=block_bytes,
-                    namespace=namespace,
-                    secret=secret,
-                    tenant=tenant,
-                    timeout=timeout,
-                )
-                self._lanes.append(_Lane(client))
+            self._pool.connect(address)
         except BaseException:
-            self.close()
+            self._pool.close()
             raise
-        self._turn = itertools.count()
 
     def lookup(self, keys: Sequence[BlockKey]) -> int:
-        with self._lane() as lane:
-            return lane.client.match_prefix(keys)
+        with self._lease() as client:
+            return client.match_prefix(keys)
 
     def pin(self, keys: Sequence[BlockKey]) -> object | None:
         """One lease per request-sized chunk (a server bounds what one request pins)."""
         leases: list[int] = []
-        lane = self._lanes[0]  # a lease belongs to the session that took it
-        with lane.lock, lane.client.deadline(self._timeout):
-            step = lane.client.request_keys
+        with self._pool.lease(self._address, first=True) as (client, _):
+            step = client.request_keys
             try:
                 for start in range(0, len(keys), step):
-                    leases.append(lane.client.pin(keys[start : start + step]))
+                    leases.append(client.pin(keys[start : start + step]))
             except BaseException as exc:
                 for lease in leases:  # all or nothing
-                    lane.client.release(lease)
+                    client.release(lease)
                 if isinstance(exc, LookupError):  # BlockNotFound: evicted since the lookup
                     return None
                 raise
@@ -116,76 +111,52 @@ class ServerBackend(Closing):
 
     def unpin(self, hold: object) -> None:
         assert isinstance(hold, list)
-        lane = self._lanes[0]
-        with lane.lock, lane.client.deadline(self._timeout):
+        with self._pool.lease(self._address, first=True) as (client, _):
             for lease in hold:
-                lane.client.release(lease)
+                client.release(lease)
 
     def attach(self, memory: PageLayout) -> None:
-        for lane in self._lanes:
-            with lane.lock:
-                registered = [lane.client.register(buffer) for buffer in memory.buffers]
-                lane.regions = [registered[i] for i in memory.segment_buffer]
+        def register(client: StoreClient) -> list[Region]:
+            registered = [client.register(buffer) for buffer in memory.buffers]
+            return [registered[i] for i in memory.segment_buffer]
+
+        self._pool.prepare(register)
 
     def load(self, keys: Sequence[BlockKey], offsets: np.ndarray) -> None:
-        with self._lane() as lane:
-            lane.client.get_pages(keys, lane.attached(), offsets)
+        with self._pool.lease(self._address) as (client, regions):
+            client.get_pages(keys, _attached(regions), offsets)
 
     def save(self, keys: Sequence[BlockKey], offsets: np.ndarray) -> int:
-        with self._lane() as lane:
-            return sum(lane.client.put_pages(keys, lane.attached(), offsets))
+        with self._pool.lease(self._address) as (client, regions):
+            return sum(client.put_pages(keys, _attached(regions), offsets))
 
     def get(self, keys: Sequence[BlockKey], out: Sequence[Any]) -> None:
-        with self._lane() as lane:
-            lane.client.get(keys, out)
+        with self._lease() as client:
+            client.get(keys, out)
 
     def put(self, keys: Sequence[BlockKey], blocks: Sequence[Any]) -> int:
-        with self._lane() as lane:
-            return sum(lane.client.put(keys, blocks))
+        with self._lease() as client:
+            return sum(client.put(keys, blocks))
 
     def clear(self) -> int:
-        with self._lane() as lane:
-            return lane.client.clear()
+        with self._lease() as client:
+            return client.clear()
 
     def server_stats(self) -> dict[str, Any]:
-        with self._lane() as lane:
-            return lane.client.server_stats()
+        with self._lease() as client:
+            return client.server_stats()
 
     def close(self) -> None:
         """Close every client, each once its call in flight ended (or its timeout passed)."""
-        for lane in self._lanes:
-            held = lane.lock.acquire(timeout=self._timeout)
-            try:
-                lane.client.close()
-            finally:
-                if held:
-                    lane.lock.release()
+        self._pool.close()
 
     @contextlib.contextmanager
-    def _lane(self) -> Iterator[_Lane]:
-        """A free client if there is one, else wait for one (taken in turn)."""
-        for lane in self._lanes:
-            if lane.lock.acquire(blocking=False):
-                break
-        else:
-            lane = self._lanes[next(self._turn) % len(self._lanes)]
-            lane.lock.acquire()
-        try:
-            with lane.client.deadline(self._timeout):  # one call, one timeout in all
-                yield lane
-        finally:
-            lane.lock.release()
+    def _lease(self) -> Iterator[StoreClient]:
+        with self._pool.lease(self._address) as (client, _):
+            yield client
 
 
-class _Lane:
-    """One client and the engine memory registered with it; one call at a time."""
-
-    def __init__(self, client: StoreClient) -> None:
-        self.client = client
-        self.lock = threading.Lock()
-        self.regions: list[Region] = []
-
-    def attached(self) -> list[Region]:
-        if not self.regions:
-            raise LayoutError("no engine memory attached")
-        return self.regions
+def _attached(regions: list[Region] | None) -> list[Region]:
+    if not regions:
+        raise LayoutError("no engine memory attached")
+    return regions

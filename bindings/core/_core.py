@@ -17,11 +17,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import zmq
-
 from ..._closing import Closing
-from ...store import BlockKey, CacheServer, StoreClosed, StoreError, prefix_hashes
-from ...transfer import TransferError
+from ...store import SERVER_FAULTS, BlockKey, CacheServer, StoreClosed, StoreError, prefix_hashes
 from ._backend import Backend, ServerBackend
 from ._config import ConnectorConfig
 from ._embedded import embedded_server
@@ -35,9 +32,10 @@ _log = logging.getLogger("kvbridge.bindings")
 _RETRY_AFTER_S = 5.0
 """After a store fault, calls are skipped (a miss, nothing saved) for this long."""
 
-FAULTS = (StoreError, TransferError, OSError, TimeoutError, zmq.ZMQError)
-"""What a store call may raise that is the store's fault, not the engine's (a control
-socket torn down under a call in flight included)."""
+FAULTS = (StoreError, *SERVER_FAULTS)
+"""What a store call may raise that is the store's fault, not the engine's: a server's
+failure (``SERVER_FAULTS``: a control socket torn down under a call in flight included) or
+a refusal (``StoreError``)."""
 
 
 class ConnectorCore(Closing):

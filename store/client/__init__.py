@@ -1,6 +1,8 @@
 """kvbridge.store.client: :class:`StoreClient`, a cache server with the surface of a local
 ``TieredStore``, moving blocks zero-copy with the transfer engine (``_registration``: a
-caller's buffers registered for one call). Imports the wire; never ``server``."""
+caller's buffers registered for one call); :class:`ClientPool`, the clients of a connector
+or a cluster client, with one rule for a client whose server failed; ``SERVER_FAULTS``,
+what such a failure looks like. Imports the wire; never ``server``."""
 
 from __future__ import annotations
 
@@ -9,13 +11,17 @@ from typing import TYPE_CHECKING
 from ..._lazy import lazy
 
 if TYPE_CHECKING:
-    from ._client import StoreClient
+    from ._client import SERVER_FAULTS, StoreClient
+    from ._pool import ClientPool, Lent
 
 _LAZY = {
     "StoreClient": "._client",
+    "SERVER_FAULTS": "._client",
+    "ClientPool": "._pool",
+    "Lent": "._pool",
 }
 """Loaded on first use: the package's modules load the transfer engine (pyzmq, threads)."""
 
 __getattr__ = lazy(__name__, _LAZY, globals())
 
-__all__ = ["StoreClient"]
+__all__ = ["SERVER_FAULTS", "ClientPool", "Lent", "StoreClient"]

@@ -45,6 +45,11 @@ from ._registration import Locations as _Locations
 from ._registration import Registration as _Registration
 from ._registration import one_per_block, pages_of_blocks
 
+SERVER_FAULTS = (TransferError, OSError, TimeoutError)
+"""What a server's failure (killed, unreachable, too slow) looks like to its client: the
+transfer layer's errors (``zmq`` errors never escape: they become ``PeerClosed``), the
+operating system's, and a deadline passed. A refusal is a ``StoreError`` instead."""
+
 _COURTESY_S = 0.1
 """Past a call's deadline, how long giving a lease back may wait (its TTL ends it anyway)."""
 
@@ -61,6 +66,13 @@ class StoreClient(Closing):
     ``store/server/_tenants.py``). ``transports`` are the client engine's (the first one the
     server also offers is used). Pass ``engine`` to share a :class:`TransferEngine` the
     caller owns (it is not closed with the client; its principal is the tenant).
+
+    Threads may share a client. Its requests to the server (stage, commit, pin, lookups)
+    are answered one at a time, in the order they are sent: a lookup waits behind another
+    thread's request, though not behind its bytes, since the bytes of several threads'
+    puts and gets move at once over the client's streams. A :meth:`deadline` is its own
+    thread's or task's. Where lookups must never queue behind other calls, give each caller
+    a client of its own (:class:`~kvbridge.store.ClientPool` with ``per_server`` > 1).
     """
 
     def __init__(

@@ -3,8 +3,8 @@
 ``_etcd`` (a standard-library etcd v3 client over its JSON gateway), ``_membership``
 (a server's record under a lease; a client's live view of the members), ``_join`` (where
 a cluster lives in etcd, and ``kvbridge serve --cluster``), ``_rendezvous`` (the owners of
-a key), ``_members`` (a client per member), ``_client`` (:class:`ClusterClient`). Imports
-``client``; never ``server``.
+a key), ``_client`` (:class:`ClusterClient`, its members' clients in a ``ClientPool``).
+Imports ``client``; never ``server``.
 """
 
 from __future__ import annotations

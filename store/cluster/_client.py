@@ -31,9 +31,9 @@ from .._buffers import as_array
 from .._errors import BlockNotFound, InvalidBlock, StoreClosed, StoreError
 from .._keys import BlockKey, check_keys, namespace_bytes
 from .._sizes import positive_int
+from ..client import SERVER_FAULTS, ClientPool, StoreClient
 from ._etcd import EtcdError, EtcdGateway, EtcdUnavailable
 from ._join import DEFAULT_CLUSTER, members_prefix
-from ._members import FAULTS, Connector
 from ._membership import Member, Membership
 from ._rendezvous import Rendezvous
 
@@ -88,7 +88,7 @@ class ClusterClient(Closing):
         self.block_bytes = block_bytes
         self.replicas = replicas
         self.replicated_blocks = replicated_blocks
-        self._connect = Connector(
+        self._clients = ClientPool(
             block_bytes=block_bytes,
             namespace=namespace,
             secret=secret,
@@ -126,7 +126,7 @@ class ClusterClient(Closing):
             for gone in set(self._dead) - listed:
                 del self._dead[gone]  # it left: when it comes back, it is fresh
             self._rebuild(listed)
-        self._connect.forget(listed)
+        self._clients.forget(listed)
 
     def _listed(self) -> set[str]:
         return {member.address for member in self._membership.members().values()}
@@ -146,7 +146,7 @@ class ClusterClient(Closing):
         with self._lock:
             self._dead[address] = time.monotonic()
             self._rebuild(self._listed())
-        self._connect.drop(address)
+        self._clients.drop(address)
 
     def _owners(self, keys: Sequence[BlockKey], chain_start: int) -> list[tuple[int, list[str]]]:
         """Per key, how many copies it has and its members, best first: the copies, then
@@ -194,7 +194,7 @@ class ClusterClient(Closing):
 
         def put(address: str, index: list[int]) -> list[bool]:
             part = np.ascontiguousarray(rows[index])
-            return self._connect.call(address, lambda c: c.put([keys[i] for i in index], part))
+            return self._call(address, lambda c: c.put([keys[i] for i in index], part))
 
         failed: set[int] = set()
         for _, index, result in self._fan_out(groups, put):
@@ -228,7 +228,7 @@ class ClusterClient(Closing):
         the members that failed or refused (not asked again in this call)."""
 
         def get(address: str, index: list[int]) -> set[int]:
-            return self._connect.call(address, lambda c: _get_what_is_there(c, keys, index, found))
+            return self._call(address, lambda c: _get_what_is_there(c, keys, index, found))
 
         missing: set[int] = set()
         bad: set[str] = set()
@@ -249,7 +249,7 @@ class ClusterClient(Closing):
 
         def ask(address: str, index: list[int]) -> list[bool]:
             wanted = [checked[i] for i in index]
-            return self._connect.call(address, lambda c: c.contains(wanted))
+            return self._call(address, lambda c: c.contains(wanted))
 
         ranks = _Ranks(candidates)
         while groups := ranks.next_round({i for i, p in enumerate(present) if not p}):
@@ -273,7 +273,7 @@ class ClusterClient(Closing):
         removed = [False] * len(checked)
 
         def drop(address: str, index: list[int]) -> list[bool]:
-            return self._connect.call(address, lambda c: c.remove([checked[i] for i in index]))
+            return self._call(address, lambda c: c.remove([checked[i] for i in index]))
 
         for _, index, result in self._fan_out(groups, drop):
             if not isinstance(result, BaseException):
@@ -284,7 +284,7 @@ class ClusterClient(Closing):
     def close(self) -> None:
         self._membership.stop()
         self._pool.shutdown(wait=True)
-        self._connect.close()
+        self._clients.close()
 
     # -- plumbing ----------------------------------------------------------------------
 
@@ -295,6 +295,11 @@ class ClusterClient(Closing):
                 f"need one host buffer of {count} x {self.block_bytes} bytes, got {flat.size}"
             )
         return flat.reshape(count, self.block_bytes)
+
+    def _call(self, address: str, fn: Callable[[StoreClient], _T]) -> _T:
+        """``fn`` on a client of ``address``, within one timeout in all."""
+        with self._clients.lease(address) as (client, _):
+            return fn(client)
 
     def _fan_out(
         self, groups: dict[str, list[int]], work: Callable[[str, list[int]], _T]
@@ -313,7 +318,7 @@ class ClusterClient(Closing):
         for address, future in futures.items():
             try:
                 results.append((address, groups[address], future.result()))
-            except FAULTS as exc:
+            except SERVER_FAULTS as exc:
                 self._failed(address, exc)
                 results.append((address, groups[address], exc))
             except StoreError as exc:  # refused (full, a lease ended): that part only
