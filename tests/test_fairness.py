@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import zmq
-from helpers import keys, payloads
+from helpers import keys, payloads, until
 
 from kvbridge.store import (
     CacheServer,
@@ -288,11 +288,12 @@ def test_quick_calls_answer_on_the_control_thread_but_never_overtake_their_sessi
     engines: tuple[TransferEngine, TransferEngine, TransferEngine],
 ) -> None:
     server, one, two = engines
-    release = threading.Event()
+    blocked, release = threading.Event(), threading.Event()
     order: list[tuple[str, int]] = []
 
     def handler(caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
         if body.get("block"):
+            blocked.set()
             assert release.wait(30)
         order.append(("pool", body["n"]))
         return {"n": body["n"], "by": "pool"}
@@ -308,10 +309,10 @@ def test_quick_calls_answer_on_the_control_thread_but_never_overtake_their_sessi
     second = two.connect(server.metadata())
     assert second.call({"n": 1}) == {"n": 1, "by": "quick"}
     first.cast({"block": True, "n": 2})  # to the pool, where it waits
-    time.sleep(0.2)
+    assert blocked.wait(30)
     behind, answers = _in_thread(lambda: first.call({"n": 3}))  # quick, but behind the cast
+    until(lambda: server.stats()["calls_queued"] == 2, "the call queued behind the cast")
     assert second.call({"n": 4}) == {"n": 4, "by": "quick"}  # another session: at once
-    time.sleep(0.2)
     assert behind.is_alive() and answers == []
     release.set()
     behind.join(30)

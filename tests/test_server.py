@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -218,13 +217,14 @@ def test_everything_pinned_means_store_full_fast(transport: str) -> None:
         with (
             client_of(server, "m", transport) as one,
             client_of(server, "m", transport) as two,
+            StoreClient(
+                server.address, block_bytes=BB, namespace="m", transports=transport, timeout=5
+            ) as third,
         ):
             for holder, key in zip((one, one, two, two), ks[:4], strict=True):
                 raw(holder).op("pin", keys=[key])  # each its share
-            start = time.monotonic()
-            with pytest.raises(StoreFull):
-                client.put(ks[4:], payloads(ks[4:], BB))
-            assert time.monotonic() - start < 5  # refused, not queued
+            with pytest.raises(StoreFull):  # refused: queued, it would time out (PeerClosed)
+                third.put(ks[4:], payloads(ks[4:], BB))
         assert client.contains(ks) == [True] * 4 + [False]
         client.put(ks[4:], payloads(ks[4:], BB))  # the holders are gone: so are their pins
 
@@ -436,31 +436,40 @@ def test_a_refused_reopen_is_tried_again_on_the_next_call(transport: str) -> Non
 def test_a_deadline_bounds_a_call_of_many_requests(
     monkeypatch: pytest.MonkeyPatch, transport: str
 ) -> None:
-    """Every request is answered within the timeout but takes 0.3 s: a put of several
-    requests takes their sum; under ``deadline(0.5)`` it gives up near 0.5 s instead."""
+    """Every request is answered within the timeout but takes 0.3 s (of the client's fake
+    clock): a put of several requests takes their sum; under ``deadline(0.5)`` it gives up
+    at 0.5 s instead, the request that would run past it getting only what was left."""
     server = small_server(transport)
+    clock = FakeClock()
     try:
-        with client_of(server, transports=transport) as client:
+        with StoreClient(
+            server.address, block_bytes=BLOCK, namespace="m", transports=transport, clock=clock
+        ) as client:
             answer = client.peer.call
+            waits: list[float] = []
 
             def slow(body: dict[str, Any], timeout: float) -> dict[str, Any]:
+                waits.append(timeout)
                 if timeout < 0.3:
-                    time.sleep(timeout)
+                    clock.advance(timeout)
                     raise PeerClosed(f"no answer within {timeout:.2f} s")
-                time.sleep(0.3)
+                clock.advance(0.3)
                 return answer(body, timeout=timeout)
 
             monkeypatch.setattr(client.peer, "call", slow)
             ks = keys(0, 12)
             requests = -(-len(ks) // client.request_keys)
             assert requests >= 3
-            started = time.monotonic()
+            started = clock()
             assert client.put(ks[:6], payloads(ks[:6], BB)) == [True] * 6
-            assert time.monotonic() - started >= 0.3 * -(-6 // client.request_keys)
-            started = time.monotonic()
+            assert clock() - started >= 0.3 * -(-6 // client.request_keys)
+            started, waits[:] = clock(), []
             with pytest.raises((TimeoutError, PeerClosed)), client.deadline(0.5):
                 client.put(ks[6:], payloads(ks[6:], BB))
-            assert time.monotonic() - started < 0.85
+            # the first request had the whole 0.5 s, the next what was left; then giving the
+            # staged lease back had its courtesy 0.1 s: nothing ran a request's 0.3 s past it
+            assert waits == pytest.approx([0.5, 0.2, 0.1])
+            assert clock() - started == pytest.approx(0.6)
             monkeypatch.undo()
             assert client.contains(ks[:6]) == [True] * 6  # the client works on
     finally:

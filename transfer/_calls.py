@@ -71,6 +71,11 @@ class CallPool:
         with self._lock:
             return session in self._waiting
 
+    def queued(self) -> int:
+        """Calls queued or running, every session's."""
+        with self._lock:
+            return sum(len(jobs) for jobs in self._waiting.values())
+
     def close(self) -> None:
         """Stop the threads after the jobs they are running; join them. Jobs still queued
         are dropped (the control socket closes next: their clients see no answer)."""

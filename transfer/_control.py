@@ -148,6 +148,10 @@ class ControlServer:
         self._thread = threading.Thread(target=self._run, name="kvbridge-control", daemon=True)
         self._thread.start()
 
+    def calls_queued(self) -> int:
+        """Application calls queued or running in the call pool."""
+        return self._calls.queued()
+
     def close(self) -> None:
         self._wake_tx.send(b"stop")
         self._thread.join()

@@ -277,7 +277,8 @@ class TransferEngine(Closing):
 
     def stats(self) -> dict[str, Any]:
         """Counters, each peer with its transport, the data streams this engine serves
-        (``served_streams``) and the frame and batch deadlines armed (``deadlines``)."""
+        (``served_streams``), the calls its request handler has queued or running
+        (``calls_queued``) and the frame and batch deadlines armed (``deadlines``)."""
         with self._lock:
             counters = dict(self._counters)
             peers = [
@@ -290,6 +291,7 @@ class TransferEngine(Closing):
             "transports": list(self._transports),
             "peers": peers,
             "served_streams": len(self._served),
+            "calls_queued": self._control.calls_queued(),
             "deadlines": self._watchdog.armed(),
         }
 

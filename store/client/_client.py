@@ -19,7 +19,7 @@ import contextlib
 import contextvars
 import secrets
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
 import msgpack
@@ -86,7 +86,10 @@ class StoreClient(Closing):
         transports: Sequence[str] | str = ("tcp",),
         timeout: float = 30.0,
         engine: TransferEngine | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``clock`` times deadlines and how long a read ran under its pin (tests pass a
+        fake one)."""
         positive_int("block_bytes", block_bytes)
         self.block_bytes = block_bytes
         self.namespace = namespace_bytes(namespace)
@@ -102,6 +105,7 @@ class StoreClient(Closing):
         )
         self.counters = {"bytes_pushed": 0, "bytes_saved": 0, "bytes_pulled": 0}
         self._timeout = timeout
+        self._clock = clock
         self._closed = False
         self._reopen = False
         self._deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar(
@@ -266,7 +270,7 @@ class StoreClient(Closing):
         block, which copy its context as asyncio does): other threads, and tasks made
         outside it, never see it. Nested blocks keep the earlier of the two deadlines."""
         outer = self._deadline.get()
-        until = time.monotonic() + seconds
+        until = self._clock() + seconds
         token = self._deadline.set(until if outer is None else min(outer, until))
         try:
             yield
@@ -330,7 +334,7 @@ class StoreClient(Closing):
         deadline = self._deadline.get()
         if deadline is None:
             return self._timeout
-        left = deadline - time.monotonic()
+        left = deadline - self._clock()
         if left <= 0:
             raise TimeoutError("the call ran past its deadline")
         return min(self._timeout, left)
@@ -426,7 +430,7 @@ class StoreClient(Closing):
 
     def _get(self, keys: Sequence[BlockKey], where: _Locations) -> None:
         for start, chunk in _chunks(keys, self._request_keys):
-            pinned_at = time.monotonic()
+            pinned_at = self._clock()
             pinned = self._call({"op": "pin", "ns": self._ns, "keys": chunk})
             lease, slots = int(pinned["lease"]), pinned["slots"]
             try:
@@ -441,7 +445,7 @@ class StoreClient(Closing):
                 self._quietly({"op": "release", "ns": self._ns, "lease": lease})
                 raise
             release = {"op": "release", "ns": self._ns, "lease": lease}
-            if time.monotonic() - pinned_at < self.lease_ttl * _TRUSTED_LEASE_FRACTION:
+            if self._clock() - pinned_at < self.lease_ttl * _TRUSTED_LEASE_FRACTION:
                 self.peer.cast(release)  # the pin held while we read: no answer needed
             else:
                 self._call(release)  # raises LeaseExpired if the bytes may have changed
@@ -469,7 +473,7 @@ class StoreClient(Closing):
         wait = self._timeout
         deadline = self._deadline.get()
         if deadline is not None:  # past it, only a moment for the courtesy
-            wait = min(wait, max(_COURTESY_S, deadline - time.monotonic()))
+            wait = min(wait, max(_COURTESY_S, deadline - self._clock()))
         with contextlib.suppress(TransferError, LeaseExpired, PeerClosed):
             self.peer.call(body, timeout=wait)
 
