@@ -90,7 +90,7 @@ class RawStream:
         if self.sock is not None:
             self.sock.sendall(data)
         else:
-            _one_message(self.pipe, data)
+            one_message(self.pipe, data)
 
     def read(self, ops: np.ndarray) -> tuple[Event, bytes]:
         """A READ; returns the answer and, for DATA, the payload."""
@@ -112,7 +112,7 @@ class RawStream:
         self.pipe.close()
 
 
-def _one_message(pipe: Pipe, data: bytes) -> None:
+def one_message(pipe: Pipe, data: bytes) -> None:
     """Post ``data`` on a UCX pipe as one message of the stream, as it is. ``UcxPipe.send``
     takes its first buffer for a frame (a header message, then the body), so a payload sent
     on its own goes through the pipe's numbering and posting directly. It returns once the

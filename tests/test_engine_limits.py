@@ -17,12 +17,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from attack import credentials, data_pipe, descriptors
-from helpers import until
+from attack import credentials, data_pipe, descriptors, one_message
+from helpers import FakeClock, until
 
 from kvbridge.transfer import TransferEngine, TransferError, ucx_available
 from kvbridge.transfer import _served as served_module
-from kvbridge.transfer._pipes import Pipe
+from kvbridge.transfer._pipes import Pipe, SocketPipe
 from kvbridge.transfer._protocol import Connection, Role
 from kvbridge.transfer._streams import next_event
 
@@ -78,6 +78,13 @@ class _RawStream:
 
     def send(self, data: bytes) -> None:
         self.pipe.send([data])
+
+    def send_payload(self, data: bytes) -> None:
+        """A frame's payload (over UCX one op's, as one message of the stream)."""
+        if isinstance(self.pipe, SocketPipe):
+            self.pipe.send([data])
+        else:
+            one_message(self.pipe, data)
 
     def closed_within(self, seconds: float, drip: bytes = b"") -> bool:
         """Whether the other end closes the stream within ``seconds`` (while we drip a few
@@ -152,42 +159,62 @@ def test_a_slow_loris_before_its_greeting_is_dropped(
     a, b = pair
     stream = _RawStream(b, a)
     header = Connection(Role.INITIATOR).hello(bytes(64), 0)
-    start = time.monotonic()
-    for byte in header[:20]:
+    sent = 0
+    for byte in header[:20]:  # 4 s of bytes, each well inside the handshake timeout
+        if stream.closed_within(0.2):  # the loris's pace
+            break
         try:
             stream.send(bytes([byte]))
         except (OSError, EOFError):
             break
-        time.sleep(0.2)
+        sent += 1
     assert stream.closed_within(3.0)
-    assert time.monotonic() - start < 4.5
+    assert sent < 20  # closed while the bytes still came: the greeting's whole time was up
     stream.close()
+
+
+FRAME_S = 30.0
+"""The frame deadline of the fake-clock tests: far beyond the test's real duration, so that
+only an advance of the engine's clock ends a frame."""
 
 
 @pytest.mark.parametrize("drip", [b"\x01", b""], ids=["trickle", "silence"])
 def test_a_slow_loris_inside_a_frame_is_dropped_and_frees_what_it_held(
-    pair: tuple[TransferEngine, TransferEngine], transport: str, drip: bytes
+    transport: str, drip: bytes
 ) -> None:
     """A session that starts a write and trickles its payload, or goes silent, loses the
-    stream once the frame's deadline (the transfer timeout, 2 s here) passes, however
-    steadily it trickles; the region it addressed is released then. (Over UCX each drip
-    is a whole message, which a receive takes as if it were all of it: UCX does not say
-    how long a message was; see the README. Only silence applies there.)"""
+    stream once the frame's deadline (the transfer timeout) passes on the engine's clock,
+    however steadily it trickles; the region it addressed is released then. A frame that
+    ends inside its deadline, however late, lands. (Over UCX each drip is a whole message,
+    which a receive takes as if it were all of it: UCX does not say how long a message
+    was; see the README. Only silence applies there.)"""
     if transport == "ucx" and drip:
         pytest.skip("a UCX message arrives whole: there is no trickle")
-    a, b = pair
-    target = np.zeros(64 * KiB, np.uint8)
-    there = b.register(target)
-    peer = a.connect(b.metadata())  # a real session
-    session = credentials(peer)
-    stream = _RawStream(b, a)
-    stream.send(stream.conn.hello(session.hello(5), 5))
-    stream.send(stream.conn.write(99, descriptors(there.id, there.key, [(0, 64 * KiB)])))
-    start = time.monotonic()
-    assert stream.closed_within(6.0, drip=drip)
-    assert 1.5 < time.monotonic() - start < 5.0
-    stream.close()
-    until(lambda: _unregistered(b, there), "nothing holds the region any more", 2.0)
+    clock = FakeClock()
+    with (
+        TransferEngine("a", transports=transport) as a,
+        TransferEngine("b", transports=transport, timeout=FRAME_S, clock=clock) as b,
+    ):
+        target = np.zeros(64 * KiB, np.uint8)
+        there = b.register(target)
+        peer = a.connect(b.metadata())  # a real session
+        session = credentials(peer)
+        stream = _RawStream(b, a)
+        stream.send(stream.conn.hello(session.hello(5), 5))
+        payload = bytes([7]) * (64 * KiB)
+        whole = descriptors(there.id, there.key, [(0, 64 * KiB)])
+        stream.send(stream.conn.write(98, whole) + payload[: len(drip)])
+        until(lambda: there.in_use > 0, "the frame began")
+        clock.advance(FRAME_S - 1)  # late, but inside the frame's deadline
+        stream.send_payload(payload[len(drip) :])
+        until(lambda: bool((target == 7).all()), "the late frame landed")
+        stream.send(stream.conn.write(99, whole) + drip)
+        until(lambda: there.in_use > 0, "the next frame began")
+        clock.advance(FRAME_S + 1)  # this frame's deadline has passed
+        assert stream.closed_within(10.0, drip=drip)
+        stream.close()
+        until(lambda: _unregistered(b, there), "nothing holds the region any more")
+        peer.close()
     peer.close()
 
 

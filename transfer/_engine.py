@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -73,7 +74,9 @@ class TransferEngine(Closing):
     that do not know it. ``principal``: who this engine speaks for when it connects
     (``secret`` is then that principal's secret; see ``_keyring``). ``principals``: whom it
     answers, each with a secret of its own, instead of the one ``secret`` (a cache server's
-    tenants); the principal a peer proved is ``Caller.principal``. ``settings``: see
+    tenants); the principal a peer proved is ``Caller.principal``. ``clock`` times frame
+    deadlines, the keepalive's silence, batch deadlines and idle sessions (tests pass a fake
+    one and advance it; sockets still wait in real seconds). ``settings``: see
     :class:`TransferSettings`.
     """
 
@@ -87,9 +90,11 @@ class TransferEngine(Closing):
         secret: bytes | str | None = None,
         principal: str = DEFAULT_PRINCIPAL,
         principals: Sequence[Principal] | None = None,
+        clock: Callable[[], float] = time.monotonic,
         **settings: Any,
     ) -> None:
         self.settings = TransferSettings.from_kwargs(settings)
+        self._clock = clock
         chosen = _chosen(transports)
         self.name = name or f"kvbridge-{secrets.token_hex(4)}"
         self._secret = secret.encode() if isinstance(secret, str) else secret
@@ -97,7 +102,7 @@ class TransferEngine(Closing):
         self._keyring = Keyring(principals) if principals else Keyring.shared(self._secret)
         self._refusals = BoundedLog(_log)
         self._regions = RegionTable()
-        self._sessions = SessionTable()
+        self._sessions = SessionTable(clock=clock)
         self._lock = threading.Lock()
         self._closed = False
         self._peers: list[Peer] = []
@@ -113,7 +118,7 @@ class TransferEngine(Closing):
             "served_bytes_out": 0,
         }
         self._context: zmq.Context[Any] = zmq.Context()
-        self._watchdog = Watchdog()
+        self._watchdog = Watchdog(clock)
         self._served = ServedStreams(self.name, self._regions, self._serve_hooks)
         self._side = EngineSide(
             name=self.name,
@@ -339,6 +344,7 @@ class TransferEngine(Closing):
             greeted=greeted,
             refusals=self._refusals,
             keepalive=self.settings.keepalive,
+            clock=self._clock,
         )
 
     def _notify(self, caller: Caller, message: bytes) -> None:

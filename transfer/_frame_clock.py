@@ -19,9 +19,20 @@ class FrameClock:
     peer that stops sending altogether: it closes the pipe. A watchdog entry is added only
     when a deadline comes before every entry already armed, and an entry that comes due
     re-arms for the deadline of the moment: a busy stream keeps one or two entries in the
-    watchdog's heap, not one per frame."""
+    watchdog's heap, not one per frame.
 
-    def __init__(self, pipe: Pipe, watch: Watch, silence: float | None = None) -> None:
+    Deadlines are ``clock()`` times, the watchdog's clock (a test's fake one advances
+    them). The pipe's own check between reads stays on ``time.monotonic``: a socket waits
+    in real seconds; with the real clock the two agree."""
+
+    def __init__(
+        self,
+        pipe: Pipe,
+        watch: Watch,
+        silence: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._clock = clock
         self._pipe = pipe
         self._watch = watch
         self._silence = silence
@@ -32,15 +43,14 @@ class FrameClock:
 
     def start(self, timeout: float) -> None:
         """A frame began: all of it must arrive within ``timeout``."""
-        deadline = time.monotonic() + timeout
-        self._pipe.set_deadline(deadline)
-        self._set(deadline)
+        self._pipe.set_deadline(time.monotonic() + timeout)
+        self._set(self._clock() + timeout)
 
     def end(self) -> None:
         """The frame is done: the peer may now be silent for the keepalive's limit."""
         self._pipe.set_deadline(None)
         silence = self._silence
-        self._set(None if silence is None else time.monotonic() + silence)
+        self._set(None if silence is None else self._clock() + silence)
 
     def stop(self) -> None:
         """The stream is over: the watchdog drops its entries."""
@@ -59,7 +69,7 @@ class FrameClock:
             self._arm(deadline)
 
     def _arm(self, due: float) -> None:
-        self._watch(due - time.monotonic(), self._is_stopped, lambda: self._due(due))
+        self._watch(due - self._clock(), self._is_stopped, lambda: self._due(due))
 
     def _is_stopped(self) -> bool:
         with self._lock:
@@ -72,7 +82,7 @@ class FrameClock:
             if self._armed == due:
                 self._armed = None
             deadline = self._deadline
-            overdue = deadline is not None and deadline <= time.monotonic()
+            overdue = deadline is not None and deadline <= self._clock()
             rearm = not overdue and deadline is not None and self._armed is None
             if rearm:
                 self._armed = deadline

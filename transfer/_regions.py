@@ -116,6 +116,11 @@ class Region:
     def info(self) -> RegionInfo:
         return RegionInfo(self.id, self.length, self.access, self.key)
 
+    @property
+    def in_use(self) -> int:
+        """Transfers using the region now (``unregister`` refuses while there are any)."""
+        return self._busy
+
     def __repr__(self) -> str:
         return f"Region(id={self.id}, length={self.length}, access={self.access!r})"
 

@@ -287,6 +287,8 @@ class ServeHooks:
     keepalive: float = 0.0
     """The keepalive interval asked of the initiator in the greeting (s; 0: none): the stream
     is closed once it sent nothing for ``KEEPALIVE_MISSES`` intervals."""
+    clock: Callable[[], float] = time.monotonic
+    """The engine's clock, which frame deadlines and the keepalive's silence are read on."""
 
 
 @dataclass(frozen=True)
@@ -311,7 +313,7 @@ def serve(pipe: Pipe, regions: RegionTable, hooks: ServeHooks) -> None:
         hooks.greeted(pipe)
         served = _Served(conn, pipe, regions, caller, hooks)
         silence = hooks.keepalive * KEEPALIVE_MISSES or None
-        frame = FrameClock(pipe, hooks.watch, silence)
+        frame = FrameClock(pipe, hooks.watch, silence, hooks.clock)
         try:
             _serve_frames(served, frame)
         finally:

@@ -8,11 +8,18 @@ import threading
 import time
 from collections.abc import Callable
 
+_FAKE_CLOCK_POLL_S = 0.01
+"""With a clock other than ``time.monotonic`` (a test's, advanced by hand) the watchdog
+cannot know when it moves: it reads it this often."""
+
 
 class Watchdog:
-    """Calls ``on_expiry`` at each deadline unless ``is_done()`` says it is moot."""
+    """Calls ``on_expiry`` at each deadline unless ``is_done()`` says it is moot. Deadlines
+    are ``clock()`` times (``time.monotonic`` unless a test passes a fake clock)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._longest_wait = None if clock is time.monotonic else _FAKE_CLOCK_POLL_S
         self._heap: list[tuple[float, int, Callable[[], bool], Callable[[], None]]] = []
         self._order = itertools.count()
         self._cond = threading.Condition()
@@ -24,7 +31,7 @@ class Watchdog:
         self, timeout: float, is_done: Callable[[], bool], on_expiry: Callable[[], None]
     ) -> None:
         with self._cond:
-            entry = (time.monotonic() + timeout, next(self._order), is_done, on_expiry)
+            entry = (self._clock() + timeout, next(self._order), is_done, on_expiry)
             heapq.heappush(self._heap, entry)
             if self._heap[0] is entry:
                 self._cond.notify()
@@ -50,9 +57,11 @@ class Watchdog:
                     if not self._heap:
                         self._cond.wait()
                         continue
-                    wait = self._heap[0][0] - time.monotonic()
+                    wait = self._heap[0][0] - self._clock()
                     if wait <= 0:
                         break
+                    if self._longest_wait is not None:
+                        wait = min(wait, self._longest_wait)
                     self._cond.wait(wait)
                 if self._stopped:
                     return
