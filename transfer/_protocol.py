@@ -77,7 +77,8 @@ MAX_OPS_PER_FRAME = 1024
 MAX_PAYLOAD_BYTES = 1 << 30
 """No frame carries more than 1 GiB; senders cut frames far smaller (settings.frame_bytes)."""
 
-MAX_CONTROL_BYTES = 64 << 10  # HELLO, ERROR and NOTIFY bodies are small messages
+MAX_CONTROL_BYTES = 64 << 10
+"""HELLO, ERROR and NOTIFY bodies are small messages."""
 
 KEEPALIVE_MISSES = 3
 """A responder closes a stream that sent nothing for this many keepalive intervals. An idle
@@ -93,8 +94,10 @@ PING_IDS = 1 << 63
 
 
 class ErrorCode(enum.IntEnum):
-    """Why a responder answered ERROR: an op refused (nothing written), a HELLO proving no
-    live session, a notify handler's refusal without a code of its own, an inner failure."""
+    """Why a responder answered ERROR: an op was refused (unknown region, wrong key or mode,
+    bytes outside, the region's guard; nothing written), the HELLO proved no live session,
+    the notification handler refused the batch without a code of its own, or the responder
+    failed inside."""
 
     ACCESS_DENIED = 1
     AUTHENTICATION = 2
@@ -102,7 +105,8 @@ class ErrorCode(enum.IntEnum):
     INTERNAL = 4
 
 
-APP_CODES = 1000  # codes from here up are an application's own (a notify handler's)
+APP_CODES = 1000
+"""Codes from here up are an application's own (a notification handler's refusals)."""
 
 
 class Frame(enum.IntEnum):
