@@ -24,7 +24,14 @@ from kvbridge.bindings import (
 )
 from kvbridge.bindings.core._identity import effective_config, settings_digest, settle, weights
 from kvbridge.bindings.core._jobs import Saver
-from kvbridge.store import BlockNotFound, ConfigError, InvalidBlock, StoreClient
+from kvbridge.store import (
+    BlockNotFound,
+    CacheServer,
+    ConfigError,
+    InvalidBlock,
+    ServerConfig,
+    StoreClient,
+)
 
 PAGE = 4096
 LAYERS = 3
@@ -67,6 +74,8 @@ def test_an_unknown_setting_is_named() -> None:
         ({"pd_wait": float("inf")}, "pd_wait"),
         ({"server": ""}, "server must be a non-empty string"),
         ({"async_load": "yes"}, "async_load must be true or false"),
+        ({"streams": 0}, "streams must be 1..64"),
+        ({"streams": "4"}, "streams must be a whole number"),
         ({"disk_path": "/tmp/x"}, "go together"),
         ({"server": "h:1", "disk_path": "/x", "disk_capacity": "1GiB"}, "a server has its own"),
     ],
@@ -177,6 +186,18 @@ def server() -> Iterator[ServeProcess]:
     proc = ServeProcess("--host-capacity", "16MiB", "--lease-ttl", "30")
     yield proc
     proc.kill()
+
+
+def test_streams_is_the_number_of_data_streams_to_the_server() -> None:
+    with CacheServer(ServerConfig(port=0, host_capacity=16 << 20)) as srv:
+        config = ConnectorConfig.from_extra({"server": srv.address, "streams": 3})
+        with ConnectorCore(config, _identity(extra="streams"), saves=True) as core:
+            _, kv = _kv(seed=2)
+            core.attach(kv)
+            ks = core.keys(list(range(16 * 4)))
+            core.save_later([SaveJob("s", tuple(ks), (0, 1, 2, 3))])
+            assert core.flush(["s"]) and core.lookup(ks) == 4
+            assert srv.engine.stats()["served_streams"] == 3
 
 
 def test_pages_round_trip_through_a_server_byte_for_byte(server: ServeProcess) -> None:

@@ -36,7 +36,7 @@ from ._errors import (
     TransferError,
 )
 from ._protocol import APP_CODES
-from ._settings import DEFAULT_CONNECT_TIMEOUT_S
+from ._settings import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_STREAMS
 
 if TYPE_CHECKING:
     from ._engine import TRANSPORTS, Notification, TransferEngine
@@ -78,6 +78,7 @@ __all__ = [
     "APP_CODES",
     "DEFAULT_CONNECT_TIMEOUT_S",
     "DEFAULT_PRINCIPAL",
+    "DEFAULT_STREAMS",
     "OP_DTYPE",
     "TRANSPORTS",
     "AccessDenied",

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..._closing import Closing
 from ...store import BlockKey, ClientPool, StoreClient
-from ...transfer import Region
+from ...transfer import DEFAULT_STREAMS, Region
 from ._pages import LayoutError, PageLayout
 
 
@@ -73,6 +73,7 @@ class ServerBackend(Closing):
         *,
         connections: int = 1,
         tenant: str = "",
+        streams: int = DEFAULT_STREAMS,
     ) -> None:
         self._address = address
         self._pool = ClientPool(
@@ -82,6 +83,7 @@ class ServerBackend(Closing):
             secret=secret,
             tenant=tenant,
             timeout=timeout,
+            streams=streams,
         )
         try:
             self._pool.connect(address)

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...store import ConfigError, read_secret
-from ...store.settings import Flag, Kind, Seconds, Size, Text, parse_settings
-from ...transfer import BadAddress, LocalProtocolError, Principal, parse_address
+from ...store.settings import Flag, Kind, Seconds, Size, Text, Whole, parse_settings
+from ...transfer import DEFAULT_STREAMS, BadAddress, LocalProtocolError, Principal, parse_address
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,9 @@ class ConnectorConfig:
     pd_wait: float = 10.0
     """Decode side of P/D: how long a request waits for the blocks its prefill announced
     before it computes what is missing itself."""
+    streams: int = DEFAULT_STREAMS
+    """TCP data streams per connection to the server: more where the machine has the cores
+    to drive a fast link (``TransferSettings.streams``)."""
 
     def __post_init__(self) -> None:
         for name, kind in _KINDS.items():
@@ -100,6 +103,7 @@ _KINDS: dict[str, Kind] = {
     "failed_key_ttl": Seconds(),
     "async_load": Flag(),
     "pd_wait": Seconds(),
+    "streams": Whole(1, 64),
 }
 """Each setting's kind and bounds (``store/settings.py``, shared with the server's); the
 checks across settings follow in ``__post_init__``."""

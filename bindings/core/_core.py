@@ -346,6 +346,7 @@ class ConnectorCore(Closing):
                     self.config.timeout,
                     connections=self._connections,
                     tenant=self.config.tenant,
+                    streams=self.config.streams,
                 )
             except FAULTS as exc:
                 self._fault("connect", exc)

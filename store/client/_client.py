@@ -29,6 +29,7 @@ from ..._closing import Closing
 from ...transfer import (
     DEFAULT_CONNECT_TIMEOUT_S,
     DEFAULT_PRINCIPAL,
+    DEFAULT_STREAMS,
     OP_DTYPE,
     AuthenticationError,
     PeerClosed,
@@ -85,11 +86,13 @@ class StoreClient(Closing):
         tenant: str = DEFAULT_PRINCIPAL,
         transports: Sequence[str] | str = ("tcp",),
         timeout: float = 30.0,
+        streams: int = DEFAULT_STREAMS,
         engine: TransferEngine | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``clock`` times deadlines and how long a read ran under its pin (tests pass a
-        fake one)."""
+        """``streams``: TCP data streams to the server (``TransferSettings.streams``; more
+        where the machine has the cores to drive a fast link). ``clock`` times deadlines and
+        how long a read ran under its pin (tests pass a fake one)."""
         positive_int("block_bytes", block_bytes)
         self.block_bytes = block_bytes
         self.namespace = namespace_bytes(namespace)
@@ -100,6 +103,7 @@ class StoreClient(Closing):
             secret=secret,
             principal=tenant,
             timeout=timeout,
+            streams=streams,
             # A dead server must not cost more than one call's timeout to find out.
             connect_timeout=min(timeout, DEFAULT_CONNECT_TIMEOUT_S),
         )
