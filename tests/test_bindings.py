@@ -3,6 +3,7 @@ saver, the failure memory, and page-wise puts and gets against a real server pro
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from kvbridge.bindings import (
     SaveJob,
     pages_of,
 )
+from kvbridge.bindings.core import HostCopier
 from kvbridge.bindings.core._identity import effective_config, settings_digest, settle, weights
 from kvbridge.bindings.core._jobs import Saver
 from kvbridge.store import (
@@ -473,3 +475,124 @@ def test_put_pages_and_get_pages_check_their_offsets(server: ServeProcess) -> No
         assert client.contains(ks) == [False, False]  # refused: nothing stored
         with pytest.raises(BlockNotFound):
             client.pin(ks)
+
+
+# -- the staged path (what a KV cache in GPU memory takes; forced here for host memory) -----
+
+
+def _staged(server: ServeProcess, blocks: int = 3, **extra: object) -> ConnectorConfig:
+    """A connector that moves every page through a staging buffer of ``blocks`` blocks."""
+    settings = {
+        "server": server.address,
+        "staging": "always",
+        "staging_bytes": blocks * PAGE * LAYERS,
+    }
+    return ConnectorConfig.from_extra({**settings, **extra})
+
+
+def test_staged_pages_round_trip_byte_for_byte_in_chunks(
+    server: ServeProcess, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Seven blocks through a buffer of three: three chunks each way; the loaded blocks
+    are the saved ones, and no other block of the cache is touched."""
+    ident = _identity(extra="staged")
+    with (
+        caplog.at_level(logging.INFO, logger="kvbridge.bindings"),
+        ConnectorCore(_staged(server), ident, saves=True) as core,
+    ):
+        layers, kv = _kv(blocks=16, seed=3)
+        core.attach(kv)
+        ks = core.keys(list(range(16 * 7)))
+        saved = [9, 2, 14, 0, 5, 11, 7]
+        expected = kv.gather(saved)
+        assert core.save(ks, saved) and core.lookup(ks) == 7
+        before = [layer.copy() for layer in layers]
+        loaded = [1, 3, 4, 6, 8, 10, 12]
+        for block in loaded:
+            kv.scatter([block], np.zeros((1, kv.block_bytes), np.uint8))
+        assert core.load(ks, loaded)
+        assert np.array_equal(kv.gather(loaded), expected)
+        others = [b for b in range(16) if b not in loaded]
+        for layer, old in zip(layers, before, strict=True):
+            assert np.array_equal(layer[others], old[others])
+    assert "stages pages through 0 MiB of host memory (3 blocks" in caplog.text
+
+
+def test_staged_and_direct_paths_store_the_same_bytes(server: ServeProcess) -> None:
+    ident = _identity(extra="staged-vs-direct")
+    direct = ConnectorConfig(server=server.address)
+    with ConnectorCore(_staged(server, 2), ident) as staged, ConnectorCore(direct, ident) as plain:
+        _, kv = _kv(seed=4)
+        staged.attach(kv)
+        ks = staged.keys(list(range(16 * 5)))
+        assert staged.save(ks, [0, 1, 2, 3, 4])
+        _, other = _kv(seed=5)
+        plain.attach(other)
+        assert plain.load(ks, [7, 6, 5, 4, 3])  # loaded directly, what was staged out
+        assert np.array_equal(other.gather([7, 6, 5, 4, 3]), kv.gather([0, 1, 2, 3, 4]))
+
+
+def test_host_memory_moves_directly_unless_staging_is_always(
+    server: ServeProcess, caplog: pytest.LogCaptureFixture
+) -> None:
+    with (
+        caplog.at_level(logging.INFO, logger="kvbridge.bindings"),
+        ConnectorCore(ConnectorConfig(server=server.address), _identity(extra="d")) as core,
+    ):
+        _, kv = _kv(seed=6)
+        core.attach(kv)
+        ks = core.keys(list(range(16)))
+        assert core.save(ks, [0]) and core.load(ks, [1])
+    assert "stages pages" not in caplog.text  # no staging buffer was made
+
+
+def test_a_copy_that_fails_is_a_miss_and_the_connector_goes_on(
+    server: ServeProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A device error in the middle of a load's copies (here: the second chunk's) fails
+    that load only: a miss, counted as a fault, never an exception into the engine; the
+    next load works."""
+    with ConnectorCore(_staged(server, 2), _identity(extra="copy-fails"), saves=True) as core:
+        _, kv = _kv(blocks=16, seed=7)
+        core.attach(kv)
+        ks = core.keys(list(range(16 * 4)))
+        assert core.save(ks, [0, 1, 2, 3])
+        real = HostCopier.scatter
+        calls = [0]
+
+        def failing(self: HostCopier, memory: object, offsets: object, rows: object) -> None:
+            calls[0] += 1
+            if calls[0] == 2:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            real(self, memory, offsets, rows)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(HostCopier, "scatter", failing)
+        assert not core.load(ks, [8, 9, 10, 11])  # a miss: the engine recomputes
+        assert core.stats.totals()["store_faults"] == 1
+        monkeypatch.undo()
+        later = core.keys(list(range(1000, 1000 + 16 * 2)))
+        assert core.save(later, [4, 5]) and core.load(later, [12, 13])
+        assert np.array_equal(kv.gather([12, 13]), kv.gather([4, 5]))
+
+
+def test_a_staging_buffer_smaller_than_a_block_is_a_config_error(server: ServeProcess) -> None:
+    config = ConnectorConfig.from_extra(
+        {"server": server.address, "staging": "always", "staging_bytes": PAGE}
+    )
+    with ConnectorCore(config, _identity(extra="small")) as core:
+        _, kv = _kv()
+        with pytest.raises(ConfigError, match="staging_bytes"):
+            core.attach(kv)
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({"staging": "sometimes"}, "staging must be one of auto, always"),
+        ({"transports": "udp"}, "transports must be one of tcp, ucx, auto"),
+        ({"staging_bytes": "0"}, "staging_bytes"),
+    ],
+)
+def test_bad_staging_settings_are_config_errors(extra: dict[str, object], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        ConnectorConfig.from_extra(extra)

@@ -4,9 +4,10 @@
 ``PageLayout``, the pause after a store fault, a lazy connection), ``_backend`` (a cache
 server through client connections), ``_embedded`` (the loopback server an engine runs when
 no ``server`` is set), ``_identity`` (what a block's bytes mean, and its namespace),
-``_pages`` (the engine's memory as pages), ``_config`` (settings), ``_jobs`` (the saver
-thread), ``_stats`` (counters). Imports ``kvbridge.store`` and ``kvbridge.transfer``; no
-engine.
+``_pages`` (the engine's memory as pages), ``_staging`` (pages through a host staging
+buffer: a GPU cache's path; ``HostCopier``, and torch's ``CudaCopier``), ``_config``
+(settings), ``_jobs`` (the saver thread), ``_stats`` (counters). Imports ``kvbridge.store``
+and ``kvbridge.transfer``; no engine.
 """
 
 from __future__ import annotations
@@ -16,16 +17,20 @@ from ._core import ConnectorCore
 from ._identity import Identity
 from ._jobs import SaveJob
 from ._pages import LayoutError, PagedKV, PageLayout, pages_of
+from ._staging import CudaCopier, HostCopier, StagingFailed
 from ._stats import ConnectorStats
 
 __all__ = [
     "ConnectorConfig",
     "ConnectorCore",
     "ConnectorStats",
+    "CudaCopier",
+    "HostCopier",
     "Identity",
     "LayoutError",
     "PageLayout",
     "PagedKV",
     "SaveJob",
+    "StagingFailed",
     "pages_of",
 ]

@@ -11,15 +11,20 @@ the server's slots, one op per segment of a block (a vLLM page, an SGLang K or V
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
 from ..._closing import Closing
 from ...store import BlockKey, ClientPool, StoreClient
-from ...transfer import DEFAULT_STREAMS, Region
+from ...transfer import DEFAULT_STREAMS, LocalProtocolError, Region
 from ._pages import LayoutError, PageLayout
+from ._staging import Stager, copier_for
+
+_log = logging.getLogger("kvbridge.bindings")
 
 
 class Backend(Protocol):
@@ -61,6 +66,11 @@ class ServerBackend(Closing):
     many threads call at once: an engine whose lookups must not wait behind a large save (SGLang
     looks up, loads and saves on three threads) asks for more than one. Pins use the first.
     A client whose call failed is replaced by the next call (``ClientPool``).
+
+    Pages move directly between the registered engine memory and the server's slots where
+    the client's transport takes that memory (host memory always; GPU memory over UCX with
+    CUDA), and through the staging buffer (``_staging``) otherwise, or always with
+    ``staging="always"``.
     """
 
     def __init__(
@@ -74,8 +84,16 @@ class ServerBackend(Closing):
         connections: int = 1,
         tenant: str = "",
         streams: int = DEFAULT_STREAMS,
+        transports: str = "tcp",
+        staging: str = "auto",
+        staging_bytes: int = 256 << 20,
     ) -> None:
         self._address = address
+        self._block_bytes = block_bytes
+        self._staging = staging
+        self._staging_bytes = staging_bytes
+        self._memory: PageLayout | None = None
+        self._stager: Stager | None = None
         self._pool = ClientPool(
             per_server=connections,
             block_bytes=block_bytes,
@@ -84,6 +102,7 @@ class ServerBackend(Closing):
             tenant=tenant,
             timeout=timeout,
             streams=streams,
+            transports=transports,
         )
         try:
             self._pool.connect(address)
@@ -118,19 +137,33 @@ class ServerBackend(Closing):
                 client.release(lease)
 
     def attach(self, memory: PageLayout) -> None:
-        def register(client: StoreClient) -> list[Region]:
-            registered = [client.register(buffer) for buffer in memory.buffers]
-            return [registered[i] for i in memory.segment_buffer]
-
-        self._pool.prepare(register)
+        self._memory = memory
+        self._pool.prepare(lambda client: self._route(memory, client))
 
     def load(self, keys: Sequence[BlockKey], offsets: np.ndarray) -> None:
-        with self._pool.lease(self._address) as (client, regions):
-            client.get_pages(keys, _attached(regions), offsets)
+        with self._pool.lease(self._address) as (client, route):
+            if route.staging is None:
+                client.get_pages(keys, route.attached(), offsets)
+                return
+            region, rows = route.staging, self._rows
+
+            def fetch(start: int, count: int) -> None:
+                client.get_into(keys[start : start + count], region, rows[:count].tolist())
+
+            self._staged().load(self._attached(), offsets, fetch)
 
     def save(self, keys: Sequence[BlockKey], offsets: np.ndarray) -> int:
-        with self._pool.lease(self._address) as (client, regions):
-            return sum(client.put_pages(keys, _attached(regions), offsets))
+        with self._pool.lease(self._address) as (client, route):
+            if route.staging is None:
+                return sum(client.put_pages(keys, route.attached(), offsets))
+            region, rows = route.staging, self._rows
+
+            def send(start: int, count: int) -> int:
+                return sum(
+                    client.put_from(keys[start : start + count], region, rows[:count].tolist())
+                )
+
+            return self._staged().save(self._attached(), offsets, send)
 
     def get(self, keys: Sequence[BlockKey], out: Sequence[Any]) -> None:
         with self._lease() as client:
@@ -157,8 +190,45 @@ class ServerBackend(Closing):
         with self._pool.lease(self._address) as (client, _):
             yield client
 
+    def _route(self, memory: PageLayout, client: StoreClient) -> _Route:
+        """How ``client`` moves ``memory``'s pages: registered as they are where its
+        transport takes them (and ``staging`` is not ``"always"``), else staged."""
+        if self._staging != "always":
+            try:
+                registered = [client.register(buffer) for buffer in memory.buffers]
+            except LocalProtocolError as exc:  # GPU memory this transport cannot take
+                _log.info("kvbridge stages its pages: %s", exc)
+            else:
+                return _Route(regions=[registered[i] for i in memory.segment_buffer])
+        return _Route(staging=client.register(self._staged().buffer))
 
-def _attached(regions: list[Region] | None) -> list[Region]:
-    if not regions:
-        raise LayoutError("no engine memory attached")
-    return regions
+    def _staged(self) -> Stager:
+        if self._stager is None:
+            self._stager = Stager(
+                copier_for(self._attached()), self._staging_bytes, self._block_bytes
+            )
+        return self._stager
+
+    def _attached(self) -> PageLayout:
+        if self._memory is None:
+            raise LayoutError("no engine memory attached")
+        return self._memory
+
+    @property
+    def _rows(self) -> np.ndarray:
+        """Where each staged row starts in the staging buffer."""
+        return np.arange(self._staged().blocks, dtype=np.int64) * self._block_bytes
+
+
+@dataclass(frozen=True)
+class _Route:
+    """One client's way to the engine's memory: its registered pages, or the staging
+    buffer registered with it."""
+
+    regions: list[Region] | None = None
+    staging: Region | None = None
+
+    def attached(self) -> list[Region]:
+        if not self.regions:
+            raise LayoutError("no engine memory attached")
+        return self.regions

@@ -11,6 +11,10 @@ from ...store import ConfigError, read_secret
 from ...store.settings import Flag, Kind, Seconds, Size, Text, Whole, parse_settings
 from ...transfer import DEFAULT_STREAMS, BadAddress, LocalProtocolError, Principal, parse_address
 
+DEFAULT_STAGING_BYTES = 256 << 20
+"""256 MiB: 2,000 tokens of Llama-3-8B's KV (128 KiB a token) per chunk, a few
+milliseconds of PCIe; pinned once per worker."""
+
 
 @dataclass(frozen=True)
 class ConnectorConfig:
@@ -50,6 +54,16 @@ class ConnectorConfig:
     streams: int = DEFAULT_STREAMS
     """TCP data streams per connection to the server: more where the machine has the cores
     to drive a fast link (``TransferSettings.streams``)."""
+    transports: str = "tcp"
+    """How pages travel to the server: ``"tcp"``; ``"ucx"``; ``"auto"`` (UCX where both
+    ends have it, else TCP). A KV cache in GPU memory moves directly over UCX where the
+    transport takes GPU memory, and through the staging buffer otherwise."""
+    staging: str = "auto"
+    """``"auto"``: pages in GPU memory that the transport cannot take go through a host
+    staging buffer, host pages move directly; ``"always"``: every page goes through it."""
+    staging_bytes: int = DEFAULT_STAGING_BYTES
+    """The staging buffer (allocated once, pinned for a GPU cache): a load or save larger
+    than it runs in chunks of what it holds."""
 
     def __post_init__(self) -> None:
         for name, kind in _KINDS.items():
@@ -67,6 +81,12 @@ class ConnectorConfig:
                 Principal(self.tenant, b"-")  # the engine's check of a tenant's name
             except LocalProtocolError as exc:
                 raise ConfigError(f"tenant: {exc}", setting="tenant") from None
+        for name, choices in _CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise ConfigError(
+                    f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}",
+                    setting=name,
+                )
         if self.server is not None:
             try:
                 parse_address(self.server)
@@ -104,8 +124,13 @@ _KINDS: dict[str, Kind] = {
     "async_load": Flag(),
     "pd_wait": Seconds(),
     "streams": Whole(1, 64),
+    "transports": Text(),
+    "staging": Text(),
+    "staging_bytes": Size(1),
 }
 """Each setting's kind and bounds (``store/settings.py``, shared with the server's); the
 checks across settings follow in ``__post_init__``."""
+_CHOICES = {"transports": ("tcp", "ucx", "auto"), "staging": ("auto", "always")}
+
 _OPTIONAL = {"server", "secret_file", "disk_path"}
 """Settings that ``None`` leaves unset."""

@@ -18,7 +18,16 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..._closing import Closing
-from ...store import SERVER_FAULTS, BlockKey, CacheServer, StoreClosed, StoreError, prefix_hashes
+from ...store import (
+    SERVER_FAULTS,
+    BlockKey,
+    CacheServer,
+    ConfigError,
+    StoreClosed,
+    StoreError,
+    prefix_hashes,
+)
+from ...transfer import is_device
 from ._backend import Backend, ServerBackend
 from ._config import ConnectorConfig
 from ._embedded import embedded_server
@@ -167,6 +176,13 @@ class ConnectorCore(Closing):
                 f"its config says {self.identity.block_bytes}"
             )
         check_memory(memory)
+        staged = self.config.staging == "always" or is_device(memory.buffers[0])
+        if staged and self.config.staging_bytes < memory.block_bytes:
+            raise ConfigError(
+                f"staging_bytes {self.config.staging_bytes} holds no block of "
+                f"{memory.block_bytes} bytes",
+                setting="staging_bytes",
+            )
         with self._connecting:
             self._memory = memory
             if self._backend is not None:
@@ -347,6 +363,9 @@ class ConnectorCore(Closing):
                     connections=self._connections,
                     tenant=self.config.tenant,
                     streams=self.config.streams,
+                    transports=self.config.transports,
+                    staging=self.config.staging,
+                    staging_bytes=self.config.staging_bytes,
                 )
             except FAULTS as exc:
                 self._fault("connect", exc)

@@ -26,6 +26,7 @@ def embedded_server(config: ConnectorConfig) -> CacheServer:
             disk_capacity=config.disk_capacity,
             max_namespaces=1,
             handoff_ttl=0.0,
+            transports=(config.transports,),
             secret=secrets.token_bytes(32),
         )
     )

@@ -1,0 +1,193 @@
+"""Moving pages between an engine's memory and the store through a host staging buffer: the
+path for a KV cache in GPU memory (over any transport), and for any cache with ``staging:
+"always"`` (what the tests run on machines without a GPU).
+
+A save gathers its blocks' pages into the staging buffer, one batched copy per segment (per
+layer for vLLM's pages: never one copy per page), then moves the staged blocks to the
+server zero-copy; a load moves them into the staging buffer and scatters them. A batch
+larger than the buffer runs in chunks of what it holds. The buffer is allocated once
+(``staging_bytes``) and serves one chunk at a time.
+
+What is device-specific (a CUDA stream of the connector's own, pinned host memory, waiting
+for the copies) is :class:`CudaCopier`'s, on torch; :class:`HostCopier` does the same with
+numpy for memory on the host, and stands in for it where there is no GPU. A copy that fails
+(a CUDA error, say) is :class:`StagingFailed`: that load or save fails, a miss the engine
+recomputes, and nothing else.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import numpy as np
+
+from ...store import StoreError
+from ._pages import PageLayout
+
+__all__ = ["Copier", "CudaCopier", "HostCopier", "Stager", "StagingFailed", "copier_for"]
+
+_log = logging.getLogger("kvbridge.bindings")
+
+
+class StagingFailed(StoreError):
+    """A copy between the engine's memory and the staging buffer failed: the load or save
+    it belonged to fails (a miss), and the connector goes on."""
+
+
+class Copier(Protocol):
+    """Batched copies between an engine's memory and host staging rows (one row a block)."""
+
+    def allocate(self, nbytes: int) -> np.ndarray:
+        """The staging buffer: ``nbytes`` of host memory the transfer engine can register."""
+
+    def gather(self, memory: PageLayout, offsets: np.ndarray, rows: np.ndarray) -> None:
+        """Copy the blocks at ``offsets`` (``memory.offsets``' shape) into ``rows``
+        (``(blocks, block_bytes)``); done when it returns."""
+
+    def scatter(self, memory: PageLayout, offsets: np.ndarray, rows: np.ndarray) -> None:
+        """Copy ``rows`` into the blocks at ``offsets``; done when it returns."""
+
+
+class HostCopier:
+    """Copies for memory on the host (numpy, or anything numpy can view)."""
+
+    def allocate(self, nbytes: int) -> np.ndarray:
+        return np.empty(nbytes, np.uint8)
+
+    def gather(self, memory: PageLayout, offsets: np.ndarray, rows: np.ndarray) -> None:
+        for segment, (source, at) in enumerate(_segments(memory, offsets, np.asarray)):
+            rows[:, _columns(memory, segment)] = source[at]
+
+    def scatter(self, memory: PageLayout, offsets: np.ndarray, rows: np.ndarray) -> None:
+        for segment, (target, at) in enumerate(_segments(memory, offsets, np.asarray)):
+            target[at] = rows[:, _columns(memory, segment)]
+
+
+class CudaCopier:
+    """Copies for memory on a CUDA device, on a stream of the connector's own (torch): a
+    gather indexes every segment's pages on the device into one contiguous block of rows,
+    then copies it to pinned host memory at once; a scatter copies the rows to the device
+    at once, then indexes them into the pages. Each waits for its stream before returning;
+    a gather first waits for the work already queued on the device's current stream (the
+    forward that wrote the pages)."""
+
+    def __init__(self, device: Any) -> None:
+        import torch  # noqa: PLC0415  (present wherever a GPU engine runs)
+
+        self._torch = torch
+        self._device = device
+        self._stream = torch.cuda.Stream(device=device)
+        self._pinned: list[Any] = []  # the pinned tensors whose memory the buffers view
+
+    def allocate(self, nbytes: int) -> np.ndarray:
+        pinned = self._torch.empty(nbytes, dtype=self._torch.uint8, pin_memory=True)
+        self._pinned.append(pinned)
+        return np.asarray(pinned.numpy())
+
+    def gather(self, memory: PageLayout, offsets: np.ndarray, rows: np.ndarray) -> None:
+        torch = self._torch
+        self._stream.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(self._stream):
+            staged = torch.empty(rows.shape, dtype=torch.uint8, device=self._device)
+            for segment, (source, at) in enumerate(_segments(memory, offsets, self._index)):
+                staged[:, _columns(memory, segment)] = source[at]
+            torch.from_numpy(rows).copy_(staged, non_blocking=True)
+        self._stream.synchronize()
+
+    def scatter(self, memory: PageLayout, offsets: np.ndarray, rows: np.ndarray) -> None:
+        torch = self._torch
+        with torch.cuda.stream(self._stream):
+            staged = torch.from_numpy(rows).to(self._device, non_blocking=True)
+            for segment, (target, at) in enumerate(_segments(memory, offsets, self._index)):
+                target[at] = staged[:, _columns(memory, segment)]
+        self._stream.synchronize()
+
+    def _index(self, rows: np.ndarray) -> Any:
+        return self._torch.as_tensor(rows, device=self._device)
+
+
+def copier_for(memory: PageLayout) -> HostCopier | CudaCopier:
+    """The copier for where ``memory`` is: a CUDA device (torch tensors), else the host."""
+    first = memory.buffers[0]
+    device = getattr(first, "device", None)
+    if getattr(device, "type", None) == "cuda":
+        return CudaCopier(device)
+    return HostCopier()
+
+
+class Stager:
+    """The staging buffer of one connector (allocated once, ``nbytes`` rounded down to whole
+    blocks) and the chunked moves through it, one chunk at a time: callers on several
+    threads take turns."""
+
+    def __init__(self, copier: Copier, nbytes: int, block_bytes: int) -> None:
+        self.blocks = nbytes // block_bytes
+        if self.blocks < 1:
+            raise ValueError(f"staging_bytes {nbytes} holds no block of {block_bytes} bytes")
+        self.buffer = copier.allocate(self.blocks * block_bytes)
+        self.rows = self.buffer.reshape(self.blocks, block_bytes)
+        self._copier = copier
+        self._lock = threading.Lock()
+        _log.info(
+            "kvbridge stages pages through %d MiB of host memory (%d blocks of %d bytes, %s)",
+            *(self.buffer.nbytes >> 20, self.blocks, block_bytes, type(copier).__name__),
+        )
+
+    def save(self, memory: PageLayout, offsets: np.ndarray, send: Callable[[int, int], int]) -> int:
+        """Gather the blocks chunk by chunk; ``send(start, count)`` moves the first
+        ``count`` staged rows (blocks ``start`` on) to the store and says how many it sent."""
+        sent = 0
+        for start, count in self._chunks(len(offsets)):
+            with self._lock:
+                self._copy(self._copier.gather, memory, offsets[start : start + count])
+                sent += send(start, count)
+        return sent
+
+    def load(
+        self, memory: PageLayout, offsets: np.ndarray, fetch: Callable[[int, int], None]
+    ) -> None:
+        """``fetch(start, count)`` fills the first ``count`` staged rows with blocks
+        ``start`` on; each chunk is then scattered into the memory."""
+        for start, count in self._chunks(len(offsets)):
+            with self._lock:
+                fetch(start, count)
+                self._copy(self._copier.scatter, memory, offsets[start : start + count])
+
+    def _chunks(self, total: int) -> list[tuple[int, int]]:
+        return [(s, min(self.blocks, total - s)) for s in range(0, total, self.blocks)]
+
+    def _copy(
+        self,
+        move: Callable[[PageLayout, np.ndarray, np.ndarray], None],
+        memory: PageLayout,
+        offsets: np.ndarray,
+    ) -> None:
+        try:
+            move(memory, offsets, self.rows[: len(offsets)])
+        except Exception as exc:  # a device error, whatever its type: this move only
+            raise StagingFailed(f"copying pages through the staging buffer: {exc}") from exc
+
+
+def _columns(memory: PageLayout, segment: int) -> slice:
+    size = memory.block_bytes // len(memory.segment_buffer)
+    return slice(segment * size, (segment + 1) * size)
+
+
+def _segments(
+    memory: PageLayout, offsets: np.ndarray, index: Callable[[np.ndarray], Any]
+) -> list[tuple[Any, Any]]:
+    """Per segment, its buffer as rows of one segment each, and which rows the blocks'
+    segments are (``index`` makes the row numbers the buffer's kind of index)."""
+    size = memory.block_bytes // len(memory.segment_buffer)
+    out = []
+    for segment, buffer_index in enumerate(memory.segment_buffer):
+        at = offsets[:, segment]
+        if np.any(at % size):
+            raise ValueError(f"segment {segment}: offsets are not whole segments")
+        flat = memory.buffers[buffer_index].reshape(-1)  # a view: buffers are one run of bytes
+        whole = (flat.shape[0] // size) * size  # past the last whole segment: not a segment
+        out.append((flat[:whole].reshape(-1, size), index(at // size)))
+    return out
