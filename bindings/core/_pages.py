@@ -49,8 +49,15 @@ class PageLayout(Protocol):
 def check_memory(memory: PageLayout) -> None:
     """Raises :class:`LayoutError` unless every buffer is one run of bytes."""
     for i, buffer in enumerate(memory.buffers):
-        if not getattr(buffer, "flags", {"C_CONTIGUOUS": False})["C_CONTIGUOUS"]:
+        if not _contiguous(buffer):
             raise LayoutError(f"buffer {i}: not one run of bytes")
+
+
+def _contiguous(buffer: Any) -> bool:
+    if callable(getattr(buffer, "is_contiguous", None)):  # a torch tensor
+        return bool(buffer.is_contiguous())
+    flags = getattr(buffer, "flags", None)
+    return bool(flags is not None and flags["C_CONTIGUOUS"])
 
 
 @dataclass(frozen=True)
@@ -128,18 +135,29 @@ class PagedKV:
 
 def pages_of(layer: Any, name: str) -> Any:
     """A ``(blocks, page_bytes)`` uint8 view of one layer's cache, given as a uint8 array
-    whose first axis is the block (numpy or cupy; the engine adapter makes it from its
-    tensor). Raises :class:`LayoutError` when a block is not one contiguous run of bytes."""
+    whose first axis is the block (numpy, cupy, or a torch tensor: the engine adapter makes
+    it from its tensor). Raises :class:`LayoutError` when a block is not one contiguous run
+    of bytes."""
     blocks = int(layer.shape[0])
     page = int(np.prod(layer.shape[1:])) if layer.ndim > 1 else 1
     inner = _contiguous_strides(layer.shape[1:])
-    if tuple(layer.strides[1:]) != inner or layer.strides[0] < page:
+    strides = _byte_strides(layer)
+    if strides[1:] != inner or strides[0] < page:
         raise LayoutError(
             f"layer {name}: a block is not one run of bytes (shape {tuple(layer.shape)}, "
-            f"byte strides {tuple(layer.strides)})"
+            f"byte strides {strides})"
         )
+    if callable(getattr(layer, "as_strided", None)):  # a torch tensor
+        return layer.as_strided((blocks, page), (strides[0], 1))
     xp = _array_module(layer)
-    return xp.lib.stride_tricks.as_strided(layer, (blocks, page), (layer.strides[0], 1))
+    return xp.lib.stride_tricks.as_strided(layer, (blocks, page), (strides[0], 1))
+
+
+def _byte_strides(layer: Any) -> tuple[int, ...]:
+    """A uint8 array's strides (torch counts them in elements, which are bytes here)."""
+    if callable(getattr(layer, "stride", None)):  # a torch tensor
+        return tuple(int(s) for s in layer.stride())
+    return tuple(int(s) for s in layer.strides)
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:

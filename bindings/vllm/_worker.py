@@ -10,12 +10,14 @@ saves before vLLM's forward may reuse its blocks.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from typing import Any
 
+from ...store import ConfigError
 from ..core._core import ConnectorCore
 from ..core._jobs import SaveJob, Saver
-from ..core._pages import PagedKV, pages_of
+from ..core._pages import LayoutError, PagedKV, pages_of
 from ._meta import KVBridgeStats, StepMeta, WorkerReport
 
 _log = logging.getLogger("kvbridge.bindings")
@@ -44,8 +46,13 @@ class WorkerSide:
         self._report = WorkerReport()
 
     def register(self, kv_caches: dict[str, Any]) -> None:
-        """``register_kv_caches``: every layer's cache, as uint8 pages (no copy)."""
-        pages = tuple(pages_of(_as_bytes(tensor), name) for name, tensor in kv_caches.items())
+        """``register_kv_caches``: every layer's cache, as uint8 pages (no copy). A layer
+        the connector cannot move (on another kind of device, or whose blocks are not whole
+        runs of bytes) is a :class:`ConfigError` naming it."""
+        page_bytes = self._core.identity.block_bytes // max(1, len(kv_caches))
+        pages = tuple(
+            page for name, tensor in kv_caches.items() for page in _pages(name, tensor, page_bytes)
+        )
         first = next(iter(kv_caches.values()))
         expected = self._core.identity.dtype
         if str(first.dtype) != expected:
@@ -130,15 +137,45 @@ class WorkerSide:
         return KVBridgeStats(data=data) if any(data.values()) else None
 
 
-def _as_bytes(tensor: Any) -> Any:
-    """A layer's cache as a uint8 array over the same memory: numpy for CPU tensors, cupy
-    for CUDA ones (never viewed as its dtype: numpy has no bfloat16)."""
-    raw = tensor.view(_uint8(tensor))
-    if raw.device.type == "cpu":
-        return raw.numpy()
-    import cupy  # noqa: PLC0415  (GPU only)
+_DEVICES = ("cpu", "cuda")
+"""Where the connector can move a KV cache from: host memory, and CUDA memory (staged
+through pinned host memory by torch, or directly over UCX)."""
 
-    return cupy.asarray(raw)
+
+def _pages(name: str, tensor: Any, page_bytes: int) -> tuple[Any, ...]:
+    """One layer's cache as pages of ``page_bytes`` (vLLM's page: a block's K and V): one
+    ``(blocks, page_bytes)`` array where the block is the first axis (the CPU and MLA
+    layouts), two of half a page where K and V come first (FlashAttention's
+    ``(2, num_blocks, block_size, kv_heads, head_dim)``)."""
+    device = tensor.device.type
+    if device not in _DEVICES:
+        raise ConfigError(
+            f"kvbridge: layer {name} is on {tensor.device}; kvbridge moves KV caches in "
+            f"{' or '.join(_DEVICES)} memory only",
+            setting="kv_caches",
+        )
+    raw = _as_bytes(tensor)
+    shape = tuple(int(n) for n in raw.shape)
+    try:
+        if math.prod(shape[1:]) == page_bytes:
+            return (pages_of(raw, name),)
+        if len(shape) > 2 and shape[0] == 2 and 2 * math.prod(shape[2:]) == page_bytes:
+            return (pages_of(raw[0], f"{name} (K)"), pages_of(raw[1], f"{name} (V)"))
+    except LayoutError as exc:
+        raise ConfigError(f"kvbridge: {exc}", setting="kv_caches") from None
+    raise ConfigError(
+        f"kvbridge: layer {name} has shape {tuple(tensor.shape)} ({tensor.dtype}), whose "
+        f"blocks are not pages of {page_bytes} bytes (the block first, or K and V first)",
+        setting="kv_caches",
+    )
+
+
+def _as_bytes(tensor: Any) -> Any:
+    """A layer's cache as a uint8 array over the same memory (never viewed as its dtype:
+    numpy has no bfloat16): numpy for a CPU tensor, the torch tensor itself for a CUDA one
+    (torch moves its pages; no cupy needed)."""
+    raw = tensor.view(_uint8(tensor))
+    return raw.numpy() if raw.device.type == "cpu" else raw
 
 
 def _uint8(tensor: Any) -> Any:

@@ -32,12 +32,14 @@ def _port() -> int:
 LOGS = Path(os.environ.get("KVBRIDGE_TEST_LOGS", "/tmp"))
 
 
-def _vllm(model: str, role: str, server: str, port: int) -> subprocess.Popen[bytes]:
+def _vllm(
+    model: str, role: str, server: str, port: int, extra: dict[str, Any]
+) -> subprocess.Popen[bytes]:
     transfer = {
         "kv_connector": "KVBridgeConnector",
         "kv_connector_module_path": "kvbridge.bindings.vllm",
         "kv_role": role,
-        "kv_connector_extra_config": {"server": server},
+        "kv_connector_extra_config": {"server": server, **extra},
     }
     args = [
         *("--model", model, "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32"),
@@ -72,16 +74,22 @@ def _post(url: str, body: dict[str, Any]) -> Any:
         return answer.read()
 
 
-@pytest.fixture(scope="module")
-def pd(model: str) -> Iterator[dict[str, str]]:
+PATHS = {"direct": {}, "staged": {"staging": "always", "staging_bytes": "64KiB"}}
+"""Pages straight between vLLM's cache and the server, or through the staging buffer (the
+GPU path), two blocks a chunk."""
+
+
+@pytest.fixture(scope="module", params=list(PATHS))
+def pd(model: str, request: pytest.FixtureRequest) -> Iterator[dict[str, str]]:
     """The whole deployment; yields the URLs of the proxy, prefill and decode."""
+    extra = PATHS[request.param]
     with ExitStack() as stack:
         store = ServeProcess("--host-capacity", "64MiB")
         stack.callback(store.kill)
         ports = [_port() for _ in range(3)]
         procs = [
-            _vllm(model, "kv_producer", store.address, ports[0]),
-            _vllm(model, "kv_consumer", store.address, ports[1]),
+            _vllm(model, "kv_producer", store.address, ports[0], extra),
+            _vllm(model, "kv_consumer", store.address, ports[1], extra),
         ]
         proxy = subprocess.Popen(
             [
