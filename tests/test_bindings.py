@@ -512,6 +512,7 @@ def test_staged_pages_round_trip_byte_for_byte_in_chunks(
             kv.scatter([block], np.zeros((1, kv.block_bytes), np.uint8))
         assert core.load(ks, loaded)
         assert np.array_equal(kv.gather(loaded), expected)
+        assert core.stats.totals()["bytes_staged"] == 14 * kv.block_bytes  # 7 out, 7 in
         others = [b for b in range(16) if b not in loaded]
         for layer, old in zip(layers, before, strict=True):
             assert np.array_equal(layer[others], old[others])

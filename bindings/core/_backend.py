@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -87,11 +87,14 @@ class ServerBackend(Closing):
         transports: str = "tcp",
         staging: str = "auto",
         staging_bytes: int = 256 << 20,
+        on_staged: Callable[[int], None] = lambda nbytes: None,
     ) -> None:
+        """``on_staged(nbytes)`` counts bytes copied through the staging buffer."""
         self._address = address
         self._block_bytes = block_bytes
         self._staging = staging
         self._staging_bytes = staging_bytes
+        self._on_staged = on_staged
         self._memory: PageLayout | None = None
         self._stager: Stager | None = None
         self._pool = ClientPool(
@@ -205,7 +208,10 @@ class ServerBackend(Closing):
     def _staged(self) -> Stager:
         if self._stager is None:
             self._stager = Stager(
-                copier_for(self._attached()), self._staging_bytes, self._block_bytes
+                copier_for(self._attached()),
+                self._staging_bytes,
+                self._block_bytes,
+                self._on_staged,
             )
         return self._stager
 

@@ -366,6 +366,7 @@ class ConnectorCore(Closing):
                     transports=self.config.transports,
                     staging=self.config.staging,
                     staging_bytes=self.config.staging_bytes,
+                    on_staged=self.stats.staged,
                 )
             except FAULTS as exc:
                 self._fault("connect", exc)

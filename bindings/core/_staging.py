@@ -123,8 +123,16 @@ class Stager:
     blocks) and the chunked moves through it, one chunk at a time: callers on several
     threads take turns."""
 
-    def __init__(self, copier: Copier, nbytes: int, block_bytes: int) -> None:
+    def __init__(
+        self,
+        copier: Copier,
+        nbytes: int,
+        block_bytes: int,
+        on_copied: Callable[[int], None] = lambda nbytes: None,
+    ) -> None:
+        """``on_copied(nbytes)`` counts each chunk copied (the connector's ``bytes_staged``)."""
         self.blocks = nbytes // block_bytes
+        self._on_copied = on_copied
         if self.blocks < 1:
             raise ValueError(f"staging_bytes {nbytes} holds no block of {block_bytes} bytes")
         self.buffer = copier.allocate(self.blocks * block_bytes)
@@ -165,10 +173,12 @@ class Stager:
         memory: PageLayout,
         offsets: np.ndarray,
     ) -> None:
+        rows = self.rows[: len(offsets)]
         try:
-            move(memory, offsets, self.rows[: len(offsets)])
+            move(memory, offsets, rows)
         except Exception as exc:  # a device error, whatever its type: this move only
             raise StagingFailed(f"copying pages through the staging buffer: {exc}") from exc
+        self._on_copied(rows.nbytes)
 
 
 def _columns(memory: PageLayout, segment: int) -> slice:

@@ -19,6 +19,7 @@ COUNTERS = (
     "bytes_saved",
     "blocks_not_saved",
     "store_faults",
+    "bytes_staged",
 )
 TIMINGS = ("lookup_seconds", "load_seconds", "save_seconds")
 
@@ -51,6 +52,10 @@ class ConnectorStats:
         self._add(
             tokens_saved=tokens, bytes_saved=nbytes, save_seconds=time.perf_counter() - started
         )
+
+    def staged(self, nbytes: int) -> None:
+        """Bytes copied between the engine's memory and the staging buffer."""
+        self._add(bytes_staged=nbytes)
 
     def save_skipped(self, blocks: int) -> None:
         self._add(blocks_not_saved=blocks)

@@ -23,6 +23,7 @@ _HELP = {
     "bytes_saved": "Bytes of KV written to kvbridge (blocks it lacked)",
     "blocks_not_saved": "Blocks not saved because the store was unreachable",
     "store_faults": "kvbridge calls that failed (the connector paused its calls after each)",
+    "bytes_staged": "Bytes of KV copied through the host staging buffer (a GPU cache's path)",
     "lookup_seconds": "Seconds spent in kvbridge lookups",
     "load_seconds": "Seconds spent loading KV from kvbridge",
     "save_seconds": "Seconds spent saving KV to kvbridge (off the engine step)",
