@@ -84,7 +84,8 @@ def test_pages_of_gpu_layouts_round_trip_byte_for_byte(
 ) -> None:
     shape, kind = SHAPES[layout], DTYPES[dtype]
     caches = _caches(shape, kind, seed=1)
-    side, core = _side(server, shape, kind, {**PATHS[path], "namespace": f"{layout}-{dtype}-{path}"})
+    extra = {**PATHS[path], "namespace": f"{layout}-{dtype}-{path}"}
+    side, core = _side(server, shape, kind, extra)
     try:
         side.register(caches)
         keys = core.keys(list(range(TOKENS * 4)))
