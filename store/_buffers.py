@@ -116,8 +116,12 @@ def copy_blocks(
     Where consecutive blocks sit at consecutive positions of the same host buffer on both
     sides, the run is copied with one ``numpy.copyto``: one large copy runs at memory
     bandwidth (non-temporal stores), while 1 MiB pieces run about 40% slower on the
-    development machine (11.6 against 7.2 GB/s; see benches/README.md).
+    development machine (11.6 against 7.2 GB/s; see benches/README.md). Where one side is
+    slots of one device slab and the other host memory, the batch is one gather or scatter
+    on the device and one copy across PCIe (:func:`_device_batch`), not one per block.
     """
+    if _device_batch(dsts, srcs, dst_at, src_at):
+        return
     count = len(dsts)
     start = 0
     while start < count:
@@ -145,6 +149,68 @@ def copy_blocks(
         else:
             copy_into(dsts[start], srcs[start])
         start = end
+
+
+def _device_batch(
+    dsts: Sequence[BlockArray], srcs: Sequence[BlockArray], dst_at: Positions, src_at: Positions
+) -> bool:
+    """Copy a batch between slots of one device slab (their slot numbers in ``*_at``) and
+    host blocks in one gather (device to host: a get from the device tier) or one scatter
+    (host to device: a put into it); False, copying nothing, for any other batch."""
+    if len(dsts) < 2:
+        return False
+    source = _slab_rows(srcs, src_at)
+    if source is not None and all(isinstance(d, np.ndarray) for d in dsts):
+        rows, slots = source
+        out = _host_run(dsts, dst_at)
+        packed = rows[slots]  # one gather on the device
+        if out is not None:
+            packed.get(out=out)  # one copy across PCIe, into the caller's buffer
+        else:
+            for dst, row in zip(dsts, packed.get(), strict=True):
+                np.copyto(dst, row)
+        return True
+    target = _slab_rows(dsts, dst_at)
+    if target is not None and all(isinstance(s, np.ndarray) for s in srcs):
+        rows, slots = target
+        host = _host_run(srcs, src_at)
+        rows[slots] = _to_device(host if host is not None else np.stack(srcs))  # one scatter
+        return True
+    return False
+
+
+def _slab_rows(arrays: Sequence[BlockArray], at: Positions) -> tuple[Any, Any] | None:
+    """``(the slab as rows of a block, the blocks' row numbers on the device)`` when every
+    array is a device slot of one slab whose place is known; else ``None``."""
+    first = arrays[0]
+    if at is None or isinstance(first, np.ndarray) or not is_device(first):
+        return None
+    base = first.base
+    if base is None or any(a.base is not base for a in arrays) or any(p is None for p in at):
+        return None
+    cupy = cupy_module()
+    assert cupy is not None  # a device slot exists
+    rows = base.reshape(-1, first.size)
+    return rows, cupy.asarray(list(at), dtype=cupy.int64)
+
+
+def _host_run(arrays: Sequence[BlockArray], at: Positions) -> np.ndarray | None:
+    """The blocks as one ``(count, block_bytes)`` view when they are adjacent blocks of one
+    host buffer, in order; else ``None``."""
+    if at is None or any(p is None for p in at) or not isinstance(arrays[0], np.ndarray):
+        return None
+    base = arrays[0].base
+    for i in range(1, len(arrays)):
+        if at[i] != at[i - 1] + 1 or arrays[i].base is not base:  # type: ignore[operator]
+            return None
+    size = arrays[0].size
+    return _extend(arrays[0], len(arrays) * size).reshape(len(arrays), size)
+
+
+def _to_device(host: np.ndarray) -> Any:
+    cupy = cupy_module()
+    assert cupy is not None
+    return cupy.asarray(host)  # one copy across PCIe
 
 
 def fill_slots(
