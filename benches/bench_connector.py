@@ -96,3 +96,45 @@ def test_connector_save(compare: Callable[..., Any], server: ServeProcess) -> No
             nbytes=BLOCKS * LAYERS * PAGE,
             rounds=10,
         )
+
+
+@pytest.mark.parametrize("direction", ["load", "save"])
+def test_connector_staged(
+    compare: Callable[..., Any], server: ServeProcess, direction: str
+) -> None:
+    """The staged path (``staging: "always"``, the GPU path's logic on host memory) against
+    the direct path of the same blocks: what staging costs on the CPU (goal: >= 0.8x)."""
+    cache = [np.random.default_rng(i).integers(0, 256, (64, PAGE), np.uint8) for i in range(LAYERS)]
+    kv = PagedKV(tuple(cache), "bench")
+    ids = tuple(range(BLOCKS))
+    staged = ConnectorConfig.from_extra({"server": server.address, "staging": "always"})
+    direct = ConnectorConfig(server=server.address)
+    rounds = itertools.count()
+    with (
+        ConnectorCore(staged, _identity(f"staged-{direction}")) as through,
+        ConnectorCore(direct, _identity(f"direct-{direction}")) as straight,
+    ):
+        through.attach(kv)
+        straight.attach(kv)
+        keys = through.keys(list(range(32 * BLOCKS)))
+        other = straight.keys(list(range(32 * BLOCKS)))
+        assert through.save(keys, ids) and straight.save(other, ids)
+
+        def move(core: ConnectorCore, fixed: list[Any]) -> Callable[[], None]:
+            if direction == "load":
+                return lambda: core.load(fixed, ids) or pytest.fail("load failed")
+
+            def save() -> None:  # new keys each round: every block moves
+                start = next(rounds) << 20
+                core.save(core.keys(list(range(start, start + 32 * BLOCKS))), ids)
+
+            return save
+
+        compare(
+            f"connector {direction}, staged, {BLOCKS} blocks of {LAYERS} pages",
+            move(through, keys),
+            move(straight, other),
+            baseline_name="the same, direct",
+            nbytes=BLOCKS * LAYERS * PAGE,
+            rounds=10,
+        )

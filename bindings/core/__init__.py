@@ -5,7 +5,8 @@
 server through client connections), ``_embedded`` (the loopback server an engine runs when
 no ``server`` is set), ``_identity`` (what a block's bytes mean, and its namespace),
 ``_pages`` (the engine's memory as pages), ``_staging`` (pages through a host staging
-buffer: a GPU cache's path; ``HostCopier``, and torch's ``CudaCopier``), ``_config``
+buffer: a GPU cache's path; ``HostCopier``, and torch's ``CudaCopier``), ``_tensors``
+(torch tensors as pages: CPU, CUDA; block-first or K/V-first layouts), ``_config``
 (settings), ``_jobs`` (the saver thread), ``_stats`` (counters). Imports ``kvbridge.store``
 and ``kvbridge.transfer``; no engine.
 """
@@ -19,6 +20,7 @@ from ._jobs import SaveJob
 from ._pages import LayoutError, PagedKV, PageLayout, pages_of
 from ._staging import CudaCopier, HostCopier, StagingFailed
 from ._stats import ConnectorStats
+from ._tensors import tensor_pages
 
 __all__ = [
     "ConnectorConfig",
@@ -33,4 +35,5 @@ __all__ = [
     "SaveJob",
     "StagingFailed",
     "pages_of",
+    "tensor_pages",
 ]

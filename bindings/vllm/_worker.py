@@ -10,14 +10,13 @@ saves before vLLM's forward may reuse its blocks.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 from typing import Any
 
-from ...store import ConfigError
 from ..core._core import ConnectorCore
 from ..core._jobs import SaveJob, Saver
-from ..core._pages import LayoutError, PagedKV, pages_of
+from ..core._pages import PagedKV
+from ..core._tensors import tensor_pages
 from ._meta import KVBridgeStats, StepMeta, WorkerReport
 
 _log = logging.getLogger("kvbridge.bindings")
@@ -51,7 +50,9 @@ class WorkerSide:
         runs of bytes) is a :class:`ConfigError` naming it."""
         page_bytes = self._core.identity.block_bytes // max(1, len(kv_caches))
         pages = tuple(
-            page for name, tensor in kv_caches.items() for page in _pages(name, tensor, page_bytes)
+            page
+            for name, tensor in kv_caches.items()
+            for page in tensor_pages(name, tensor, page_bytes)
         )
         first = next(iter(kv_caches.values()))
         expected = self._core.identity.dtype
@@ -135,50 +136,3 @@ class WorkerSide:
     def stats(self) -> KVBridgeStats | None:
         data = self._core.stats.take()
         return KVBridgeStats(data=data) if any(data.values()) else None
-
-
-_DEVICES = ("cpu", "cuda")
-"""Where the connector can move a KV cache from: host memory, and CUDA memory (staged
-through pinned host memory by torch, or directly over UCX)."""
-
-
-def _pages(name: str, tensor: Any, page_bytes: int) -> tuple[Any, ...]:
-    """One layer's cache as pages of ``page_bytes`` (vLLM's page: a block's K and V): one
-    ``(blocks, page_bytes)`` array where the block is the first axis (the CPU and MLA
-    layouts), two of half a page where K and V come first (FlashAttention's
-    ``(2, num_blocks, block_size, kv_heads, head_dim)``)."""
-    device = tensor.device.type
-    if device not in _DEVICES:
-        raise ConfigError(
-            f"kvbridge: layer {name} is on {tensor.device}; kvbridge moves KV caches in "
-            f"{' or '.join(_DEVICES)} memory only",
-            setting="kv_caches",
-        )
-    raw = _as_bytes(tensor)
-    shape = tuple(int(n) for n in raw.shape)
-    try:
-        if math.prod(shape[1:]) == page_bytes:
-            return (pages_of(raw, name),)
-        if len(shape) > 2 and shape[0] == 2 and 2 * math.prod(shape[2:]) == page_bytes:
-            return (pages_of(raw[0], f"{name} (K)"), pages_of(raw[1], f"{name} (V)"))
-    except LayoutError as exc:
-        raise ConfigError(f"kvbridge: {exc}", setting="kv_caches") from None
-    raise ConfigError(
-        f"kvbridge: layer {name} has shape {tuple(tensor.shape)} ({tensor.dtype}), whose "
-        f"blocks are not pages of {page_bytes} bytes (the block first, or K and V first)",
-        setting="kv_caches",
-    )
-
-
-def _as_bytes(tensor: Any) -> Any:
-    """A layer's cache as a uint8 array over the same memory (never viewed as its dtype:
-    numpy has no bfloat16): numpy for a CPU tensor, the torch tensor itself for a CUDA one
-    (torch moves its pages; no cupy needed)."""
-    raw = tensor.view(_uint8(tensor))
-    return raw.numpy() if raw.device.type == "cpu" else raw
-
-
-def _uint8(tensor: Any) -> Any:
-    import torch  # noqa: PLC0415  (present wherever vLLM is)
-
-    return torch.uint8

@@ -1,0 +1,143 @@
+"""The connector moving a KV cache in CUDA memory (GPU only; skips elsewhere): save and load
+of a 1,000-token prefix in Llama-3-8B's shape (32 layers, 8 KV heads, head_dim 128, bf16,
+16-token blocks: 63 blocks x 32 layers x 2 segments of 32 KiB = 4,032 segments, 132 MB) in
+vLLM's FlashAttention layout, through a ``kvbridge serve`` on the same machine, staged (TCP)
+and direct (UCX, where ucxx and cupy take CUDA memory). Baselines, each in the same run: one
+contiguous torch copy of the same bytes across PCIe (D2H into pinned memory for a save,
+H2D for a load), and the same bytes as one raw TCP bulk send to a sink. Goal: >= 0.8x of the
+slower of the two, staged; direct >= staged."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+from serve import ServeProcess
+
+from kvbridge.bindings import ConnectorConfig, ConnectorCore, Identity, PagedKV
+from kvbridge.bindings.core import tensor_pages
+
+
+def _torch() -> Any:
+    if importlib.util.find_spec("torch") is None:
+        return None
+    import torch  # noqa: PLC0415
+
+    return torch if torch.cuda.is_available() else None
+
+
+torch = _torch()
+pytestmark = pytest.mark.skipif(torch is None, reason="torch with a CUDA GPU is not available")
+
+LAYERS, HEADS, HEAD_DIM, TOKENS, BLOCKS = 32, 8, 128, 16, 63
+PAGE = 2 * TOKENS * HEADS * HEAD_DIM * 2  # K and V of a block, bf16: 64 KiB a layer
+NBYTES = BLOCKS * LAYERS * PAGE
+PATHS = {"staged": "tcp", "direct": "ucx"}
+
+
+@pytest.fixture(scope="module", params=list(PATHS))
+def deployment(request: pytest.FixtureRequest) -> Iterator[tuple[str, ServeProcess]]:
+    path = str(request.param)
+    if path == "direct" and not all(importlib.util.find_spec(m) for m in ("ucxx", "cupy")):
+        pytest.skip("ucxx and cupy are needed to move CUDA memory directly")
+    served = ServeProcess(
+        "--host-capacity", "8GiB", "--handoff-ttl", "0", "--transports", PATHS[path]
+    )
+    yield path, served
+    served.kill()
+
+
+@pytest.fixture(scope="module")
+def sink() -> Iterator[socket.socket]:
+    """A connection to the raw TCP sink (``_echo_server.py``): ``P`` + payload -> one byte."""
+    proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).parent / "_echo_server.py"), str(NBYTES)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stdin is not None
+    port = int(proc.stdout.readline())
+    conn = socket.create_connection(("127.0.0.1", port))
+    yield conn
+    conn.close()
+    proc.stdin.close()
+    proc.wait(10)
+
+
+def _cache() -> tuple[list[Any], PagedKV]:
+    layers = [
+        torch.randint(
+            0, 256, (2, 128, TOKENS, HEADS, HEAD_DIM * 2), dtype=torch.uint8, device="cuda"
+        ).view(torch.bfloat16)
+        for _ in range(LAYERS)
+    ]
+    pages = tuple(p for i, t in enumerate(layers) for p in tensor_pages(f"l{i}", t, PAGE))
+    return layers, PagedKV(pages, "llama-3-8b/flash/bf16")
+
+
+@pytest.mark.parametrize("direction", ["save", "load"])
+def test_connector_gpu(
+    compare: Callable[..., Any],
+    deployment: tuple[str, ServeProcess],
+    sink: socket.socket,
+    direction: str,
+) -> None:
+    path, server = deployment
+    _, kv = _cache()
+    identity = Identity(
+        "bench", "llama-3-8b", "bfloat16", "cuda/flash", TOKENS, LAYERS * PAGE, "tp0/1", path
+    )
+    config = ConnectorConfig.from_extra({"server": server.address, "transports": PATHS[path]})
+    ids = list(range(BLOCKS))
+    pinned = torch.empty(NBYTES, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(NBYTES, dtype=torch.uint8, device="cuda")
+    payload = memoryview(pinned.numpy())
+    rounds = itertools.count()
+    with ConnectorCore(config, identity) as core:
+        core.attach(kv)
+        keys = core.keys(list(range(TOKENS * BLOCKS)))
+        assert core.save(keys, ids)
+
+        def save() -> None:  # new keys each round: every block moves
+            start = next(rounds) << 20
+            assert core.save(core.keys(list(range(start, start + TOKENS * BLOCKS))), ids)
+
+        def load() -> None:
+            assert core.load(keys, ids)
+            torch.cuda.synchronize()
+
+        def pcie() -> None:
+            if direction == "save":
+                pinned.copy_(device, non_blocking=True)
+            else:
+                device.copy_(pinned, non_blocking=True)
+            torch.cuda.synchronize()
+
+        def link() -> None:
+            sink.sendall(b"P")
+            sink.sendall(payload)
+            assert sink.recv(1) == b"k"
+
+        subject = save if direction == "save" else load
+        for baseline, name in (
+            (pcie, "one contiguous torch copy across PCIe"),
+            (link, "raw TCP bulk"),
+        ):
+            compare(
+                f"connector {direction}, {path}, 1,000 tokens of Llama-3-8B (132 MB)",
+                subject,
+                baseline,
+                baseline_name=name,
+                nbytes=NBYTES,
+                rounds=10,
+            )

@@ -1,0 +1,61 @@
+"""An engine's KV cache tensors (torch) as kvbridge pages, without a copy and without cupy:
+a CPU tensor is viewed as a numpy array, a CUDA tensor stays a torch tensor (the staging
+path moves its pages with torch; the direct path registers it over UCX). Layouts: the block
+first (vLLM's CPU and MLA caches), or K and V first (FlashAttention's ``(2, num_blocks,
+block_size, kv_heads, head_dim)``: two pages a layer)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ...store import ConfigError
+from ._pages import LayoutError, pages_of
+
+__all__ = ["tensor_pages"]
+
+_DEVICES = ("cpu", "cuda")
+"""Where the connector can move a KV cache from: host memory, and CUDA memory (staged
+through pinned host memory by torch, or directly over UCX)."""
+
+
+def tensor_pages(name: str, tensor: Any, page_bytes: int) -> tuple[Any, ...]:
+    """One layer's cache as pages of ``page_bytes`` (vLLM's page: a block's K and V): one
+    ``(blocks, page_bytes)`` array where the block is the first axis (the CPU and MLA
+    layouts), two of half a page where K and V come first (FlashAttention's
+    ``(2, num_blocks, block_size, kv_heads, head_dim)``)."""
+    device = tensor.device.type
+    if device not in _DEVICES:
+        raise ConfigError(
+            f"kvbridge: layer {name} is on {tensor.device}; kvbridge moves KV caches in "
+            f"{' or '.join(_DEVICES)} memory only",
+            setting="kv_caches",
+        )
+    raw = _as_bytes(tensor)
+    shape = tuple(int(n) for n in raw.shape)
+    try:
+        if math.prod(shape[1:]) == page_bytes:
+            return (pages_of(raw, name),)
+        if len(shape) > 2 and shape[0] == 2 and 2 * math.prod(shape[2:]) == page_bytes:
+            return (pages_of(raw[0], f"{name} (K)"), pages_of(raw[1], f"{name} (V)"))
+    except LayoutError as exc:
+        raise ConfigError(f"kvbridge: {exc}", setting="kv_caches") from None
+    raise ConfigError(
+        f"kvbridge: layer {name} has shape {tuple(tensor.shape)} ({tensor.dtype}), whose "
+        f"blocks are not pages of {page_bytes} bytes (the block first, or K and V first)",
+        setting="kv_caches",
+    )
+
+
+def _as_bytes(tensor: Any) -> Any:
+    """A layer's cache as a uint8 array over the same memory (never viewed as its dtype:
+    numpy has no bfloat16): numpy for a CPU tensor, the torch tensor itself for a CUDA one
+    (torch moves its pages; no cupy needed)."""
+    raw = tensor.view(_uint8(tensor))
+    return raw.numpy() if raw.device.type == "cpu" else raw
+
+
+def _uint8(tensor: Any) -> Any:
+    import torch  # noqa: PLC0415  (present wherever vLLM is)
+
+    return torch.uint8
