@@ -20,7 +20,7 @@ import numpy as np
 
 from ..._closing import Closing
 from ...store import BlockKey, ClientPool, StoreClient
-from ...transfer import DEFAULT_STREAMS, LocalProtocolError, Region
+from ...transfer import DEFAULT_STREAMS, LocalProtocolError, Region, is_device
 from ._pages import LayoutError, PageLayout
 from ._staging import Stager, copier_for
 
@@ -196,10 +196,11 @@ class ServerBackend(Closing):
     def _route(self, memory: PageLayout, client: StoreClient) -> _Route:
         """How ``client`` moves ``memory``'s pages: registered as they are where its
         transport takes them (and ``staging`` is not ``"always"``), else staged."""
-        if self._staging != "always":
+        gpu_over_tcp = is_device(memory.buffers[0]) and client.peer.transport != "ucx"
+        if self._staging == "auto" and not gpu_over_tcp:
             try:
                 registered = [client.register(buffer) for buffer in memory.buffers]
-            except LocalProtocolError as exc:  # GPU memory this transport cannot take
+            except LocalProtocolError as exc:  # GPU memory this engine cannot register
                 _log.info("kvbridge stages its pages: %s", exc)
             else:
                 return _Route(regions=[registered[i] for i in memory.segment_buffer])
