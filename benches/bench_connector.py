@@ -120,7 +120,7 @@ def test_connector_staged(
         other = straight.keys(list(range(32 * BLOCKS)))
         assert through.save(keys, ids) and straight.save(other, ids)
 
-        def move(core: ConnectorCore, fixed: list[Any]) -> Callable[[], None]:
+        def move(core: ConnectorCore, fixed: list[Any]) -> Callable[[], object]:
             if direction == "load":
                 return lambda: core.load(fixed, ids) or pytest.fail("load failed")
 
