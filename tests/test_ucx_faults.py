@@ -195,7 +195,7 @@ def test_a_stalled_write_lets_no_byte_land_after_its_hold_ended(transport: str) 
             os.kill(writer.pid, signal.SIGCONT)
             assert writer.stdout is not None
             assert writer.stdout.readline().strip() == "failed"
-            until(lambda: len(server._served) == 0, "the stream ended")
+            until(lambda: server.stats()["served_streams"] == 0, "the stream ended")
             assert (slot == 0xC3).all(), "the stalled write landed after its hold ended"
         finally:
             reap(writer)
