@@ -2,11 +2,11 @@
 path for a KV cache in GPU memory (over any transport), and for any cache with ``staging:
 "always"`` (what the tests run on machines without a GPU).
 
-A save gathers its blocks' pages into the staging buffer, one batched copy per segment (per
-layer for vLLM's pages: never one copy per page), then moves the staged blocks to the
-server zero-copy; a load moves them into the staging buffer and scatters them. A batch
-larger than the buffer runs in chunks of what it holds. The buffer is allocated once
-(``staging_bytes``) and serves one chunk at a time.
+A save gathers its blocks' pages into the staging buffer (on a GPU one batched gather per
+segment, a layer's pages for vLLM, and one copy across PCIe: never one copy per page), then
+moves the staged blocks to the server zero-copy; a load moves them into the staging buffer
+and scatters them. A batch larger than the buffer runs in chunks of what it holds. The
+buffer is allocated once (``staging_bytes``) and serves one chunk at a time.
 
 What is device-specific (a CUDA stream of the connector's own, pinned host memory, waiting
 for the copies) is :class:`CudaCopier`'s, on torch; :class:`HostCopier` does the same with
