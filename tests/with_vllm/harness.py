@@ -51,6 +51,14 @@ LOADABLE = sum(min(len(p) - 1, len(p) // BLOCK * BLOCK) // BLOCK * BLOCK for p i
 blocks, less the last one where it would leave no token to compute."""
 
 
+PATHS: dict[str, dict[str, Any]] = {
+    "direct": {},
+    "staged": {"staging": "always", "staging_bytes": "64KiB"},
+}
+"""How pages move: straight between vLLM's cache and the server, or through the staging
+buffer (the GPU path), two of the tiny model's 32 KiB blocks a chunk."""
+
+
 def spec(model: str, connector: dict[str, Any] | None, **more: Any) -> dict[str, Any]:
     """An engine run over ``PROMPTS`` with ``connector`` (extra config; None: no connector)."""
     return {"model": model, "prompts": PROMPTS, "connector": connector, **more}

@@ -11,13 +11,13 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import BLOCK, PROMPTS
+from harness import BLOCK, PATHS, PROMPTS
 from serve import ServeProcess
 
 ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1"}
@@ -53,17 +53,25 @@ def _vllm(
     return subprocess.Popen(command, env=ENV, stdout=log, stderr=subprocess.STDOUT)
 
 
-def _wait(url: str, procs: list[subprocess.Popen[bytes]], timeout: float = 240) -> None:
+def _wait(
+    url: str,
+    procs: list[subprocess.Popen[bytes]],
+    ready: Callable[[bytes], bool] = lambda body: True,
+    timeout: float = 240,
+) -> None:
+    """Until ``url`` answers with a body that is ``ready`` (a bound, not a timing)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if any(p.poll() is not None for p in procs):
             raise AssertionError("a server exited while starting")
         try:
-            with urllib.request.urlopen(url, timeout=2):
-                return
+            with urllib.request.urlopen(url, timeout=2) as answer:
+                if ready(answer.read()):
+                    return
         except OSError:
-            time.sleep(1)
-    raise AssertionError(f"{url} did not come up in {timeout} s")
+            pass
+        time.sleep(1)
+    raise AssertionError(f"{url} was not ready in {timeout} s")
 
 
 def _post(url: str, body: dict[str, Any]) -> Any:
@@ -72,11 +80,6 @@ def _post(url: str, body: dict[str, Any]) -> Any:
     )
     with urllib.request.urlopen(request, timeout=120) as answer:
         return answer.read()
-
-
-PATHS = {"direct": {}, "staged": {"staging": "always", "staging_bytes": "64KiB"}}
-"""Pages straight between vLLM's cache and the server, or through the staging buffer (the
-GPU path), two blocks a chunk."""
 
 
 @pytest.fixture(scope="module", params=list(PATHS))
@@ -113,6 +116,9 @@ def pd(model: str, request: pytest.FixtureRequest) -> Iterator[dict[str, str]]:
             stack.callback(proc.terminate)
         for port in ports:
             _wait(f"http://127.0.0.1:{port}/health", procs)
+        # The proxy's own health checks must have put both instances in its rotation (a
+        # request sent before the prefill was back went to decode alone: it loaded nothing).
+        _wait(f"http://127.0.0.1:{ports[2]}/health", procs, lambda body: b'"ok"' in body)
         urls = [f"http://127.0.0.1:{port}" for port in ports]
         yield dict(zip(("prefill", "decode", "proxy"), urls, strict=True))
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import LOADABLE, PROMPTS, prompts, run_engine, spec, tokens
+from harness import LOADABLE, PATHS, PROMPTS, prompts, run_engine, spec, tokens
 from serve import ServeProcess
 
 from kvbridge.store import StoreClient
@@ -56,12 +56,13 @@ def test_the_cache_survives_a_server_restart_on_disk(
         server.kill()
 
 
+@pytest.mark.parametrize("path", list(PATHS))
 def test_a_server_killed_mid_run_costs_recomputation_only(
-    model: str, baseline: list[list[int]]
+    model: str, baseline: list[list[int]], path: str
 ) -> None:
     server = ServeProcess("--host-capacity", "64MiB")
     try:
-        run = spec(model, {"server": server.address, "timeout": 5}, rounds=3)
+        run = spec(model, {"server": server.address, "timeout": 5, **PATHS[path]}, rounds=3)
         run.update(kill_after_round=0, kill_pid=server.proc.pid)
         result = run_engine(run, timeout=240)
     finally:
