@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,11 @@ from ._settings import TransferSettings
 from ._small import plan_small, small_rows
 from ._streams import InitiatorStream, Pending
 from ._watchdog import Watchdog
+
+PROBE_S = 0.1
+"""While a caller waits for a batch (:meth:`Peer.wait`), how often the peer's control
+connection is looked at: a peer process that died drops it, which a UCX stream does not
+report (TCP's does, at once)."""
 
 GREETING_TRIES = 3
 """Times a data stream is opened before its peer counts as refusing it (see
@@ -193,9 +199,50 @@ class Peer:
             try:
                 return self._calls.call(self._session(), body)
             except PeerClosed:
-                self._calls.close()  # a late answer must not be taken for the next one
-                self._calls = None
+                self._drop_calls()
                 raise
+
+    def wait(self, handle: TransferHandle, timeout: float) -> None:
+        """``handle.wait(timeout)``, except that a peer whose process died meanwhile fails
+        it at once: every :data:`PROBE_S` the control connection is looked at, and once it
+        dropped, the peer closes (and the batch fails with ``PeerClosed``)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                handle.wait(min(left, PROBE_S))
+                return
+            except TimeoutError:
+                if left <= PROBE_S:
+                    raise
+            self._probe()
+
+    def _probe(self) -> None:
+        """Close the peer if its control connection failed (not while another thread
+        calls: that call sees the failure itself)."""
+        if not self._calls_lock.acquire(blocking=False):
+            return
+        try:
+            if self._error is not None:
+                return
+            if self._calls is None:
+                wait = self._engine.settings.timeout
+                self._calls = ControlClient(self._engine.context, self._info.control, wait)
+            if self._calls.connection_failed():
+                self._drop_calls()
+        finally:
+            self._calls_lock.release()
+
+    def _drop_calls(self) -> None:
+        """Close the control client after a failed call (a late answer must not be taken
+        for the next one); if its connection dropped, the peer's process is gone or was
+        replaced, and the streams are closed too (what is in flight fails now)."""
+        assert self._calls is not None
+        lost = self._calls.lost
+        self._calls.close()
+        self._calls = None
+        if lost:
+            self._broken("the peer's control connection dropped")
 
     def cast(self, body: dict[str, Any]) -> None:
         """:meth:`call` without waiting for (or seeing) the answer: for requests whose

@@ -210,6 +210,7 @@ class InitiatorStream:
         return True
 
     def _recv_loop(self) -> None:
+        receiving: Pending | None = None  # taken from _pending, its payload still coming
         try:
             while True:
                 event = next_event(self.conn, self.pipe)
@@ -218,7 +219,9 @@ class InitiatorStream:
                     continue
                 pending = self._take(event)
                 if isinstance(event, Data):
+                    receiving = pending
                     self.pipe.recv_into_views(pending.views)
+                    receiving = None
                     self.conn.payload_received()
                     pending.on_done()
                 elif isinstance(event, Ack):
@@ -231,10 +234,13 @@ class InitiatorStream:
                             code=event.code,
                         )
                     )
-        except RemoteProtocolError as exc:
-            self._broken(f"stream {self.index}: the peer broke the protocol: {exc}")
         except (OSError, EOFError, TransferError) as exc:
-            self._broken(f"stream {self.index}: {exc or type(exc).__name__}")
+            reason = f"stream {self.index}: {exc or type(exc).__name__}"
+            if isinstance(exc, RemoteProtocolError):
+                reason = f"stream {self.index}: the peer broke the protocol: {exc}"
+            if receiving is not None:  # no longer pending: closing the stream misses it
+                receiving.on_error(PeerClosed(reason))
+            self._broken(reason)
 
     def _take(self, event: Event) -> Pending:
         request_id = getattr(event, "request_id", None)

@@ -389,7 +389,7 @@ class StoreClient(Closing):
             except BaseException as exc:
                 self._abandon(lease, exc)
             try:
-                done.wait(left)  # landed and committed
+                self.peer.wait(done, left)  # landed and committed
             except TimeoutError:
                 # The write may still be reading the caller's memory: close the streams
                 # (joined) before raising, so that nothing reads it once put has returned;
@@ -439,7 +439,7 @@ class StoreClient(Closing):
             lease, slots = int(pinned["lease"]), pinned["slots"]
             try:
                 ops = self._ops(where, start, list(range(len(chunk))), slots)
-                self.peer.read(ops).wait(self._left())
+                self.peer.wait(self.peer.read(ops), self._left())
             except TimeoutError:
                 # The read may still be landing: close the streams (joined) so that no byte
                 # arrives after the caller reused its buffer; the session and its pin end.
