@@ -2,7 +2,8 @@
 ``TieredStore``, moving blocks zero-copy with the transfer engine (``_registration``: a
 caller's buffers registered for one call); :class:`ClientPool`, the clients of a connector
 or a cluster client, with one rule for a client whose server failed; ``SERVER_FAULTS``,
-what such a failure looks like. Imports the wire; never ``server``."""
+what such a failure looks like; ``pages_of_blocks``, the check of a zero-copy call's pages
+(the cluster client's too). Imports the wire; never ``server``."""
 
 from __future__ import annotations
 
@@ -13,15 +14,17 @@ from ..._lazy import lazy
 if TYPE_CHECKING:
     from ._client import SERVER_FAULTS, StoreClient
     from ._pool import ClientPool, Lent
+    from ._registration import pages_of_blocks
 
 _LAZY = {
     "StoreClient": "._client",
     "SERVER_FAULTS": "._client",
     "ClientPool": "._pool",
     "Lent": "._pool",
+    "pages_of_blocks": "._registration",
 }
 """Loaded on first use: the package's modules load the transfer engine (pyzmq, threads)."""
 
 __getattr__ = lazy(__name__, _LAZY, globals())
 
-__all__ = ["SERVER_FAULTS", "ClientPool", "Lent", "StoreClient"]
+__all__ = ["SERVER_FAULTS", "ClientPool", "Lent", "StoreClient", "pages_of_blocks"]

@@ -4,6 +4,7 @@ in them, checked, or a caller's buffers registered with the client's engine for 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -14,6 +15,16 @@ from .._errors import InvalidBlock
 Locations = tuple[np.ndarray, np.ndarray]
 """Per key and segment (shape ``(keys, segments)``): the local region id and the offset in
 it of that part of the block (a block is ``segments`` equal parts, one op each)."""
+
+
+class Placed(Protocol):
+    """A registered buffer as the page checks see it (a ``Region``, a cluster's region)."""
+
+    @property
+    def id(self) -> int: ...
+
+    @property
+    def length(self) -> int: ...
 
 
 class Registration:
@@ -62,7 +73,7 @@ def one_per_block(
 
 
 def pages_of_blocks(
-    regions: Sequence[Region], offsets: np.ndarray, count: int, block_bytes: int
+    regions: Sequence[Placed], offsets: np.ndarray, count: int, block_bytes: int
 ) -> Locations:
     """Block ``i`` as ``len(regions)`` equal pages, page ``s`` at ``offsets[i, s]`` in
     ``regions[s]``; raises :class:`InvalidBlock` for a page outside its region."""

@@ -3,7 +3,8 @@
 ``_etcd`` (a standard-library etcd v3 client over its JSON gateway), ``_membership``
 (a server's record under a lease; a client's live view of the members), ``_join`` (where
 a cluster lives in etcd, and ``kvbridge serve --cluster``), ``_rendezvous`` (the owners of
-a key), ``_client`` (:class:`ClusterClient`, its members' clients in a ``ClientPool``).
+a key), ``_client`` (:class:`ClusterClient`, its members' clients in a ``ClientPool``), ``_parts``
+(how a call is split among members).
 Imports ``client``; never ``server``.
 """
 
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING
 from ..._lazy import lazy
 
 if TYPE_CHECKING:
-    from ._client import ClusterClient
+    from ._client import ClusterClient, ClusterLease, ClusterRegion
     from ._etcd import EtcdError, EtcdGateway, EtcdUnavailable
     from ._join import DEFAULT_CLUSTER, join, members_prefix
     from ._membership import Member, Membership, Registrar
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "ClusterClient": "._client",
+    "ClusterLease": "._client",
+    "ClusterRegion": "._client",
     "EtcdError": "._etcd",
     "EtcdGateway": "._etcd",
     "EtcdUnavailable": "._etcd",
@@ -40,6 +43,8 @@ __getattr__ = lazy(__name__, _LAZY, globals())
 __all__ = [
     "DEFAULT_CLUSTER",
     "ClusterClient",
+    "ClusterLease",
+    "ClusterRegion",
     "EtcdError",
     "EtcdGateway",
     "EtcdUnavailable",

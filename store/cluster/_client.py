@@ -12,32 +12,50 @@ timed out) is left out of placement until etcd says it left and came back, or fo
 replica (or finds nothing: a miss), a put stores there. A get also asks the next member
 when the owner lacks a block, so the hit rate survives a member joining (the new owner is
 empty, the previous one still has it). While etcd is away the client keeps the members it
-last saw.
+last saw. A member killed under a call is noticed by that call within milliseconds (its
+connection drops: see ``transfer/_control_client.py``), not after the timeout.
+
+Zero-copy: a buffer registered once (:meth:`ClusterClient.register`) is registered with
+each member's connection on its first use there; ``put_from``/``get_into``/``put_pages``/
+``get_pages`` then move blocks straight between it and each member's slots, every member's
+part at once. :meth:`ClusterClient.pin` is a cluster lease: one lease on each member that
+holds some of the keys, all released together.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from concurrent.futures import Future
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 
 from ..._closing import Closing
+from ...transfer import DEFAULT_STREAMS, LocalProtocolError, Region, is_device
 from .._buffers import as_array
 from .._errors import BlockNotFound, InvalidBlock, StoreClosed, StoreError
 from .._keys import BlockKey, check_keys, namespace_bytes
 from .._sizes import positive_int
-from ..client import SERVER_FAULTS, ClientPool, StoreClient
+from ..client import SERVER_FAULTS, ClientPool, Lent, pages_of_blocks
 from ._etcd import EtcdError, EtcdGateway, EtcdUnavailable
 from ._join import DEFAULT_CLUSTER, members_prefix
 from ._membership import Member, Membership
+from ._parts import (
+    ClusterRegion,
+    Ranks,
+    get_what_is_there,
+    group,
+    pin_what_is_there,
+    read_rows,
+)
 from ._rendezvous import Rendezvous
 
-__all__ = ["ClusterClient"]
+__all__ = ["ClusterClient", "ClusterLease", "ClusterRegion"]
 
 _log = logging.getLogger("kvbridge.cluster")
 _T = TypeVar("_T")
@@ -53,6 +71,17 @@ of memory and keeps about 15% of the hits through a node's loss."""
 RETRY_DEAD_S = 10.0
 """A member that failed a call is tried again after this, if etcd still lists it."""
 
+_Store = Callable[[str, Lent, list[int]], list[bool]]
+"""One member's part of a put: its key indices stored through a lent client."""
+_Fetch = Callable[[str, Lent, list[int]], set[int]]
+"""One member's part of a read: the key indices it lacked."""
+
+
+class ClusterLease(NamedTuple):
+    """A :meth:`ClusterClient.pin`: the leases taken on each member."""
+
+    leases: dict[str, list[int]]
+
 
 class ClusterClient(Closing):
     """``ClusterClient("etcd://HOST:PORT", block_bytes=..., namespace=...)``.
@@ -60,8 +89,9 @@ class ClusterClient(Closing):
     ``cluster`` names the cluster (``kvbridge serve --cluster-name``). Keys at positions
     below ``replicated_blocks`` of their chain (``chain_start`` says where a call's first
     key sits, 0 by default) are stored on ``replicas`` members. ``secret``, ``tenant``,
-    ``timeout`` and ``transports`` are every member connection's (a call to a dead member
-    fails within ``timeout``).
+    ``timeout``, ``transports`` and ``streams`` are every member connection's (a call to a
+    member that does not answer fails within ``timeout``); ``connections`` clients per
+    member let that many threads call one member at once.
     Raises ``ConnectionError`` when etcd cannot be reached at start.
     """
 
@@ -78,6 +108,8 @@ class ClusterClient(Closing):
         timeout: float = 10.0,
         replicas: int = 2,
         replicated_blocks: int = REPLICATED_BLOCKS,
+        connections: int = 1,
+        streams: int = DEFAULT_STREAMS,
     ) -> None:
         positive_int("block_bytes", block_bytes)
         namespace_bytes(namespace)
@@ -88,14 +120,20 @@ class ClusterClient(Closing):
         self.block_bytes = block_bytes
         self.replicas = replicas
         self.replicated_blocks = replicated_blocks
+        self._transports = (transports,) if isinstance(transports, str) else tuple(transports)
         self._clients = ClientPool(
+            per_server=connections,
             block_bytes=block_bytes,
             namespace=namespace,
             secret=secret,
             tenant=tenant,
             transports=transports,
             timeout=timeout,
+            streams=streams,
         )
+        self._buffers: list[object] = []  # registered, in ClusterRegion.id order
+        self._owner = secrets.randbits(63)  # on this client's ClusterRegions
+        self._clients.prepare(lambda client: [])  # per client: its Regions of _buffers
         self._lock = threading.Lock()
         self._dead: dict[str, float] = {}  # address -> when it failed
         self._ring = Rendezvous([])
@@ -174,30 +212,57 @@ class ClusterClient(Closing):
         ``False`` (a cache may drop a block; it never stores a wrong one)."""
         checked = check_keys(keys)
         rows = self._rows(blocks, len(checked), writable=False)
-        owners = self._owners(checked, chain_start)
-        stored = [False] * len(checked)
-        failed = self._put_round(checked, rows, [o[:c] for c, o in owners], stored)
+
+        def store(address: str, lent: Lent, index: list[int]) -> list[bool]:
+            part = np.ascontiguousarray(rows[index])
+            return lent.client.put([checked[i] for i in index], part)
+
+        return self._put(checked, chain_start, store)
+
+    def put_pages(
+        self,
+        keys: Sequence[bytes],
+        regions: Sequence[ClusterRegion],
+        offsets: object,
+        *,
+        chain_start: int = 0,
+    ) -> list[bool]:
+        """``put`` of blocks made of pages in registered buffers (``StoreClient.put_pages``:
+        block ``i``'s page ``s`` at ``offsets[i, s]`` in ``regions[s]``), each member's
+        part straight from them."""
+        checked = check_keys(keys)
+        at = self._page_offsets(regions, offsets, len(checked))
+
+        def store(address: str, lent: Lent, index: list[int]) -> list[bool]:
+            on = self._registered(lent, regions)
+            return lent.client.put_pages([checked[i] for i in index], on, at[index])
+
+        return self._put(checked, chain_start, store)
+
+    def put_from(
+        self,
+        keys: Sequence[bytes],
+        region: ClusterRegion,
+        offsets: Sequence[int],
+        *,
+        chain_start: int = 0,
+    ) -> list[bool]:
+        """``put`` from a registered buffer: block ``i`` is at ``offsets[i]`` in it."""
+        return self.put_pages(keys, [region], _column(offsets), chain_start=chain_start)
+
+    def _put(self, keys: Sequence[BlockKey], chain_start: int, store: _Store) -> list[bool]:
+        owners = self._owners(keys, chain_start)
+        stored = [False] * len(keys)
+        failed = self._put_round(store, [o[:c] for c, o in owners], stored)
         if failed:  # once more, to the next member of each key whose member failed
             spare = [o[c:] if i in failed else [] for i, (c, o) in enumerate(owners)]
-            self._put_round(checked, rows, spare, stored)
+            self._put_round(store, spare, stored)
         return stored
 
-    def _put_round(
-        self,
-        keys: Sequence[BlockKey],
-        rows: np.ndarray,
-        targets: list[list[str]],
-        stored: list[bool],
-    ) -> set[int]:
+    def _put_round(self, store: _Store, targets: list[list[str]], stored: list[bool]) -> set[int]:
         """One parallel put per member; the key indices whose member failed."""
-        groups = _group(targets)
-
-        def put(address: str, index: list[int]) -> list[bool]:
-            part = np.ascontiguousarray(rows[index])
-            return self._call(address, lambda c: c.put([keys[i] for i in index], part))
-
         failed: set[int] = set()
-        for _, index, result in self._fan_out(groups, put):
+        for _, index, result in self._fan_out(group(targets), store):
             if isinstance(result, BaseException):
                 failed.update(index)
                 continue
@@ -211,55 +276,98 @@ class ClusterClient(Closing):
         checked = check_keys(keys)
         target = self._rows(out, len(checked), writable=True)
         found = np.empty_like(target)
-        ranks = _Ranks([o for _, o in self._owners(checked, chain_start)])
-        left = set(range(len(checked)))
-        while groups := ranks.next_round(left):
-            missing, bad = self._get_round(checked, found, groups)
-            ranks.avoid(bad)
-            left = missing | (left - {i for index in groups.values() for i in index})
-        if left:
-            raise BlockNotFound([checked[i] for i in sorted(left)])
+
+        def fetch(address: str, lent: Lent, index: list[int]) -> set[int]:
+            return get_what_is_there(checked, index, read_rows(lent.client, checked, found))
+
+        absent = self._rounds(checked, chain_start, fetch)
+        if absent:
+            raise BlockNotFound([checked[i] for i in sorted(absent)])
         target[...] = found
 
-    def _get_round(
-        self, keys: Sequence[BlockKey], found: np.ndarray, groups: dict[str, list[int]]
-    ) -> tuple[set[int], set[str]]:
-        """One parallel get per member into ``found``; the key indices still missing, and
-        the members that failed or refused (not asked again in this call)."""
+    def get_pages(
+        self,
+        keys: Sequence[bytes],
+        regions: Sequence[ClusterRegion],
+        offsets: object,
+        *,
+        chain_start: int = 0,
+    ) -> None:
+        """``get`` into pages of registered buffers, laid out as for :meth:`put_pages`,
+        each member's part straight into them. On :class:`BlockNotFound` the blocks that
+        were found may have landed (as a failed load's do: the engine computes them)."""
+        checked = check_keys(keys)
+        at = self._page_offsets(regions, offsets, len(checked))
 
-        def get(address: str, index: list[int]) -> set[int]:
-            return self._call(address, lambda c: _get_what_is_there(c, keys, index, found))
+        def fetch(address: str, lent: Lent, index: list[int]) -> set[int]:
+            on = self._registered(lent, regions)
 
-        missing: set[int] = set()
-        bad: set[str] = set()
-        for address, index, result in self._fan_out(groups, get):
-            if isinstance(result, BaseException):
-                missing.update(index)
-                bad.add(address)
-            else:
-                missing.update(result)
-        return missing, bad
+            def read(part: list[int]) -> None:
+                lent.client.get_pages([checked[i] for i in part], on, at[part])
+
+            return get_what_is_there(checked, index, read)
+
+        absent = self._rounds(checked, chain_start, fetch)
+        if absent:
+            raise BlockNotFound([checked[i] for i in sorted(absent)])
+
+    def get_into(
+        self,
+        keys: Sequence[bytes],
+        region: ClusterRegion,
+        offsets: Sequence[int],
+        *,
+        chain_start: int = 0,
+    ) -> None:
+        """``get`` into a registered buffer: block ``i`` lands at ``offsets[i]``."""
+        self.get_pages(keys, [region], _column(offsets), chain_start=chain_start)
+
+    # -- pins --------------------------------------------------------------------------
+
+    def pin(self, keys: Sequence[bytes], *, chain_start: int = 0) -> ClusterLease:
+        """Keep the blocks of ``keys`` from eviction on the members that hold them (each
+        key on the first of its members that has it, the member a read asks first) for
+        their lease TTL; :meth:`release` ends it. :class:`BlockNotFound` (nothing pinned)
+        when no member holds a key."""
+        checked = check_keys(keys)
+        taken: dict[str, list[int]] = {}
+
+        def fetch(address: str, lent: Lent, index: list[int]) -> set[int]:
+            leases = taken.setdefault(address, [])
+            return pin_what_is_there(lent.client, checked, index, leases)
+
+        try:
+            absent = self._rounds(checked, chain_start, fetch, first=True)
+        except BaseException:
+            self.release(ClusterLease(taken))
+            raise
+        if absent:
+            self.release(ClusterLease(taken))
+            raise BlockNotFound([checked[i] for i in sorted(absent)])
+        return ClusterLease(taken)
+
+    def release(self, lease: ClusterLease) -> None:
+        """End a :meth:`pin` on every member (a member that is gone took its leases along)."""
+        groups = {address: list(range(len(held))) for address, held in lease.leases.items()}
+
+        def give_back(address: str, lent: Lent, index: list[int]) -> list[bool]:
+            for i in index:
+                lent.client.release(lease.leases[address][i])
+            return []
+
+        self._fan_out({a: i for a, i in groups.items() if i}, give_back, first=True)
 
     def contains(self, keys: Sequence[bytes], *, chain_start: int = 0) -> list[bool]:
         """Per key, whether one of its members holds it (a parallel round per rank of
         member, for the keys not found yet)."""
         checked = check_keys(keys)
-        candidates = [o for _, o in self._owners(checked, chain_start)]
-        present = [False] * len(checked)
 
-        def ask(address: str, index: list[int]) -> list[bool]:
-            wanted = [checked[i] for i in index]
-            return self._call(address, lambda c: c.contains(wanted))
+        def ask(address: str, lent: Lent, index: list[int]) -> set[int]:
+            present = lent.client.contains([checked[i] for i in index])
+            return {i for i, p in zip(index, present, strict=True) if not p}
 
-        ranks = _Ranks(candidates)
-        while groups := ranks.next_round({i for i, p in enumerate(present) if not p}):
-            for address, index, result in self._fan_out(groups, ask):
-                if isinstance(result, BaseException):
-                    ranks.avoid({address})
-                    continue
-                for i, p in zip(index, result, strict=True):
-                    present[i] = present[i] or p
-        return present
+        absent = self._rounds(checked, chain_start, ask)
+        return [i not in absent for i in range(len(checked))]
 
     def match_prefix(self, keys: Sequence[bytes], *, chain_start: int = 0) -> int:
         """How many leading keys some member holds (one ``contains`` round per member)."""
@@ -269,17 +377,31 @@ class ClusterClient(Closing):
     def remove(self, keys: Sequence[bytes], *, chain_start: int = 0) -> list[bool]:
         """Remove each key from every member that may hold it; per key, whether one did."""
         checked = check_keys(keys)
-        groups = _group([o for _, o in self._owners(checked, chain_start)])
         removed = [False] * len(checked)
 
-        def drop(address: str, index: list[int]) -> list[bool]:
-            return self._call(address, lambda c: c.remove([checked[i] for i in index]))
+        def drop(address: str, lent: Lent, index: list[int]) -> list[bool]:
+            return lent.client.remove([checked[i] for i in index])
 
-        for _, index, result in self._fan_out(groups, drop):
+        targets = [o for _, o in self._owners(checked, chain_start)]
+        for _, index, result in self._fan_out(group(targets), drop):
             if not isinstance(result, BaseException):
                 for i, r in zip(index, result, strict=True):
                     removed[i] = removed[i] or r
         return removed
+
+    def register(self, buffer: object) -> ClusterRegion:
+        """Register a buffer for ``put_from``/``get_into``/``put_pages``/``get_pages``
+        (keep it alive while the client is): with each member's connection on its first
+        use there, once. Memory on a GPU needs UCX among the ``transports``
+        (``LocalProtocolError`` otherwise: stage it through host memory)."""
+        if is_device(buffer) and "ucx" not in self._transports:
+            raise LocalProtocolError("GPU memory moves over UCX only; transports are TCP")
+        length = as_array(buffer, writable=True).nbytes if not is_device(buffer) else None
+        with self._lock:
+            self._buffers.append(buffer)
+            index = len(self._buffers) - 1
+        nbytes = length if length is not None else _device_bytes(buffer)
+        return ClusterRegion(index, nbytes, self._owner)
 
     def close(self) -> None:
         self._membership.stop()
@@ -296,21 +418,73 @@ class ClusterClient(Closing):
             )
         return flat.reshape(count, self.block_bytes)
 
-    def _call(self, address: str, fn: Callable[[StoreClient], _T]) -> _T:
-        """``fn`` on a client of ``address``, within one timeout in all."""
-        with self._clients.lease(address) as (client, _):
-            return fn(client)
+    def _page_offsets(
+        self, regions: Sequence[ClusterRegion], offsets: object, count: int
+    ) -> np.ndarray:
+        """``offsets`` checked against the regions (:class:`InvalidBlock` before any member
+        is asked), as int64 rows of one offset per page."""
+        with self._lock:
+            known = len(self._buffers)
+        if not all(
+            isinstance(r, ClusterRegion) and r.owner == self._owner and 0 <= r.id < known
+            for r in regions
+        ):
+            raise InvalidBlock("regions must be this cluster client's (ClusterClient.register)")
+        _, at = pages_of_blocks(regions, np.asarray(offsets), count, self.block_bytes)
+        return at.astype(np.int64)
+
+    def _registered(self, lent: Lent, regions: Sequence[ClusterRegion]) -> list[Region]:
+        """The member client's own regions for ``regions``, registering the buffers it has
+        not registered yet (the caller holds the client)."""
+        made: list[Region] = lent.prepared
+        last = max(r.id for r in regions)
+        while len(made) <= last:
+            made.append(lent.client.register(self._buffers[len(made)]))
+        return [made[r.id] for r in regions]
+
+    def _rounds(
+        self, keys: Sequence[BlockKey], chain_start: int, fetch: _Fetch, *, first: bool = False
+    ) -> set[int]:
+        """Rounds of parallel reads, each key from its next member, until every key was
+        read or no member is left to ask; the indices of the keys no member had."""
+        ranks = Ranks([o for _, o in self._owners(keys, chain_start)])
+        left = set(range(len(keys)))
+        while groups := ranks.next_round(left):
+            missing: set[int] = set()
+            for address, index, result in self._fan_out(groups, fetch, first=first):
+                if isinstance(result, BaseException):
+                    missing.update(index)
+                    ranks.avoid({address})  # failed or refused: not asked again
+                else:
+                    missing.update(result)
+            left = missing | (left - {i for index in groups.values() for i in index})
+        return left
 
     def _fan_out(
-        self, groups: dict[str, list[int]], work: Callable[[str, list[int]], _T]
+        self,
+        groups: dict[str, list[int]],
+        work: Callable[[str, Lent, list[int]], _T],
+        *,
+        first: bool = False,
     ) -> list[tuple[str, list[int], _T | BaseException]]:
-        """Run ``work(member, key indices)`` for every member at once; a member that fails
-        is marked, and a member that refuses (StoreError) is not; either way that part's
-        result is the exception, and the caller moves it to the next member."""
+        """Run ``work(member, lent client, key indices)`` for every member at once, each
+        within one timeout (``first``: on the member's first client, whose session holds
+        the pins); a member that fails is marked, and a member that refuses (StoreError)
+        is not; either way that part's result is the exception, and the caller moves it to
+        the next member. One member's part runs on the calling thread."""
+
+        def part(address: str, index: list[int]) -> _T:
+            with self._clients.lease(address, first=first) as lent:
+                return work(address, lent, index)
+
+        if not groups:
+            return []
+        (here, mine), *others = groups.items()
         try:
-            futures = {a: self._pool.submit(work, a, index) for a, index in groups.items()}
+            futures = {a: self._pool.submit(part, a, index) for a, index in others}
         except RuntimeError:  # the pool was shut down: close() ran
             raise StoreClosed("the cluster client is closed") from None
+        futures[here] = _run(part, here, mine)
         # Every part is waited for, whatever happens to the others: a part still running
         # could read the caller's buffer after this call returned.
         concurrent.futures.wait(futures.values())
@@ -327,61 +501,24 @@ class ClusterClient(Closing):
         return results
 
 
-def _group(
-    targets: Sequence[Sequence[str]], index: Sequence[int] | None = None
-) -> dict[str, list[int]]:
-    """Key indices per member, from each key's list of members (``index[j]`` is the key
-    index of ``targets[j]``; by default ``j`` itself)."""
-    groups: dict[str, list[int]] = {}
-    for j, members in enumerate(targets):
-        for address in members:
-            groups.setdefault(address, []).append(j if index is None else index[j])
-    return groups
-
-
-class _Ranks:
-    """Which member to ask next for each key: its members in rank order, skipping those
-    that failed or refused earlier in the same call (each is asked at most once)."""
-
-    def __init__(self, candidates: list[list[str]]) -> None:
-        self._candidates = candidates
-        self._step = [0] * len(candidates)
-        self._avoid: set[str] = set()
-
-    def avoid(self, members: set[str]) -> None:
-        self._avoid |= members
-
-    def next_round(self, wanted: set[int]) -> dict[str, list[int]]:
-        """The next member of each wanted key, as key indices per member (empty: none left)."""
-        groups: dict[str, list[int]] = {}
-        for i in sorted(wanted):
-            row, step = self._candidates[i], self._step[i]
-            while step < len(row) and row[step] in self._avoid:
-                step += 1
-            if step < len(row):
-                groups.setdefault(row[step], []).append(i)
-                step += 1
-            self._step[i] = step
-        return groups
-
-
-def _get_what_is_there(
-    client: Any, keys: Sequence[BlockKey], index: list[int], found: np.ndarray
-) -> set[int]:
-    """Get ``keys[index]`` from one member into ``found``; the indices it lacks (one call
-    when it has them all, two when some are missing)."""
-    part = np.empty((len(index), found.shape[1]), np.uint8)
+def _run(part: Callable[[str, list[int]], _T], address: str, index: list[int]) -> Future[_T]:
+    """``part`` run here, its outcome as a finished future."""
+    done: Future[_T] = Future()
     try:
-        client.get([keys[i] for i in index], part)
-    except BlockNotFound as exc:
-        missing = set(exc.keys)
-        have = [i for i in index if keys[i] not in missing]
-        if have:
-            try:
-                client.get([keys[i] for i in have], part[: len(have)])
-            except BlockNotFound:
-                return set(index)  # evicted meanwhile: ask the next member for all
-            found[have] = part[: len(have)]
-        return set(index) - set(have)
-    found[index] = part
-    return set()
+        done.set_result(part(address, index))
+    except BaseException as exc:  # handed over whole, as the pool's futures do
+        done.set_exception(exc)
+    return done
+
+
+def _column(offsets: Sequence[int]) -> np.ndarray:
+    """One offset per block as the one-page rows ``put_pages`` takes."""
+    return np.asarray(offsets).reshape(-1, 1)
+
+
+def _device_bytes(buffer: object) -> int:
+    """The bytes of a GPU buffer (a torch tensor or a cupy array)."""
+    nbytes = getattr(buffer, "nbytes", None)
+    if not isinstance(nbytes, int):
+        raise InvalidBlock(f"cannot tell the size of {type(buffer).__name__}")
+    return nbytes
