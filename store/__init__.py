@@ -11,7 +11,8 @@ Public surface:
 - The cache server and its client: :class:`CacheServer` (``kvbridge serve``), its
   settings (:class:`ServerConfig`, :func:`load_config`), and :class:`StoreClient`, which has
   the surface of a local :class:`TieredStore`; :class:`ClusterClient`, the same surface
-  over a cluster of servers found in etcd (``kvbridge serve --cluster``).
+  over a cluster of servers found in etcd (``kvbridge serve --cluster``), with its
+  registered buffers (:class:`ClusterRegion`) and pins (:class:`ClusterLease`).
 - Tenants (:class:`Tenant`, :func:`load_tenants`, ``kvbridge serve --tenants``): each
   with a secret of its own, the namespaces it may open, and its share of the server.
 - Typed errors, all subclasses of :class:`StoreError`.
@@ -73,7 +74,7 @@ from .settings import ConfigError, read_secret
 
 if TYPE_CHECKING:
     from .client import SERVER_FAULTS, ClientPool, Lent, StoreClient
-    from .cluster import ClusterClient
+    from .cluster import ClusterClient, ClusterLease, ClusterRegion
     from .server import (
         CacheServer,
         ServerConfig,
@@ -90,6 +91,8 @@ _LAZY = {
     "Lent": ".client",
     "SERVER_FAULTS": ".client",
     "ClusterClient": ".cluster",
+    "ClusterLease": ".cluster",
+    "ClusterRegion": ".cluster",
     "CacheServer": ".server",
     "ServerConfig": ".server",
     "Tenant": ".server",
@@ -121,6 +124,8 @@ __all__ = [
     "CheckReport",
     "ClientPool",
     "ClusterClient",
+    "ClusterLease",
+    "ClusterRegion",
     "ConfigError",
     "DeviceSlab",
     "DiskTier",

@@ -8,8 +8,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...store import ConfigError, read_secret
+from ...store.cluster import DEFAULT_CLUSTER, EtcdGateway
 from ...store.settings import Flag, Kind, Seconds, Size, Text, Whole, parse_settings
 from ...transfer import DEFAULT_STREAMS, BadAddress, LocalProtocolError, Principal, parse_address
+
+ETCD_SCHEME = "etcd://"
 
 DEFAULT_STAGING_BYTES = 256 << 20
 """256 MiB: 2,000 tokens of Llama-3-8B's KV (128 KiB a token) per chunk, a few
@@ -26,7 +29,11 @@ class ConnectorConfig:
     """
 
     server: str | None = None
-    """``host:port`` of a ``kvbridge serve``."""
+    """``host:port`` of a ``kvbridge serve``, or ``etcd://HOST:PORT[,HOST:PORT...]``: the
+    etcd of a cluster of them (``kvbridge serve --cluster``)."""
+    cluster_name: str = DEFAULT_CLUSTER
+    """The cluster's name in etcd (``kvbridge serve --cluster-name``), with an ``etcd://``
+    server."""
     secret_file: str | None = None
     """The server's shared secret, or the tenant's (a file, so that it never shows in a
     command line)."""
@@ -88,10 +95,16 @@ class ConnectorConfig:
                     setting=name,
                 )
         if self.server is not None:
-            try:
-                parse_address(self.server)
-            except BadAddress as exc:
-                raise ConfigError(f"server: {exc}", setting="server") from None
+            _check_server(self.server)
+        if self.cluster_name != DEFAULT_CLUSTER and not self.clustered:
+            raise ConfigError(
+                "cluster_name is an etcd:// server's (set server too)", setting="cluster_name"
+            )
+
+    @property
+    def clustered(self) -> bool:
+        """Whether ``server`` is a cluster's etcd."""
+        return self.server is not None and self.server.startswith(ETCD_SCHEME)
 
     @property
     def secret(self) -> bytes | None:
@@ -111,8 +124,20 @@ class ConnectorConfig:
         return cls(**parse_settings(_KINDS, given, source="kvbridge connector", text=False))
 
 
+def _check_server(server: str) -> None:
+    """``host:port`` or an etcd URL, or :class:`ConfigError` naming what is wrong."""
+    try:
+        if server.startswith(ETCD_SCHEME):
+            EtcdGateway.from_url(server)  # parses only: etcd is reached when the store is
+        else:
+            parse_address(server)
+    except (BadAddress, ValueError) as exc:
+        raise ConfigError(f"server: {exc}", setting="server") from None
+
+
 _KINDS: dict[str, Kind] = {
     "server": Text(),
+    "cluster_name": Text(),
     "secret_file": Text(),
     "tenant": Text(empty_ok=True),
     "host_capacity": Size(0),

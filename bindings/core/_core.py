@@ -29,7 +29,8 @@ from ...store import (
 )
 from ...transfer import is_device
 from ._backend import Backend, ServerBackend
-from ._config import ConnectorConfig
+from ._cluster_backend import ClusterBackend
+from ._config import ETCD_SCHEME, ConnectorConfig
 from ._embedded import embedded_server
 from ._identity import Identity
 from ._jobs import SaveJob, Saver
@@ -140,13 +141,14 @@ class ConnectorCore(Closing):
         self.stats.lookup(usable * self.block_tokens, hit * self.block_tokens, started)
         return hit
 
-    def pin(self, keys: Sequence[BlockKey]) -> object | None:
+    def pin(self, keys: Sequence[BlockKey], start: int = 0) -> object | None:
         """Keep the blocks from eviction until :meth:`unpin` (or the store's lease TTL);
-        ``None`` when one of them is gone or the store is unreachable."""
+        ``None`` when one of them is gone or the store is unreachable. ``start``: the
+        block index of ``keys[0]`` in its prompt (so for every call that takes one)."""
         if not keys or not self._up():
             return None
         try:
-            return self._store().pin(keys)
+            return self._store().pin(keys, start)
         except FAULTS as exc:
             self._fault("pin", exc)
             return None
@@ -188,20 +190,24 @@ class ConnectorCore(Closing):
             if self._backend is not None:
                 self._backend.attach(memory)
 
-    def load(self, keys: Sequence[BlockKey], at: Any) -> bool:
+    def load(self, keys: Sequence[BlockKey], at: Any, start: int = 0) -> bool:
         """Fill the blocks at ``at`` (block ids, host indices: what the attached memory's
         ``offsets`` takes) now; False (keys remembered as failed) when they cannot be."""
-        return self.load_leading(keys, at, partial=False) == len(keys)
+        return self.load_leading(keys, at, start, partial=False) == len(keys)
 
-    def load_leading(self, keys: Sequence[BlockKey], at: Any, *, partial: bool = True) -> int:
+    def load_leading(
+        self, keys: Sequence[BlockKey], at: Any, start: int = 0, *, partial: bool = True
+    ) -> int:
         """Load as many leading blocks as the store holds; returns how many were loaded.
         Raises :class:`LayoutError` (nothing moved) when ``at`` is outside the memory."""
         if not keys:
             return 0
         offsets = self._offsets(keys, at)
-        return self._leading(
-            "load", keys, lambda store, n: store.load(keys[:n], offsets[:n]), partial=partial
-        )
+
+        def move(store: Backend, n: int) -> None:
+            store.load(keys[:n], offsets[:n], start)
+
+        return self._leading("load", keys, move, partial=partial)
 
     def _leading(
         self,
@@ -241,13 +247,13 @@ class ConnectorCore(Closing):
             self.mark_failed(keys)
         self.stats.load_failed(len(keys) * self.block_tokens)
 
-    def save(self, keys: Sequence[BlockKey], at: Any) -> bool:
+    def save(self, keys: Sequence[BlockKey], at: Any, start: int = 0) -> bool:
         """Store the blocks at ``at`` now (those the store holds already are not sent);
         False when the store failed. Raises :class:`LayoutError` for a bad ``at``."""
         if not keys:
             return True
         offsets = self._offsets(keys, at)
-        return self._saved(keys, lambda store: store.save(keys, offsets))
+        return self._saved(keys, lambda store: store.save(keys, offsets, start))
 
     def get(self, keys: Sequence[BlockKey], out: Sequence[Any]) -> int:
         """The copying twin of :meth:`load_leading`: fill one ``block_bytes`` buffer per
@@ -304,7 +310,7 @@ class ConnectorCore(Closing):
     # -- internals --------------------------------------------------------------------------
 
     def _run_save(self, job: SaveJob) -> None:
-        if not self.save(job.keys, job.block_ids):
+        if not self.save(job.keys, job.block_ids, job.start):
             self.stats.save_skipped(len(job.keys))
 
     def _saved(self, keys: Sequence[BlockKey], store: Callable[[Backend], int]) -> bool:
@@ -354,20 +360,7 @@ class ConnectorCore(Closing):
                 return True
             address, secret = self._target
             try:
-                backend = ServerBackend(
-                    address,
-                    secret,
-                    self.namespace,
-                    self.identity.block_bytes,
-                    self.config.timeout,
-                    connections=self._connections,
-                    tenant=self.config.tenant,
-                    streams=self.config.streams,
-                    transports=self.config.transports,
-                    staging=self.config.staging,
-                    staging_bytes=self.config.staging_bytes,
-                    on_staged=self.stats.staged,
-                )
+                backend = self._open(address, secret)
             except FAULTS as exc:
                 self._fault("connect", exc)
                 return False
@@ -375,6 +368,27 @@ class ConnectorCore(Closing):
                 backend.attach(self._memory)
             self._backend = backend
             return True
+
+    def _open(self, address: str, secret: bytes | None) -> Backend:
+        """The backend of ``address``: one server's, or a cluster's (an etcd URL)."""
+        config = self.config
+        settings: dict[str, Any] = {
+            "connections": self._connections,
+            "tenant": config.tenant,
+            "streams": config.streams,
+            "transports": config.transports,
+            "staging": config.staging,
+            "staging_bytes": config.staging_bytes,
+            "on_staged": self.stats.staged,
+        }
+        block_bytes, timeout = self.identity.block_bytes, config.timeout
+        if address.startswith(ETCD_SCHEME):
+            return ClusterBackend(
+                *(address, secret, self.namespace, block_bytes, timeout),
+                cluster=config.cluster_name,
+                **settings,
+            )
+        return ServerBackend(address, secret, self.namespace, block_bytes, timeout, **settings)
 
     def _store(self) -> Backend:
         backend = self._backend

@@ -19,9 +19,13 @@ _log = logging.getLogger("kvbridge.bindings")
 
 @dataclass(frozen=True)
 class SaveJob:
+    """Blocks of one request: ``keys[i]`` is engine block ``block_ids[i]`` and the
+    request's block ``start + i``."""
+
     request: str
     keys: tuple[BlockKey, ...]
     block_ids: tuple[int, ...]
+    start: int = 0
 
 
 SaveFn = Callable[[SaveJob], None]

@@ -18,11 +18,13 @@ from ...store import BlockKey
 
 @dataclass(frozen=True)
 class Transfer:
-    """Blocks of one request to load or save: ``keys[i]`` is engine block ``block_ids[i]``."""
+    """Blocks of one request to load or save: ``keys[i]`` is engine block ``block_ids[i]``,
+    and the prompt's block ``start + i`` (a cluster keeps a prompt's first blocks twice)."""
 
     request: str
     keys: tuple[BlockKey, ...]
     block_ids: tuple[int, ...]
+    start: int = 0
 
 
 @dataclass

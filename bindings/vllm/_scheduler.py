@@ -203,7 +203,7 @@ class SchedulerSide:
         hit = self._core.lookup(state.keys[:cap]) if cap > 0 else 0
         first = num_computed // self._block
         if hit > first:
-            state.hold = self._core.pin(state.keys[first:hit])
+            state.hold = self._core.pin(state.keys[first:hit], first)
             if state.hold is None:  # gone between the two calls: load nothing
                 hit = 0
         state.hit = hit
@@ -216,7 +216,9 @@ class SchedulerSide:
         state.load = None
         ids = list(blocks.get_block_ids()[0])
         ids = ids[first:last] if len(ids) >= last else list(blocks.get_unhashed_block_ids())
-        self._waiting_loads[req_id] = _transfer(req_id, state.keys[first:last], ids[: last - first])
+        self._waiting_loads[req_id] = _transfer(
+            req_id, state.keys[first:last], ids[: last - first], first
+        )
 
     def _waiting(self, state: _Request, cap: int) -> bool:
         wanted = min(state.expect, cap)
@@ -242,7 +244,7 @@ class SchedulerSide:
             first, last = state.load
             state.load = None
             meta.loads.append(
-                _transfer(req_id, state.keys[first:last], state.block_ids[first:last])
+                _transfer(req_id, state.keys[first:last], state.block_ids[first:last], first)
             )
             if state.hold is not None:
                 self._loaded[-1][req_id] = state.hold
@@ -252,12 +254,14 @@ class SchedulerSide:
         full = min(end // self._block, len(state.keys))
         if full > state.saved:
             keys, ids = state.keys[state.saved : full], state.block_ids[state.saved : full]
-            meta.saves.append(_transfer(req_id, keys, ids))
+            meta.saves.append(_transfer(req_id, keys, ids, state.saved))
             state.saved, state.saves = full, True
 
 
-def _transfer(request: str, keys: Iterable[BlockKey], block_ids: Iterable[int]) -> Transfer:
-    return Transfer(request, tuple(keys), tuple(block_ids))
+def _transfer(
+    request: str, keys: Iterable[BlockKey], block_ids: Iterable[int], start: int
+) -> Transfer:
+    return Transfer(request, tuple(keys), tuple(block_ids), start)
 
 
 def _extra(request: Any) -> bytes:

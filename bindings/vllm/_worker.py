@@ -76,11 +76,13 @@ class WorkerSide:
         if meta.async_loads:
             assert self._loader is not None, "async loads need the loader (async_load)"
             self._loading.update(load.request for load in meta.async_loads)
-            self._loader.submit(SaveJob(t.request, t.keys, t.block_ids) for t in meta.async_loads)
+            self._loader.submit(
+                SaveJob(t.request, t.keys, t.block_ids, t.start) for t in meta.async_loads
+            )
         if not meta.loads:
             return
         for load in meta.loads:
-            if not self._core.load(load.keys, load.block_ids):
+            if not self._core.load(load.keys, load.block_ids, load.start):
                 self._invalid.update(load.block_ids)
                 self._report.failed.update(load.keys)
                 self._poisoned = self._window
@@ -97,7 +99,9 @@ class WorkerSide:
         if poisoned:
             self._report.unsaved.update(save.request for save in meta.saves)
             return
-        self._core.save_later([SaveJob(s.request, s.keys, s.block_ids) for s in meta.saves])
+        self._core.save_later(
+            [SaveJob(s.request, s.keys, s.block_ids, s.start) for s in meta.saves]
+        )
 
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """``get_finished``: ended requests whose saves all ran (sending done), and
@@ -121,7 +125,7 @@ class WorkerSide:
             self._loader.close()
 
     def _run_load(self, job: SaveJob) -> None:
-        if not self._core.load(job.keys, job.block_ids):
+        if not self._core.load(job.keys, job.block_ids, job.start):
             with self._lock:
                 self._failed_loads.append(job)
 

@@ -256,6 +256,11 @@ class StoreClient(Closing):
     def server_stats(self) -> dict[str, Any]:
         return self._call({"op": "stats"})
 
+    @property
+    def takes_device_memory(self) -> bool:
+        """Whether GPU memory can be registered here (the transport in use is UCX's)."""
+        return self.peer.transport == "ucx"
+
     def register(self, buffer: Any, *, access: str = "none") -> Region:
         """Register a buffer for ``put_from``/``get_into`` (keep it alive meanwhile). No
         peer may touch it (``access="none"``): only this client's own transfers move its

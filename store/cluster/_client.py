@@ -37,7 +37,7 @@ import numpy as np
 
 from ..._closing import Closing
 from ...transfer import DEFAULT_STREAMS, LocalProtocolError, Region, is_device
-from .._buffers import as_array
+from .._buffers import as_array, copy_into, split_blocks, to_host
 from .._errors import BlockNotFound, InvalidBlock, StoreClosed, StoreError
 from .._keys import BlockKey, check_keys, namespace_bytes
 from .._sizes import positive_int
@@ -208,8 +208,10 @@ class ClusterClient(Closing):
 
     def put(self, keys: Sequence[bytes], blocks: object, *, chain_start: int = 0) -> list[bool]:
         """Store each block on its member(s); per key, whether a member newly stored it.
-        Blocks for a member that fails go to the next member; a key no member took is
-        ``False`` (a cache may drop a block; it never stores a wrong one)."""
+        ``blocks`` is one host buffer of the blocks in order, or a buffer per block
+        (copied once into one). Blocks for a member that fails go to the next member; a
+        key no member took is ``False`` (a cache may drop a block; it never stores a wrong
+        one)."""
         checked = check_keys(keys)
         rows = self._rows(blocks, len(checked), writable=False)
 
@@ -271,11 +273,12 @@ class ClusterClient(Closing):
         return failed
 
     def get(self, keys: Sequence[bytes], out: object, *, chain_start: int = 0) -> None:
-        """Fill ``out`` with the blocks of ``keys`` from whichever of their members has
-        them; :class:`BlockNotFound` naming every key none has (``out`` untouched then)."""
+        """Fill ``out`` (one host buffer, or a buffer per block) with the blocks of
+        ``keys`` from whichever of their members has them; :class:`BlockNotFound` naming
+        every key none has (``out`` untouched then)."""
         checked = check_keys(keys)
-        target = self._rows(out, len(checked), writable=True)
-        found = np.empty_like(target)
+        arrays, _ = split_blocks(out, len(checked), self.block_bytes, writable=True)
+        found = np.empty((len(checked), self.block_bytes), np.uint8)
 
         def fetch(address: str, lent: Lent, index: list[int]) -> set[int]:
             return get_what_is_there(checked, index, read_rows(lent.client, checked, found))
@@ -283,7 +286,8 @@ class ClusterClient(Closing):
         absent = self._rounds(checked, chain_start, fetch)
         if absent:
             raise BlockNotFound([checked[i] for i in sorted(absent)])
-        target[...] = found
+        for array, row in zip(arrays, found, strict=True):
+            copy_into(array, row)
 
     def get_pages(
         self,
@@ -389,13 +393,30 @@ class ClusterClient(Closing):
                     removed[i] = removed[i] or r
         return removed
 
+    def clear(self) -> int:
+        """Remove every block of the namespace that no reader holds from every member;
+        how many were removed (a member that fails is left out of the count)."""
+        groups: dict[str, list[int]] = {address: [] for address in self.members()}
+
+        def drop(address: str, lent: Lent, index: list[int]) -> int:
+            return lent.client.clear()
+
+        return sum(r for _, _, r in self._fan_out(groups, drop) if isinstance(r, int))
+
+    @property
+    def takes_device_memory(self) -> bool:
+        """Whether GPU memory can be registered (every member connection is UCX's)."""
+        return self._transports == ("ucx",)
+
     def register(self, buffer: object) -> ClusterRegion:
         """Register a buffer for ``put_from``/``get_into``/``put_pages``/``get_pages``
         (keep it alive while the client is): with each member's connection on its first
         use there, once. Memory on a GPU needs UCX among the ``transports``
         (``LocalProtocolError`` otherwise: stage it through host memory)."""
-        if is_device(buffer) and "ucx" not in self._transports:
-            raise LocalProtocolError("GPU memory moves over UCX only; transports are TCP")
+        if is_device(buffer) and not self.takes_device_memory:
+            raise LocalProtocolError(
+                "GPU memory moves over UCX only: a cluster client needs transports=('ucx',)"
+            )
         length = as_array(buffer, writable=True).nbytes if not is_device(buffer) else None
         with self._lock:
             self._buffers.append(buffer)
@@ -411,12 +432,16 @@ class ClusterClient(Closing):
     # -- plumbing ----------------------------------------------------------------------
 
     def _rows(self, buffer: object, count: int, *, writable: bool) -> np.ndarray:
-        flat = as_array(buffer, writable=writable)
-        if not isinstance(flat, np.ndarray) or flat.size != count * self.block_bytes:
-            raise InvalidBlock(
-                f"need one host buffer of {count} x {self.block_bytes} bytes, got {flat.size}"
-            )
-        return flat.reshape(count, self.block_bytes)
+        """The blocks as host rows: a view of one host buffer, else a copy of them."""
+        if not isinstance(buffer, (list, tuple)):
+            flat = as_array(buffer, writable=writable)
+            if isinstance(flat, np.ndarray) and flat.size == count * self.block_bytes:
+                return flat.reshape(count, self.block_bytes)
+        arrays, _ = split_blocks(buffer, count, self.block_bytes, writable=writable)
+        rows = np.empty((count, self.block_bytes), np.uint8)
+        for row, array in zip(rows, arrays, strict=True):
+            row[...] = to_host(array)
+        return rows
 
     def _page_offsets(
         self, regions: Sequence[ClusterRegion], offsets: object, count: int

@@ -20,7 +20,7 @@ class _FailingLoads:
         self._backend = backend
         self.loads = 0
 
-    def load(self, keys: Sequence[BlockKey], offsets: np.ndarray) -> None:
+    def load(self, keys: Sequence[BlockKey], offsets: np.ndarray, start: int = 0) -> None:
         self.loads += 1
         raise TransferError("injected: the data path is down")
 
