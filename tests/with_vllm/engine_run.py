@@ -5,7 +5,10 @@ that every engine is a fresh process (as a restarted or second instance is).
 SPEC: model, prompts (lists of token ids), rounds, max_tokens, batched (max_num_batched_tokens),
 prefix_caching, blocks (num_gpu_blocks_override), connector (extra config, or null for
 none), role, failure_policy, abort (request index to abort after the first step), engine
-(more arguments of ``LLM``: ``hf_overrides``, ``served_model_name``, ...).
+(more arguments of ``LLM``: ``hf_overrides``, ``served_model_name``, ...), kill_after_round
+and kill_pid (SIGKILL a process between two rounds), kill_in_round and kill_in_pid (SIGKILL
+it after that round's first two engine steps, its requests under way). The result has each
+round's outputs, its wall seconds (``seconds``) and the connector's counters.
 """
 
 from __future__ import annotations
@@ -71,17 +74,23 @@ def main() -> None:
     llm = _engine(spec)
     params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0, detokenize=False)
     rounds: list[list[dict[str, Any]]] = []
+    seconds: list[float] = []
     for number in range(spec.get("rounds", 1)):
+        started = time.monotonic()
         if spec.get("abort"):
             _abort_after_first_steps(llm, spec["prompts"], params)
             rounds.append([])
             continue
-        inputs = [{"prompt_token_ids": p} for p in spec["prompts"]]
-        outs = llm.generate(inputs, params, use_tqdm=False)
+        if spec.get("kill_in_round") == number:
+            outs = _kill_after_first_steps(llm, spec["prompts"], params, spec["kill_in_pid"])
+        else:
+            inputs = [{"prompt_token_ids": p} for p in spec["prompts"]]
+            outs = llm.generate(inputs, params, use_tqdm=False)
         rounds.append([_output(o) for o in outs])
+        seconds.append(time.monotonic() - started)
         if spec.get("kill_after_round") == number:
             os.kill(spec["kill_pid"], signal.SIGKILL)  # the server dies between two rounds
-    result: dict[str, Any] = {"rounds": rounds, "stats": _stats()}
+    result: dict[str, Any] = {"rounds": rounds, "seconds": seconds, "stats": _stats()}
     if spec.get("observe"):  # what the server holds while this engine still runs
         result["server"] = _server_figures(spec["observe"])
     print("RESULT " + json.dumps(result), flush=True)
@@ -98,6 +107,25 @@ def _output(out: Any) -> dict[str, Any]:
     first = out.outputs[0]
     cached = out.num_cached_tokens or 0  # vLLM's own prefix cache + what the connector loaded
     return {"tokens": list(first.token_ids), "finish": first.finish_reason, "cached": cached}
+
+
+def _kill_after_first_steps(llm: Any, prompts: list[list[int]], params: Any, pid: int) -> list[Any]:
+    """Add every prompt, run two engine steps, SIGKILL ``pid`` (a cache server), and step
+    until every request finished; their outputs, in prompt order."""
+    engine = llm.llm_engine
+    ids = [f"kill-{i}" for i in range(len(prompts))]
+    for req_id, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(req_id, {"prompt_token_ids": prompt}, params)
+    done: dict[str, Any] = {}
+    for step in range(10_000):
+        if step == 2:
+            os.kill(pid, signal.SIGKILL)
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        if len(done) == len(ids):
+            break
+    return [done[req_id] for req_id in ids]
 
 
 def _abort_after_first_steps(llm: Any, prompts: list[list[int]], params: Any) -> None:

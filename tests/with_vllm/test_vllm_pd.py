@@ -1,6 +1,8 @@
-"""Prefill/decode disaggregation on two real vLLM OpenAI servers, a ``kvbridge serve`` and
-``kvbridge proxy``: completions through the proxy equal a single instance's, and the
-decode instance computes at most the last block of each prompt itself."""
+"""Prefill/decode disaggregation on two real vLLM OpenAI servers, ``kvbridge proxy`` and
+either one ``kvbridge serve`` (pages moved directly) or a cluster of three on etcd (pages
+moved through the staging buffer, the GPU path): completions through the proxy equal a
+single instance's, and the decode instance computes at most the last block of each prompt
+itself."""
 
 from __future__ import annotations
 
@@ -18,7 +20,11 @@ from typing import Any
 
 import pytest
 from harness import BLOCK, PATHS, PROMPTS
+from helpers import until
 from serve import ServeProcess
+
+from kvbridge.store import ClusterClient
+from kvbridge.tools._etcd_process import EtcdProcess, etcd_binary
 
 ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1"}
 
@@ -82,17 +88,45 @@ def _post(url: str, body: dict[str, Any]) -> Any:
         return answer.read()
 
 
-@pytest.fixture(scope="module", params=list(PATHS))
+def _one_server(stack: ExitStack) -> str:
+    store = ServeProcess("--host-capacity", "64MiB")
+    stack.callback(store.kill)
+    return store.address
+
+
+def _cluster(stack: ExitStack) -> str:
+    """Three members on an etcd; its URL once etcd lists them all."""
+    etcd = stack.enter_context(EtcdProcess())
+    for _ in range(3):
+        member = ServeProcess("--cluster", etcd.url, "--host-capacity", "64MiB")
+        stack.callback(member.kill)
+    with ClusterClient(etcd.url, block_bytes=4096) as watcher:
+        until(lambda: len(watcher.members()) == 3, "the members in etcd")
+    return etcd.url
+
+
+DEPLOYMENTS: dict[str, tuple[Callable[[ExitStack], str], dict[str, Any]]] = {
+    "server-direct": (_one_server, PATHS["direct"]),
+    "cluster-staged": (_cluster, PATHS["staged"]),
+}
+"""Where prefill saves and decode loads, and how pages move."""
+
+
+@pytest.fixture(scope="module", params=list(DEPLOYMENTS))
 def pd(model: str, request: pytest.FixtureRequest) -> Iterator[dict[str, str]]:
     """The whole deployment; yields the URLs of the proxy, prefill and decode."""
-    extra = PATHS[request.param]
+    store, extra = DEPLOYMENTS[request.param]
+    if store is _cluster:
+        try:
+            etcd_binary()
+        except FileNotFoundError as exc:
+            pytest.skip(f"no etcd: {exc}")
     with ExitStack() as stack:
-        store = ServeProcess("--host-capacity", "64MiB")
-        stack.callback(store.kill)
+        address = store(stack)
         ports = [_port() for _ in range(3)]
         procs = [
-            _vllm(model, "kv_producer", store.address, ports[0], extra),
-            _vllm(model, "kv_consumer", store.address, ports[1], extra),
+            _vllm(model, "kv_producer", address, ports[0], extra),
+            _vllm(model, "kv_consumer", address, ports[1], extra),
         ]
         proxy = subprocess.Popen(
             [
