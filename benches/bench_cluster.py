@@ -5,8 +5,12 @@
   cluster. On a 2-core machine this shows what the fan-out costs, not scaling.
 - ``match_prefix`` of 1,000 keys through the cluster (one parallel round of ``contains``)
   against a ``StoreClient.match_prefix`` of one server.
-- Failover: after SIGKILL of a member, the time until the first client call that no longer
-  touches it (the client notices the dropped connection, or etcd's lease expiry).
+- The connector core's page-wise loads and saves (1 MiB blocks of 8 pages of 128 KiB, as
+  ``bench_connector.py``) through the three members against the same core on one server,
+  the same bytes: blocks past a chain's replicated head (one copy each), and a chain's
+  first blocks (two copies: the save moves twice the bytes).
+- Failover: after SIGKILL of a member, how long a call in flight to it took to return (the
+  member's connection drops under it), and when new calls left the member out.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import numpy as np
 import pytest
 from conftest import _EXTRA_LINES
 
+from kvbridge.bindings import ConnectorConfig, ConnectorCore, Identity, PagedKV
 from kvbridge.store import ClusterClient, StoreClient, prefix_hashes
 from kvbridge.tools._etcd_process import EtcdProcess, etcd_binary
 from kvbridge.tools._serve_cmds import read_listening
@@ -122,6 +127,52 @@ def test_match_prefix_latency(compare: Callable[..., Any], clusters: Any) -> Non
             lambda: single.match_prefix(keys),
             baseline_name="StoreClient.match_prefix, one server",
             rounds=30,
+        )
+
+
+LAYERS, PAGE, BLOCKS = 8, 128 << 10, 16
+
+
+@pytest.mark.parametrize("direction", ["load", "save"])
+@pytest.mark.parametrize("start", [64, 0], ids=["past-the-heads", "heads"])
+def test_connector_through_three_members(
+    compare: Callable[..., Any], clusters: Any, direction: str, start: int
+) -> None:
+    etcd, servers = clusters
+    _client(etcd, "three", 3).close()  # etcd lists all three: the cores see them
+    cache = [np.random.default_rng(i).integers(0, 256, (64, PAGE), np.uint8) for i in range(LAYERS)]
+    kv = PagedKV(tuple(cache), "bench")
+    ids = tuple(range(BLOCKS))
+    three = ConnectorConfig.from_extra({"server": etcd.url, "cluster_name": "three"})
+    one = ConnectorConfig(server=servers[3][1])
+    extra = f"{direction}-{start}"  # a namespace per case: nothing of another case is there
+    ident = Identity("bench", "m", "float32", "cpu/8x64", 32, LAYERS * PAGE, "tp0/1", extra)
+    rounds = iter(range(1, 10**6))
+    with ConnectorCore(three, ident) as fanned, ConnectorCore(one, ident) as single:
+        for core in (fanned, single):
+            core.attach(kv)
+        keys = fanned.keys(list(range(32 * BLOCKS)))
+        assert fanned.save(keys, ids, start) and single.save(keys, ids, start)
+
+        def move(core: ConnectorCore) -> Callable[[], object]:
+            if direction == "load":
+                return lambda: core.load(keys, ids, start) or pytest.fail("load failed")
+
+            def save() -> None:  # new keys each round: every block moves
+                base = next(rounds) << 20
+                core.save(core.keys(list(range(base, base + 32 * BLOCKS))), ids, start)
+
+            return save
+
+        copies = 2 if start == 0 and direction == "save" else 1
+        compare(
+            f"connector {direction} via 3 members, {BLOCKS} x 1 MiB at block {start} "
+            f"({copies} cop{'ies' if copies > 1 else 'y'})",
+            move(fanned),
+            move(single),
+            baseline_name="the same core on one server",
+            nbytes=BLOCKS * LAYERS * PAGE,
+            rounds=10,
         )
 
 

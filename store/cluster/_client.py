@@ -47,9 +47,8 @@ from ._join import DEFAULT_CLUSTER, members_prefix
 from ._membership import Member, Membership
 from ._parts import (
     ClusterRegion,
-    Ranks,
+    Owners,
     get_what_is_there,
-    group,
     pin_what_is_there,
     read_rows,
 )
@@ -186,23 +185,17 @@ class ClusterClient(Closing):
             self._rebuild(self._listed())
         self._clients.drop(address)
 
-    def _owners(self, keys: Sequence[BlockKey], chain_start: int) -> list[tuple[int, list[str]]]:
-        """Per key, how many copies it has and its members, best first: the copies, then
-        one more (where a block placed before a join or a failure may be found)."""
+    def _owners(self, keys: Sequence[BlockKey], chain_start: int) -> Owners:
+        """Where ``keys`` live: their members best first, and how many copies each has."""
         if isinstance(chain_start, bool) or not isinstance(chain_start, int) or chain_start < 0:
             raise ValueError(f"chain_start must be a non-negative int, got {chain_start!r}")
         with self._lock:
             if self._dead:
                 self._rebuild(self._listed())
             ring = self._ring
-        order = ring.owners(keys, self.replicas + 1).tolist() if ring.members else []
-        owners = []
-        for i in range(len(keys)):
-            row = [ring.members[j] for j in order[i]] if order else []
-            copies = self.replicas if chain_start + i < self.replicated_blocks else 1
-            copies = min(copies, len(row))
-            owners.append((copies, row[: copies + 1]))
-        return owners
+        order = ring.owners(keys, self.replicas + 1)
+        heads = np.arange(chain_start, chain_start + len(keys)) < self.replicated_blocks
+        return Owners(ring.members, order, np.where(heads, self.replicas, 1))
 
     # -- the store surface -------------------------------------------------------------
 
@@ -255,16 +248,17 @@ class ClusterClient(Closing):
     def _put(self, keys: Sequence[BlockKey], chain_start: int, store: _Store) -> list[bool]:
         owners = self._owners(keys, chain_start)
         stored = [False] * len(keys)
-        failed = self._put_round(store, [o[:c] for c, o in owners], stored)
+        failed = self._put_round(store, owners.copies(), stored)
         if failed:  # once more, to the next member of each key whose member failed
-            spare = [o[c:] if i in failed else [] for i, (c, o) in enumerate(owners)]
-            self._put_round(store, spare, stored)
+            self._put_round(store, owners.spares(failed), stored)
         return stored
 
-    def _put_round(self, store: _Store, targets: list[list[str]], stored: list[bool]) -> set[int]:
+    def _put_round(
+        self, store: _Store, groups: dict[str, list[int]], stored: list[bool]
+    ) -> set[int]:
         """One parallel put per member; the key indices whose member failed."""
         failed: set[int] = set()
-        for _, index, result in self._fan_out(group(targets), store):
+        for _, index, result in self._fan_out(groups, store):
             if isinstance(result, BaseException):
                 failed.update(index)
                 continue
@@ -386,8 +380,8 @@ class ClusterClient(Closing):
         def drop(address: str, lent: Lent, index: list[int]) -> list[bool]:
             return lent.client.remove([checked[i] for i in index])
 
-        targets = [o for _, o in self._owners(checked, chain_start)]
-        for _, index, result in self._fan_out(group(targets), drop):
+        groups = self._owners(checked, chain_start).candidates()
+        for _, index, result in self._fan_out(groups, drop):
             if not isinstance(result, BaseException):
                 for i, r in zip(index, result, strict=True):
                     removed[i] = removed[i] or r
@@ -472,18 +466,17 @@ class ClusterClient(Closing):
     ) -> set[int]:
         """Rounds of parallel reads, each key from its next member, until every key was
         read or no member is left to ask; the indices of the keys no member had."""
-        ranks = Ranks([o for _, o in self._owners(keys, chain_start)])
-        left = set(range(len(keys)))
+        ranks = self._owners(keys, chain_start).ranks()
+        left = np.ones(len(keys), bool)
         while groups := ranks.next_round(left):
-            missing: set[int] = set()
             for address, index, result in self._fan_out(groups, fetch, first=first):
+                left[index] = False
                 if isinstance(result, BaseException):
-                    missing.update(index)
+                    left[index] = True
                     ranks.avoid({address})  # failed or refused: not asked again
-                else:
-                    missing.update(result)
-            left = missing | (left - {i for index in groups.values() for i in index})
-        return left
+                elif result:
+                    left[list(result)] = True
+        return set(np.flatnonzero(left).tolist())
 
     def _fan_out(
         self,
