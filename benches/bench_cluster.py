@@ -143,7 +143,7 @@ def test_connector_through_three_members(
     cache = [np.random.default_rng(i).integers(0, 256, (64, PAGE), np.uint8) for i in range(LAYERS)]
     kv = PagedKV(tuple(cache), "bench")
     ids = tuple(range(BLOCKS))
-    three = ConnectorConfig.from_extra({"server": etcd.url, "cluster_name": "three"})
+    three = ConnectorConfig.from_extra({"server": etcd.url, "cluster_name": "three", "streams": 2})
     one = ConnectorConfig(server=servers[3][1])
     extra = f"{direction}-{start}"  # a namespace per case: nothing of another case is there
     ident = Identity("bench", "m", "float32", "cpu/8x64", 32, LAYERS * PAGE, "tp0/1", extra)

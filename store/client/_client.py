@@ -268,6 +268,16 @@ class StoreClient(Closing):
         return self.engine.register(buffer, access=access)
 
     @contextlib.contextmanager
+    def registered(self, buffer: Any) -> Iterator[Region]:
+        """``buffer`` registered (as :meth:`register`) for the block only: a buffer that
+        ``put_from``/``get_into`` move some blocks of once."""
+        region = self.register(buffer)
+        try:
+            yield region
+        finally:
+            self.engine.unregister(region)
+
+    @contextlib.contextmanager
     def deadline(self, seconds: float) -> Iterator[None]:
         """Bound the calls made inside the block to ``seconds`` in all: every wait for the
         server (each has ``timeout`` on its own) gets only what is left, and one that

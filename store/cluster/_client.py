@@ -50,7 +50,6 @@ from ._parts import (
     Owners,
     get_what_is_there,
     pin_what_is_there,
-    read_rows,
 )
 from ._rendezvous import Rendezvous
 
@@ -201,16 +200,17 @@ class ClusterClient(Closing):
 
     def put(self, keys: Sequence[bytes], blocks: object, *, chain_start: int = 0) -> list[bool]:
         """Store each block on its member(s); per key, whether a member newly stored it.
-        ``blocks`` is one host buffer of the blocks in order, or a buffer per block
-        (copied once into one). Blocks for a member that fails go to the next member; a
-        key no member took is ``False`` (a cache may drop a block; it never stores a wrong
-        one)."""
+        ``blocks`` is one host buffer of the blocks in order (each member's part moves
+        straight from it), or a buffer per block (copied once into one). Blocks for a
+        member that fails go to the next member; a key no member took is ``False`` (a cache
+        may drop a block; it never stores a wrong one)."""
         checked = check_keys(keys)
-        rows = self._rows(blocks, len(checked), writable=False)
+        flat = self._flat(blocks, len(checked), writable=False)
 
         def store(address: str, lent: Lent, index: list[int]) -> list[bool]:
-            part = np.ascontiguousarray(rows[index])
-            return lent.client.put([checked[i] for i in index], part)
+            with lent.client.registered(flat) as region:
+                at = (np.asarray(index, np.int64) * self.block_bytes).tolist()
+                return lent.client.put_from([checked[i] for i in index], region, at)
 
         return self._put(checked, chain_start, store)
 
@@ -268,20 +268,30 @@ class ClusterClient(Closing):
 
     def get(self, keys: Sequence[bytes], out: object, *, chain_start: int = 0) -> None:
         """Fill ``out`` (one host buffer, or a buffer per block) with the blocks of
-        ``keys`` from whichever of their members has them; :class:`BlockNotFound` naming
-        every key none has (``out`` untouched then)."""
+        ``keys`` from whichever of their members has them, each member's part straight
+        into a single buffer; :class:`BlockNotFound` naming every key none has (the blocks
+        that were found may have landed then, as a failed load's do)."""
         checked = check_keys(keys)
-        arrays, _ = split_blocks(out, len(checked), self.block_bytes, writable=True)
-        found = np.empty((len(checked), self.block_bytes), np.uint8)
+        arrays, at = split_blocks(out, len(checked), self.block_bytes, writable=True)
+        single = at is not None and isinstance(arrays[0], np.ndarray)
+        flat = as_array(out, writable=True) if single else self._flat(out, len(checked), True)
 
         def fetch(address: str, lent: Lent, index: list[int]) -> set[int]:
-            return get_what_is_there(checked, index, read_rows(lent.client, checked, found))
+            with lent.client.registered(flat) as region:
+
+                def read(part: list[int]) -> None:
+                    offsets = (np.asarray(part, np.int64) * self.block_bytes).tolist()
+                    lent.client.get_into([checked[i] for i in part], region, offsets)
+
+                return get_what_is_there(checked, index, read)
 
         absent = self._rounds(checked, chain_start, fetch)
         if absent:
             raise BlockNotFound([checked[i] for i in sorted(absent)])
-        for array, row in zip(arrays, found, strict=True):
-            copy_into(array, row)
+        if not single:  # read into a buffer of our own: now into the caller's
+            rows = flat.reshape(len(checked), self.block_bytes)
+            for array, row in zip(arrays, rows, strict=True):
+                copy_into(array, row)
 
     def get_pages(
         self,
@@ -425,17 +435,19 @@ class ClusterClient(Closing):
 
     # -- plumbing ----------------------------------------------------------------------
 
-    def _rows(self, buffer: object, count: int, *, writable: bool) -> np.ndarray:
-        """The blocks as host rows: a view of one host buffer, else a copy of them."""
+    def _flat(self, buffer: object, count: int, writable: bool) -> np.ndarray:
+        """The blocks as one host buffer: ``buffer`` itself where it is one, else a copy of
+        them (a buffer per block, or memory on a GPU)."""
         if not isinstance(buffer, (list, tuple)):
             flat = as_array(buffer, writable=writable)
             if isinstance(flat, np.ndarray) and flat.size == count * self.block_bytes:
-                return flat.reshape(count, self.block_bytes)
+                return flat.reshape(-1)
         arrays, _ = split_blocks(buffer, count, self.block_bytes, writable=writable)
         rows = np.empty((count, self.block_bytes), np.uint8)
-        for row, array in zip(rows, arrays, strict=True):
-            row[...] = to_host(array)
-        return rows
+        if not writable:
+            for row, array in zip(rows, arrays, strict=True):
+                row[...] = to_host(array)
+        return rows.reshape(-1)
 
     def _page_offsets(
         self, regions: Sequence[ClusterRegion], offsets: object, count: int

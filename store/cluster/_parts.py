@@ -19,7 +19,6 @@ __all__ = [
     "Ranks",
     "get_what_is_there",
     "pin_what_is_there",
-    "read_rows",
 ]
 
 
@@ -141,20 +140,6 @@ def get_what_is_there(
                 return set(index)  # evicted meanwhile: ask the next member for all
         return set(index) - set(have)
     return set()
-
-
-def read_rows(
-    client: StoreClient, keys: Sequence[BlockKey], found: np.ndarray
-) -> Callable[[list[int]], None]:
-    """A ``read`` for :func:`get_what_is_there` through a buffer of its own, copied into
-    the rows of ``found`` only once whole (a failed read leaves them as they were)."""
-
-    def read(index: list[int]) -> None:
-        part = np.empty((len(index), found.shape[1]), np.uint8)
-        client.get([keys[i] for i in index], part)
-        found[index] = part
-
-    return read
 
 
 def pin_what_is_there(
