@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import subprocess
 import sys
 import threading
@@ -174,6 +175,47 @@ def test_connector_through_three_members(
             nbytes=BLOCKS * LAYERS * PAGE,
             rounds=10,
         )
+
+
+def test_three_plain_clients_against_one(compare: Callable[..., Any], clusters: Any) -> None:
+    """The floor under the cluster's figures on this machine: three ``StoreClient`` s, one
+    per member, each reading a third of 16 MiB (1 MiB blocks) at once on three threads,
+    against one ``StoreClient`` reading all of it from one server. No cluster code runs."""
+    _, servers = clusters
+    data = np.random.default_rng(1).integers(0, 256, 16 * BB, dtype=np.uint8)
+    out = np.empty_like(data)
+    keys = prefix_hashes(range(5 * 10**6, 5 * 10**6 + 16 * 32), 32)
+    offsets = [i * BB for i in range(16)]
+    parts = [list(range(0, 6)), list(range(6, 11)), list(range(11, 16))]
+    members = [StoreClient(a, block_bytes=BB, namespace="plain") for _, a in servers[:3]]
+    single = StoreClient(servers[3][1], block_bytes=BB, namespace="plain")
+    pool = concurrent.futures.ThreadPoolExecutor(3)
+    try:
+        single.put(keys, data)
+        for client, part in zip(members, parts, strict=True):
+            client.put([keys[i] for i in part], np.ascontiguousarray(data.reshape(16, BB)[part]))
+        regions = [client.register(out) for client in members]
+        region = single.register(out)
+
+        def three() -> None:
+            reads = [
+                pool.submit(c.get_into, [keys[i] for i in p], r, [offsets[i] for i in p])
+                for c, p, r in zip(members, parts, regions, strict=True)
+            ]
+            for read in reads:
+                read.result()
+
+        compare(
+            "3 StoreClients at once, a third of 16 x 1 MiB each",
+            three,
+            lambda: single.get_into(keys, region, offsets),
+            baseline_name="one StoreClient, all of it",
+            nbytes=16 * BB,
+        )
+    finally:
+        pool.shutdown()
+        for client in [*members, single]:
+            client.close()
 
 
 def test_time_to_leave_a_killed_member_out(clusters: Any) -> None:

@@ -174,7 +174,11 @@ class TieredStore(Closing):
         checked = check_keys(keys)
         with self._placement.lock:
             self._placement.check_open()
-            return [self._placement.locate(key) is not None for key in checked]
+            indexes = [tier.index for tier in self._placement.tiers]
+            if len(indexes) == 1:  # a server's usual store: one lookup per key, inline
+                (index,) = indexes
+                return [key in index for key in checked]
+            return [any(key in index for index in indexes) for key in checked]
 
     def match_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading keys are present: the cache hit of a chained prefix, in blocks.
