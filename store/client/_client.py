@@ -338,7 +338,7 @@ class StoreClient(Closing):
             self._reconnect(session=self.peer.closed)
             body = self._rebound(body)
         try:
-            reply = self.peer.call(body, timeout=self._left())
+            reply = self._answer(body)
         except AuthenticationError:
             if body.get("op") == "open":
                 raise
@@ -346,6 +346,19 @@ class StoreClient(Closing):
             reply = self.peer.call(self._rebound(body), timeout=self._left())
         raise_error(reply)
         return reply
+
+    def _answer(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The peer's answer within what is left; no answer before the caller's deadline
+        is ``TimeoutError`` (the deadline ran out, not the server), as for a call that
+        would start after it."""
+        wait = self._left()
+        try:
+            return self.peer.call(body, timeout=wait)
+        except PeerClosed:
+            deadline = self._deadline.get()
+            if wait < self._timeout and deadline is not None and self._clock() >= deadline:
+                raise TimeoutError("the call ran past its deadline") from None
+            raise
 
     def _left(self) -> float:
         """How long the next wait may take: the timeout, or less under a :meth:`deadline`
