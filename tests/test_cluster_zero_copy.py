@@ -14,10 +14,11 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 from etcd_support import needs_etcd, until
-from serve import TRANSPORTS, ServeProcess
+from serve import TRANSPORTS, ServeProcess, needs_ucx
 
 from kvbridge.store import BlockNotFound, ClusterClient, InvalidBlock, StoreClient, prefix_hashes
 from kvbridge.tools._etcd_process import EtcdProcess
+from kvbridge.transfer import LocalProtocolError
 
 pytestmark = needs_etcd
 
@@ -195,15 +196,18 @@ def test_a_member_killed_under_a_load_is_noticed_at_once(transport: str) -> None
     with EtcdProcess() as etcd:
         servers = _members(etcd)
         try:
-            with _client(etcd.url, transport) as client:
-                until(lambda: len(client.members()) == 3)
-                _kill_under_loads(client, servers)
+            with _client(etcd.url, transport) as client, _client(etcd.url, "tcp", "o") as other:
+                until(lambda: len(client.members()) == len(other.members()) == 3)
+                _kill_under_loads(client, other, servers)
         finally:
             for server in servers:
                 server.kill()
 
 
-def _kill_under_loads(client: ClusterClient, servers: list[ServeProcess]) -> None:
+def _kill_under_loads(
+    client: ClusterClient, other: ClusterClient, servers: list[ServeProcess]
+) -> None:
+    """``other``: a client of another namespace that never called the member."""
     keys = prefix_hashes(range(16 * 60), 16)
     source, target = _Layers(client, 60, seed=4), _Layers(client, 60)
     client.put_pages(keys, source.regions, source.offsets(list(range(60))))
@@ -224,6 +228,8 @@ def _kill_under_loads(client: ClusterClient, servers: list[ServeProcess]) -> Non
     servers[0].kill()
     killed = time.monotonic()
     until(lambda: any(t > killed and e is not None for t, e in outcomes), timeout=TIMEOUT)
+    with pytest.raises(ConnectionError, match=servers[0].address):
+        other.clear()  # etcd still lists it (its lease runs 3 s): not cleared is a failure
     stop.set()
     thread.join(TIMEOUT)
     first_miss = min(t for t, e in outcomes if t > killed and e is not None)
@@ -233,6 +239,40 @@ def _kill_under_loads(client: ClusterClient, servers: list[ServeProcess]) -> Non
     heads = _Layers(client, 4)
     client.get_pages(keys[:4], heads.regions, heads.offsets([0, 1, 2, 3]))
     assert [heads.block(i) for i in range(4)] == [source.block(i) for i in range(4)]
+
+
+def test_nothing_to_move_is_no_call(cluster: _Case) -> None:
+    client, _, _ = cluster
+    assert client.put([], np.empty(0, np.uint8)) == []
+    client.get([], np.empty(0, np.uint8))
+    client.get_pages([], [client.register(np.empty(BB, np.uint8))], np.empty((0, 1), np.int64))
+
+
+class _FakeGpuMemory:
+    """Claims to be GPU memory; this process cannot register it (no cupy, no device)."""
+
+    nbytes = 4 * BB
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, object]:
+        return {"shape": (4 * BB,), "typestr": "|u1", "data": (0, False), "version": 3}
+
+
+@needs_ucx
+def test_gpu_memory_this_process_cannot_register_is_refused_at_once(
+    members: tuple[str, list[ServeProcess]],
+) -> None:
+    """``LocalProtocolError`` from ``register`` (where a connector stages instead), not a
+    failure of every member at the first load; the client goes on with host memory."""
+    url, _ = members
+    with _client(url, "ucx", "fake-gpu") as client:
+        until(lambda: len(client.members()) == 3)
+        with pytest.raises(LocalProtocolError):
+            client.register(_FakeGpuMemory())
+        data = np.arange(4 * BB, dtype=np.uint64).view(np.uint8)[: 4 * BB].copy()
+        keys = prefix_hashes(range(16 * 4), 16)
+        assert all(client.put_from(keys, client.register(data), [0, BB, 2 * BB, 3 * BB]))
+        assert len(client.members()) == 3  # no member was taken for failed
 
 
 def client_url(servers: list[ServeProcess]) -> str:

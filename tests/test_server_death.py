@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
+from helpers import until
 from serve import TRANSPORTS, ServeProcess
 
 from kvbridge.store import SERVER_FAULTS, StoreClient, prefix_hashes
@@ -22,7 +23,7 @@ NOTICED = 3.0
 """A call returns within this of the kill (measured: 0.002-0.15 s; the bound leaves room for
 a loaded machine, and is a tenth of the timeout)."""
 BLOCK = 1 << 20
-BLOCKS = 128
+BLOCKS = 256
 
 
 @pytest.fixture(params=TRANSPORTS)
@@ -89,17 +90,16 @@ def test_a_call_waiting_for_its_answer(served: tuple[ServeProcess, StoreClient])
 
 
 def test_a_get_whose_bytes_are_on_their_way(served: tuple[ServeProcess, StoreClient]) -> None:
-    """Gets of 128 MiB run back to back; the kill lands in one of them (in its pin, or
-    while its bytes stream in: over UCX the data stream reports nothing, the control
-    connection's drop is what ends it)."""
+    """The kill lands once the first bytes of a 256 MiB get are in: its pin is done, its
+    bytes stream in (over UCX the data stream reports nothing, the control connection's
+    drop is what ends it)."""
     server, client = served
     keys = prefix_hashes(range(16 * BLOCKS), 16)
     client.put(keys, np.ones(BLOCKS * BLOCK, np.uint8))
-    out = np.empty(BLOCKS * BLOCK, np.uint8)
-    client.get(keys, out)  # one whole round first: the kill then meets a call under way
+    out = np.zeros(BLOCKS * BLOCK, np.uint8)
 
-    def gets() -> None:
-        while True:
-            client.get(keys, out)
+    def kill_once_landing() -> None:
+        until(lambda: bool(out[::BLOCK].any()), "the first bytes landed", pause=0.0005)
+        server.kill()
 
-    assert _returns_soon(gets, server.kill) < NOTICED
+    assert _returns_soon(lambda: client.get(keys, out), kill_once_landing) < NOTICED

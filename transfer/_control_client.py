@@ -71,7 +71,9 @@ class ControlClient:
         self._poller.register(self._monitor, zmq.POLLIN)
         self.timeout = timeout
         self.lost = False
-        """Whether the connection dropped or was refused at some point (sticky)."""
+        """Whether a request failed because its connection dropped or was refused."""
+        self._drops = 0  # batches of lost-connection events read so far
+        self._drops_seen = 0  # ... of which connection_failed() has reported
         self._rid = 0
 
     def send(self, message: dict[str, Any]) -> None:
@@ -81,7 +83,7 @@ class ControlClient:
             self._socket.send_multipart([b"", pack({**message, "rid": self._rid})])
 
     def request(self, message: dict[str, Any]) -> dict[str, Any]:
-        self.connection_failed()  # before the send: history, not this request's fate
+        self._monitor_events()  # before the send: history, not this request's fate
         self.send(message)
         rid = self._rid
         deadline = time.monotonic() + self.timeout
@@ -171,13 +173,16 @@ class ControlClient:
                     frames: list[bytes] = self._socket.recv_multipart()
                     return frames
             if self._monitor_events():
+                self.lost = True
                 raise PeerClosed(f"{self._endpoint}: the connection dropped or was refused")
 
     def connection_failed(self) -> bool:
-        """Whether the connection ever dropped or was refused (:attr:`lost`), reading the
-        events the monitor holds; never waits."""
+        """Whether the connection dropped or was refused since the last time this said so
+        (a request that read the event meanwhile included); never waits. The DEALER
+        reconnects by itself, so a drop may be over already: the caller decides."""
         self._monitor_events()
-        return self.lost
+        new, self._drops_seen = self._drops != self._drops_seen, self._drops
+        return new
 
     def _monitor_events(self) -> bool:
         """Read the monitor's pending events; whether there were any (each one says the
@@ -188,7 +193,7 @@ class ControlClient:
             while self._monitor.poll(0):
                 recv_monitor_message(self._monitor)  # only the lost-connection events
                 failed = True
-        self.lost = self.lost or failed
+        self._drops += failed
         return failed
 
     @contextlib.contextmanager

@@ -218,8 +218,10 @@ class Peer:
             self._probe()
 
     def _probe(self) -> None:
-        """Close the peer if its control connection failed (not while another thread
-        calls: that call sees the failure itself)."""
+        """Close the peer if its control connection dropped since the last look (not
+        while another thread calls: that call sees the failure itself). A drop is taken
+        for the peer's death: a peer process that died drops it, and so, rarely, does a
+        network blip the DEALER already recovered from; that costs one reconnect."""
         if not self._calls_lock.acquire(blocking=False):
             return
         try:
@@ -229,7 +231,9 @@ class Peer:
                 wait = self._engine.settings.timeout
                 self._calls = ControlClient(self._engine.context, self._info.control, wait)
             if self._calls.connection_failed():
-                self._drop_calls()
+                self._calls.close()
+                self._calls = None
+                self._broken("the peer's control connection dropped")
         finally:
             self._calls_lock.release()
 
@@ -290,13 +294,17 @@ class Peer:
 
     def _close_streams(self, reason: str) -> None:
         """Close every stream and join their threads (from a stream's own thread, close()
-        skips joining itself)."""
+        skips joining itself), then fail what was pending on them: a batch spans streams,
+        and its caller may reuse its memory once it failed, so no stream may still be
+        moving its bytes then."""
         with self._lock:
             streams, self._streams = self._streams, []
             self._closing += 1
         try:
             for stream in streams:
-                stream.close(reason)
+                stream.shut(reason)
+            for stream in streams:
+                stream.fail_pending(reason)
         finally:
             with self._lock:
                 self._closing -= 1

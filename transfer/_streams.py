@@ -149,7 +149,13 @@ class InitiatorStream:
             self._send(frame)
 
     def close(self, reason: str = "closed") -> None:
-        """Stop both threads, fail what is pending, and join."""
+        """Stop both threads, join them, and fail what is pending."""
+        self.shut(reason)
+        self.fail_pending(reason)
+
+    def shut(self, reason: str) -> None:
+        """Stop both threads and join them (from a stream's own thread, that one is not
+        joined); what is pending stays pending: see :meth:`fail_pending`."""
         with self._lock:
             already = self._closed
             self._closed = True
@@ -161,7 +167,6 @@ class InitiatorStream:
         for thread in self._threads:
             if thread.is_alive() and thread is not threading.current_thread():
                 thread.join()
-        self._fail_pending(reason)
 
     def _send_loop(self) -> None:
         while True:
@@ -210,7 +215,7 @@ class InitiatorStream:
         return True
 
     def _recv_loop(self) -> None:
-        receiving: Pending | None = None  # taken from _pending, its payload still coming
+        receiving: tuple[int, Pending] | None = None  # taken, its payload still coming
         try:
             while True:
                 event = next_event(self.conn, self.pipe)
@@ -219,7 +224,7 @@ class InitiatorStream:
                     continue
                 pending = self._take(event)
                 if isinstance(event, Data):
-                    receiving = pending
+                    receiving = (event.request_id, pending)
                     self.pipe.recv_into_views(pending.views)
                     receiving = None
                     self.conn.payload_received()
@@ -238,8 +243,11 @@ class InitiatorStream:
             reason = f"stream {self.index}: {exc or type(exc).__name__}"
             if isinstance(exc, RemoteProtocolError):
                 reason = f"stream {self.index}: the peer broke the protocol: {exc}"
-            if receiving is not None:  # no longer pending: closing the stream misses it
-                receiving.on_error(PeerClosed(reason))
+            if receiving is not None:
+                # Pending again, so that it fails with the rest: only once every stream
+                # of the peer is closed, never while another still moves its batch's bytes.
+                with self._lock:
+                    self._pending[receiving[0]] = receiving[1]
             self._broken(reason)
 
     def _take(self, event: Event) -> Pending:
@@ -256,7 +264,7 @@ class InitiatorStream:
                 return
         self._on_broken(reason)
 
-    def _fail_pending(self, reason: str) -> None:
+    def fail_pending(self, reason: str) -> None:
         with self._lock:
             pending, self._pending = self._pending, {}
         for item in pending.values():

@@ -129,7 +129,7 @@ class ClusterClient(Closing):
             timeout=timeout,
             streams=streams,
         )
-        self._buffers: list[object] = []  # registered, in ClusterRegion.id order
+        self._buffers: list[object | None] = []  # in ClusterRegion.id order; None: failed
         self._owner = secrets.randbits(63)  # on this client's ClusterRegions
         self._clients.prepare(lambda client: [])  # per client: its Regions of _buffers
         self._lock = threading.Lock()
@@ -273,6 +273,8 @@ class ClusterClient(Closing):
         that were found may have landed then, as a failed load's do)."""
         checked = check_keys(keys)
         arrays, at = split_blocks(out, len(checked), self.block_bytes, writable=True)
+        if not checked:
+            return
         single = at is not None and isinstance(arrays[0], np.ndarray)
         flat = as_array(out, writable=True) if single else self._flat(out, len(checked), True)
 
@@ -398,14 +400,20 @@ class ClusterClient(Closing):
         return removed
 
     def clear(self) -> int:
-        """Remove every block of the namespace that no reader holds from every member;
-        how many were removed (a member that fails is left out of the count)."""
-        groups: dict[str, list[int]] = {address: [] for address in self.members()}
+        """Remove every block of the namespace that no reader holds from every member etcd
+        lists (one that failed a call lately too: it would serve its blocks again); how
+        many were removed. ``ConnectionError`` naming the members that could not clear
+        (the others did)."""
+        groups: dict[str, list[int]] = {address: [] for address in sorted(self._listed())}
 
         def drop(address: str, lent: Lent, index: list[int]) -> int:
             return lent.client.clear()
 
-        return sum(r for _, _, r in self._fan_out(groups, drop) if isinstance(r, int))
+        results = self._fan_out(groups, drop)
+        failed = [address for address, _, r in results if isinstance(r, BaseException)]
+        if failed:
+            raise ConnectionError(f"members {', '.join(failed)} did not clear the namespace")
+        return sum(r for _, _, r in results if isinstance(r, int))
 
     @property
     def takes_device_memory(self) -> bool:
@@ -426,7 +434,26 @@ class ClusterClient(Closing):
             self._buffers.append(buffer)
             index = len(self._buffers) - 1
         nbytes = length if length is not None else _device_bytes(buffer)
-        return ClusterRegion(index, nbytes, self._owner)
+        region = ClusterRegion(index, nbytes, self._owner)
+        if length is None:
+            self._check_registers(region)
+        return region
+
+    def _check_registers(self, region: ClusterRegion) -> None:
+        """Register GPU memory with one member's connection now: what this process cannot
+        register (no cupy, not contiguous) is ``LocalProtocolError`` here, where a caller
+        can stage instead, not a failure of every member at the first load. (No member
+        yet: checked on first use, where it is :class:`InvalidBlock`.)"""
+        for address in self.members()[:1]:
+            try:
+                with self._clients.lease(address) as lent:
+                    self._registered(lent, [region])
+            except InvalidBlock as exc:
+                with self._lock:
+                    self._buffers[region.id] = None  # no later call registers it
+                raise LocalProtocolError(str(exc)) from None
+            except SERVER_FAULTS as exc:
+                _log.debug("registration not checked on %s: %s", address, exc)
 
     def close(self) -> None:
         self._membership.stop()
@@ -467,11 +494,18 @@ class ClusterClient(Closing):
     def _registered(self, lent: Lent, regions: Sequence[ClusterRegion]) -> list[Region]:
         """The member client's own regions for ``regions``, registering the buffers it has
         not registered yet (the caller holds the client)."""
-        made: list[Region] = lent.prepared
+        made: list[Region | None] = lent.prepared
         last = max(r.id for r in regions)
         while len(made) <= last:
-            made.append(lent.client.register(self._buffers[len(made)]))
-        return [made[r.id] for r in regions]
+            buffer = self._buffers[len(made)]
+            try:
+                made.append(None if buffer is None else lent.client.register(buffer))
+            except LocalProtocolError as exc:  # this process's memory, not the member
+                raise InvalidBlock(f"cannot register buffer {len(made)}: {exc}") from None
+        found = [made[r.id] for r in regions]
+        if any(region is None for region in found):
+            raise InvalidBlock("a buffer whose registration failed")
+        return [region for region in found if region is not None]
 
     def _rounds(
         self, keys: Sequence[BlockKey], chain_start: int, fetch: _Fetch, *, first: bool = False

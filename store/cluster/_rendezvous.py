@@ -12,7 +12,9 @@ already, BLAKE3, XXH3-128 or BLAKE2b: hashing it again buys nothing, and the fol
 over a whole batch, where XXH3 of each key was a Python call per key, 0.2 ms of a 1,000-key
 lookup), ``s`` is XXH3-64 of the member's name, and ``mix`` the SplitMix64 finaliser (a
 bijection that spreads every input bit over the output), computed for a whole batch of
-keys and members at once.
+keys and members at once. (Before 2026-12-01 ``h`` was XXH3-64 of the key: clients of
+both versions place keys differently, so a cluster's clients are upgraded together; a
+block the other version placed is a miss, never a wrong byte.)
 """
 
 from __future__ import annotations
