@@ -31,7 +31,7 @@ class _Core:
     def lookup(self, keys: list[bytes]) -> int:
         return len(keys)
 
-    def pin(self, keys: list[bytes]) -> object:
+    def pin(self, keys: list[bytes], start: int = 0) -> object:
         self.pins.append(object())
         return self.pins[-1]
 
@@ -39,7 +39,7 @@ class _Core:
         if hold is not None:
             self.unpinned.append(hold)
 
-    def load(self, keys: Any, block_ids: Any) -> bool:
+    def load(self, keys: Any, block_ids: Any, start: int = 0) -> bool:
         return False
 
     def save_later(self, jobs: list[SaveJob]) -> None:
