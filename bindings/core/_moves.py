@@ -143,8 +143,13 @@ class PageMoves:
 
 
 @dataclass(frozen=True)
-class _ServerMover:
-    client: StoreClient
+class _Mover:
+    """A connection's registration, and its page moves with the chain position bound in
+    or dropped (one server has no use for it)."""
+
+    client: StoreClient | ClusterClient
+    get: Callable[[Sequence[BlockKey], Sequence[Any], Any, int], None]
+    put: Callable[[Sequence[BlockKey], Sequence[Any], Any, int], list[bool]]
 
     @property
     def takes_device_memory(self) -> bool:
@@ -156,39 +161,25 @@ class _ServerMover:
     def get_pages(
         self, keys: Sequence[BlockKey], regions: Sequence[Any], offsets: Any, start: int
     ) -> None:
-        self.client.get_pages(keys, regions, offsets)
+        self.get(keys, regions, offsets, start)
 
     def put_pages(
         self, keys: Sequence[BlockKey], regions: Sequence[Any], offsets: Any, start: int
     ) -> list[bool]:
-        return self.client.put_pages(keys, regions, offsets)
-
-
-@dataclass(frozen=True)
-class _ClusterMover:
-    client: ClusterClient
-
-    @property
-    def takes_device_memory(self) -> bool:
-        return self.client.takes_device_memory
-
-    def register(self, buffer: Any) -> Any:
-        return self.client.register(buffer)
-
-    def get_pages(
-        self, keys: Sequence[BlockKey], regions: Sequence[Any], offsets: Any, start: int
-    ) -> None:
-        self.client.get_pages(keys, regions, offsets, chain_start=start)
-
-    def put_pages(
-        self, keys: Sequence[BlockKey], regions: Sequence[Any], offsets: Any, start: int
-    ) -> list[bool]:
-        return self.client.put_pages(keys, regions, offsets, chain_start=start)
+        return self.put(keys, regions, offsets, start)
 
 
 def server_mover(client: StoreClient) -> Mover:
-    return _ServerMover(client)
+    return _Mover(
+        client,
+        lambda keys, regions, offsets, start: client.get_pages(keys, regions, offsets),
+        lambda keys, regions, offsets, start: client.put_pages(keys, regions, offsets),
+    )
 
 
 def cluster_mover(client: ClusterClient) -> Mover:
-    return _ClusterMover(client)
+    return _Mover(
+        client,
+        lambda keys, regions, at, start: client.get_pages(keys, regions, at, chain_start=start),
+        lambda keys, regions, at, start: client.put_pages(keys, regions, at, chain_start=start),
+    )

@@ -54,6 +54,17 @@ def _held(member: ServeProcess) -> int:
     return sum(ns["tiers"][0]["blocks"] for ns in stats["namespaces"])
 
 
+def _backed_up(url: str, zero_copy: int) -> tuple[Any, Any, Controller, Controller]:
+    """Two pools and a controller of each on the cluster; the writer has backed up
+    ``PAGES`` pages of its pool."""
+    source, target = pools(lambda: MHAPool(pages=PAGES + 4))
+    extra = {"server": url, "interface_v1": zero_copy, "timeout": TIMEOUT}
+    writer = Controller(backend(source, extra), source)
+    reader = Controller(backend(target, extra), target)
+    assert writer.backup(names(PAGES), source.slots(*range(PAGES))) == PAGES
+    return source, target, writer, reader
+
+
 @pytest.mark.parametrize("zero_copy", [1, 0], ids=["zero-copy", "copying"])
 def test_backup_and_prefetch_through_three_members_byte_for_byte(
     cluster: tuple[str, list[ServeProcess]],
@@ -61,13 +72,8 @@ def test_backup_and_prefetch_through_three_members_byte_for_byte(
     zero_copy: int,
 ) -> None:
     url, members = cluster
-    source, target = pools(lambda: MHAPool(pages=PAGES + 4))
-    extra = {"server": url, "interface_v1": zero_copy, "timeout": TIMEOUT}
-    writer = Controller(backend(source, extra), source)
-    reader = Controller(backend(target, extra), target)
-    keys = names(PAGES)
-    order = list(range(PAGES))
-    assert writer.backup(keys, source.slots(*order)) == PAGES
+    source, target, writer, reader = _backed_up(url, zero_copy)
+    keys, order = names(PAGES), list(range(PAGES))
     assert all(_held(member) > 0 for member in members)
     assert reader.storage_backend.batch_exists(keys) == PAGES
     placed = order[::-1]
@@ -89,12 +95,8 @@ def test_a_killed_member_makes_prefetch_return_fewer_pages(
     zero_copy: int,
 ) -> None:
     url, members = cluster
-    source, target = pools(lambda: MHAPool(pages=PAGES + 4))
-    extra = {"server": url, "interface_v1": zero_copy, "timeout": TIMEOUT}
-    writer = Controller(backend(source, extra), source)
-    reader = Controller(backend(target, extra), target)
+    source, target, writer, reader = _backed_up(url, zero_copy)
     keys = names(PAGES)
-    assert writer.backup(keys, source.slots(*range(PAGES))) == PAGES
     members[2].kill()
     got = within(TIMEOUT - 1, lambda: reader.prefetch(keys, target.slots(*range(PAGES))))
     assert 0 < got < PAGES  # the pages before the first one the member took
