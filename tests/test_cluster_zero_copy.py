@@ -13,11 +13,10 @@ from typing import NamedTuple
 
 import numpy as np
 import pytest
-from etcd_support import needs_etcd, until
+from etcd_support import EtcdProcess, needs_etcd, until
 from serve import TRANSPORTS, ServeProcess, needs_ucx
 
 from kvbridge.store import BlockNotFound, ClusterClient, InvalidBlock, StoreClient, prefix_hashes
-from kvbridge.tools._etcd_process import EtcdProcess
 from kvbridge.transfer import LocalProtocolError
 
 pytestmark = needs_etcd

@@ -13,13 +13,12 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from etcd_support import needs_etcd, until
+from etcd_support import EtcdProcess, needs_etcd, until
 from helpers import free_port
 from serve import ServeProcess
 
 from kvbridge.bindings import ConnectorConfig, ConnectorCore, Identity, PagedKV, pages_of
 from kvbridge.store import ClusterClient, ConfigError, StoreClient
-from kvbridge.tools._etcd_process import EtcdProcess
 
 pytestmark = needs_etcd
 

@@ -193,13 +193,12 @@ class Peer:
         with self._calls_lock:
             if self._error is not None:
                 raise PeerClosed(f"peer {self.name} is closed: {self._error}")
-            if self._calls is None:
-                self._calls = ControlClient(self._engine.context, self._info.control, wait)
-            self._calls.timeout = wait
+            calls = self._calls_client()
+            calls.timeout = wait
             try:
-                return self._calls.call(self._session(), body)
+                return calls.call(self._session(), body)
             except PeerClosed:
-                self._drop_calls()
+                self._drop_calls(broken=calls.lost)
                 raise
 
     def wait(self, handle: TransferHandle, timeout: float) -> None:
@@ -225,27 +224,27 @@ class Peer:
         if not self._calls_lock.acquire(blocking=False):
             return
         try:
-            if self._error is not None:
-                return
-            if self._calls is None:
-                wait = self._engine.settings.timeout
-                self._calls = ControlClient(self._engine.context, self._info.control, wait)
-            if self._calls.connection_failed():
-                self._calls.close()
-                self._calls = None
-                self._broken("the peer's control connection dropped")
+            if self._error is None and self._calls_client().connection_failed():
+                self._drop_calls(broken=True)
         finally:
             self._calls_lock.release()
 
-    def _drop_calls(self) -> None:
-        """Close the control client after a failed call (a late answer must not be taken
-        for the next one); if its connection dropped, the peer's process is gone or was
-        replaced, and the streams are closed too (what is in flight fails now)."""
+    def _calls_client(self) -> ControlClient:
+        """The control client of calls and casts, made on first use (under
+        ``_calls_lock``)."""
+        if self._calls is None:
+            wait = self._engine.settings.timeout
+            self._calls = ControlClient(self._engine.context, self._info.control, wait)
+        return self._calls
+
+    def _drop_calls(self, *, broken: bool) -> None:
+        """Close the control client (a late answer must not be taken for the next one);
+        ``broken``: its connection dropped, so the peer's process is gone or was replaced,
+        and the streams are closed too (what is in flight fails now)."""
         assert self._calls is not None
-        lost = self._calls.lost
         self._calls.close()
         self._calls = None
-        if lost:
+        if broken:
             self._broken("the peer's control connection dropped")
 
     def cast(self, body: dict[str, Any]) -> None:
@@ -254,10 +253,7 @@ class Peer:
         with self._calls_lock:
             if self._error is not None:
                 raise PeerClosed(f"peer {self.name} is closed: {self._error}")
-            if self._calls is None:
-                wait = self._engine.settings.timeout
-                self._calls = ControlClient(self._engine.context, self._info.control, wait)
-            self._calls.cast(self._session(), body)
+            self._calls_client().cast(self._session(), body)
 
     def _session(self) -> Credentials:
         if self._credentials is None:

@@ -142,14 +142,17 @@ class PageMoves:
         return np.arange(self._staged().blocks, dtype=np.int64) * self._block_bytes
 
 
+_PageMove = Callable[[Sequence[BlockKey], Sequence[Any], Any, int], Any]
+
+
 @dataclass(frozen=True)
 class _Mover:
     """A connection's registration, and its page moves with the chain position bound in
     or dropped (one server has no use for it)."""
 
     client: StoreClient | ClusterClient
-    get: Callable[[Sequence[BlockKey], Sequence[Any], Any, int], None]
-    put: Callable[[Sequence[BlockKey], Sequence[Any], Any, int], list[bool]]
+    get_pages: _PageMove
+    put_pages: _PageMove
 
     @property
     def takes_device_memory(self) -> bool:
@@ -157,16 +160,6 @@ class _Mover:
 
     def register(self, buffer: Any) -> Any:
         return self.client.register(buffer)
-
-    def get_pages(
-        self, keys: Sequence[BlockKey], regions: Sequence[Any], offsets: Any, start: int
-    ) -> None:
-        self.get(keys, regions, offsets, start)
-
-    def put_pages(
-        self, keys: Sequence[BlockKey], regions: Sequence[Any], offsets: Any, start: int
-    ) -> list[bool]:
-        return self.put(keys, regions, offsets, start)
 
 
 def server_mover(client: StoreClient) -> Mover:

@@ -343,7 +343,7 @@ class StoreClient(Closing):
             if body.get("op") == "open":
                 raise
             self._reconnect()  # the session is gone: leases it held are gone with it
-            reply = self.peer.call(self._rebound(body), timeout=self._left())
+            reply = self._answer(self._rebound(body))
         raise_error(reply)
         return reply
 

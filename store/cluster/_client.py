@@ -287,9 +287,7 @@ class ClusterClient(Closing):
 
                 return get_what_is_there(checked, index, read)
 
-        absent = self._rounds(checked, chain_start, fetch)
-        if absent:
-            raise BlockNotFound([checked[i] for i in sorted(absent)])
+        _all_found(checked, self._rounds(checked, chain_start, fetch))
         if not single:  # read into a buffer of our own: now into the caller's
             rows = flat.reshape(len(checked), self.block_bytes)
             for array, row in zip(arrays, rows, strict=True):
@@ -317,9 +315,7 @@ class ClusterClient(Closing):
 
             return get_what_is_there(checked, index, read)
 
-        absent = self._rounds(checked, chain_start, fetch)
-        if absent:
-            raise BlockNotFound([checked[i] for i in sorted(absent)])
+        _all_found(checked, self._rounds(checked, chain_start, fetch))
 
     def get_into(
         self,
@@ -347,13 +343,10 @@ class ClusterClient(Closing):
             return pin_what_is_there(lent.client, checked, index, leases)
 
         try:
-            absent = self._rounds(checked, chain_start, fetch, first=True)
-        except BaseException:
+            _all_found(checked, self._rounds(checked, chain_start, fetch, first=True))
+        except BaseException:  # all or nothing
             self.release(ClusterLease(taken))
             raise
-        if absent:
-            self.release(ClusterLease(taken))
-            raise BlockNotFound([checked[i] for i in sorted(absent)])
         return ClusterLease(taken)
 
     def release(self, lease: ClusterLease) -> None:
@@ -429,13 +422,12 @@ class ClusterClient(Closing):
             raise LocalProtocolError(
                 "GPU memory moves over UCX only: a cluster client needs transports=('ucx',)"
             )
-        length = as_array(buffer, writable=True).nbytes if not is_device(buffer) else None
+        device = is_device(buffer)
+        nbytes = _device_bytes(buffer) if device else as_array(buffer, writable=True).nbytes
         with self._lock:
             self._buffers.append(buffer)
-            index = len(self._buffers) - 1
-        nbytes = length if length is not None else _device_bytes(buffer)
-        region = ClusterRegion(index, nbytes, self._owner)
-        if length is None:
+            region = ClusterRegion(len(self._buffers) - 1, nbytes, self._owner)
+        if device:
             self._check_registers(region)
         return region
 
@@ -573,6 +565,12 @@ def _run(part: Callable[[str, list[int]], _T], address: str, index: list[int]) -
     except BaseException as exc:  # handed over whole, as the pool's futures do
         done.set_exception(exc)
     return done
+
+
+def _all_found(keys: Sequence[BlockKey], absent: set[int]) -> None:
+    """:class:`BlockNotFound` naming the keys no member had, if any."""
+    if absent:
+        raise BlockNotFound([keys[i] for i in sorted(absent)])
 
 
 def _column(offsets: Sequence[int]) -> np.ndarray:

@@ -11,19 +11,15 @@ from typing import Any
 
 import pytest
 from controller import Controller
-from helpers import until
+from etcd_support import EtcdProcess, needs_etcd, until
 from host_pools import MHAPool
 from serve import ServeProcess
 from test_sglang_backend import backend, names
 from test_sglang_controller import PAGES, controller_log, pools, within
 
 from kvbridge.store import ClusterClient, StoreClient
-from kvbridge.tools._etcd_process import EtcdProcess, etcd_binary
 
-try:
-    etcd_binary()
-except FileNotFoundError as exc:
-    pytest.skip(f"no etcd: {exc}", allow_module_level=True)
+pytestmark = needs_etcd
 
 __all__ = ["controller_log"]  # the fixture, used here by name
 

@@ -13,17 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from etcd_support import EtcdProcess, needs_etcd, until
 from harness import LOADABLE, run_engine, spec, tokens
-from helpers import until
 from serve import ServeProcess
 
 from kvbridge.store import ClusterClient, StoreClient
-from kvbridge.tools._etcd_process import EtcdProcess, etcd_binary
 
-try:
-    etcd_binary()
-except FileNotFoundError as exc:
-    pytest.skip(f"no etcd: {exc}", allow_module_level=True)
+pytestmark = needs_etcd
 
 TIMEOUT = 10
 """The connector's timeout: a round that waited it out on a dead member would show."""

@@ -11,7 +11,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -19,12 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from etcd_support import ETCD_MISSING, EtcdProcess, until
 from harness import BLOCK, PATHS, PROMPTS
-from helpers import until
 from serve import ServeProcess
 
 from kvbridge.store import ClusterClient
-from kvbridge.tools._etcd_process import EtcdProcess, etcd_binary
 
 ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1"}
 
@@ -66,18 +64,17 @@ def _wait(
     timeout: float = 240,
 ) -> None:
     """Until ``url`` answers with a body that is ``ready`` (a bound, not a timing)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def answered() -> bool:
         if any(p.poll() is not None for p in procs):
             raise AssertionError("a server exited while starting")
         try:
             with urllib.request.urlopen(url, timeout=2) as answer:
-                if ready(answer.read()):
-                    return
+                return ready(answer.read())
         except OSError:
-            pass
-        time.sleep(1)
-    raise AssertionError(f"{url} was not ready in {timeout} s")
+            return False
+
+    until(answered, f"{url} ready", timeout=timeout, pause=1)
 
 
 def _post(url: str, body: dict[str, Any]) -> Any:
@@ -116,11 +113,8 @@ DEPLOYMENTS: dict[str, tuple[Callable[[ExitStack], str], dict[str, Any]]] = {
 def pd(model: str, request: pytest.FixtureRequest) -> Iterator[dict[str, str]]:
     """The whole deployment; yields the URLs of the proxy, prefill and decode."""
     store, extra = DEPLOYMENTS[request.param]
-    if store is _cluster:
-        try:
-            etcd_binary()
-        except FileNotFoundError as exc:
-            pytest.skip(f"no etcd: {exc}")
+    if store is _cluster and ETCD_MISSING is not None:
+        pytest.skip(ETCD_MISSING)
     with ExitStack() as stack:
         address = store(stack)
         ports = [_port() for _ in range(3)]
@@ -190,8 +184,6 @@ def test_the_counters_are_in_vllms_prometheus_metrics(pd: dict[str, str], model:
         lines = [ln for ln in text.splitlines() if ln.startswith(f"vllm:kvbridge_{name}_total")]
         return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines)
 
-    deadline = time.monotonic() + 30  # vLLM publishes connector stats every few seconds
-    while time.monotonic() < deadline and counter(pd["decode"], "tokens_loaded") == 0:
-        time.sleep(1)
-    assert counter(pd["decode"], "tokens_loaded") > 0
+    # vLLM publishes connector stats every few seconds
+    until(lambda: counter(pd["decode"], "tokens_loaded") > 0, "decode's loads", 30, pause=1)
     assert counter(pd["prefill"], "bytes_saved") > 0
