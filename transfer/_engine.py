@@ -340,7 +340,7 @@ class TransferEngine(Closing):
             on_bytes=self._count_served,
             handshake_timeout=self.settings.connect_timeout,
             frame_timeout=self.settings.timeout,
-            watch=self._watchdog.watch,
+            watch=self._watchdog.watch_until,
             greeted=greeted,
             refusals=self._refusals,
             keepalive=self.settings.keepalive,

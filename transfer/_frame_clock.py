@@ -9,7 +9,8 @@ from collections.abc import Callable
 from ._pipes import Pipe
 
 Watch = Callable[[float, Callable[[], bool], Callable[[], None]], None]
-"""``watch(timeout, is_done, on_expiry)``: the engine's watchdog."""
+"""``watch_until(due, is_done, on_expiry)``: the engine's watchdog, ``due`` a ``clock()``
+time."""
 
 
 class FrameClock:
@@ -69,7 +70,7 @@ class FrameClock:
             self._arm(deadline)
 
     def _arm(self, due: float) -> None:
-        self._watch(due - self._clock(), self._is_stopped, lambda: self._due(due))
+        self._watch(due, self._is_stopped, lambda: self._due(due))
 
     def _is_stopped(self) -> bool:
         with self._lock:

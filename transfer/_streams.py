@@ -292,8 +292,9 @@ class ServeHooks:
     """A frame's descriptors and payload (and a read's answer) must move within this once
     its header is in: a peer that trickles bytes cannot hold what the frame touches."""
     watch: Callable[[float, Callable[[], bool], Callable[[], None]], None]
-    """``watch(timeout, is_done, on_expiry)``: the engine's watchdog, which closes a stream
-    whose frame is still unfinished at its deadline (a peer that went silent mid-frame)."""
+    """``watch_until(due, is_done, on_expiry)``: the engine's watchdog (``due`` a ``clock``
+    time), which closes a stream whose frame is still unfinished at its deadline (a peer
+    that went silent mid-frame)."""
     greeted: Callable[[Pipe], None]
     """The stream proved its session (it no longer counts as a stranger's connection)."""
     refusals: BoundedLog

@@ -30,8 +30,18 @@ class Watchdog:
     def watch(
         self, timeout: float, is_done: Callable[[], bool], on_expiry: Callable[[], None]
     ) -> None:
+        """Call ``on_expiry`` ``timeout`` seconds from now on the watchdog's clock."""
+        self.watch_until(self._clock() + timeout, is_done, on_expiry)
+
+    def watch_until(
+        self, due: float, is_done: Callable[[], bool], on_expiry: Callable[[], None]
+    ) -> None:
+        """Call ``on_expiry`` at ``due``, a ``clock()`` time. A caller that already holds a
+        deadline passes it as it is: turning it into a timeout and back reads the clock
+        twice, and a clock that moves in between (a test's, advanced by hand) would
+        shift the entry past the deadline it stands for."""
         with self._cond:
-            entry = (self._clock() + timeout, next(self._order), is_done, on_expiry)
+            entry = (due, next(self._order), is_done, on_expiry)
             heapq.heappush(self._heap, entry)
             if self._heap[0] is entry:
                 self._cond.notify()
