@@ -35,7 +35,7 @@ from kvbridge.transfer import PeerClosed, Region, TransferEngine, TransferError,
 from kvbridge.transfer import _ucx as ucx_module
 from kvbridge.transfer._metadata import EngineInfo
 from kvbridge.transfer._protocol import KEEPALIVE_MISSES
-from kvbridge.transfer._settings import DEFAULT_KEEPALIVE_S, DEFAULT_STREAMS
+from kvbridge.transfer._settings import DEFAULT_STREAMS
 
 TRANSPORTS = ["tcp"] + (["ucx"] if ucx_available() else [])
 needs_ucx = pytest.mark.skipif(not ucx_available(), reason="ucxx is not installed (kvbridge[ucx])")
@@ -67,13 +67,18 @@ def _opens(address: str, namespace: str) -> bool:
     return True
 
 
+_KEEPALIVE_S = 1.0
+
+
 @needs_ucx
 def test_a_killed_ucx_client_gives_its_namespace_back() -> None:
     """``kvbridge serve --max-namespaces 1`` over UCX: a client SIGKILLed while idle held
     the only namespace for good (35 s and counting); now its session ends within the
-    default keepalive's bound and the next client's namespace opens."""
+    keepalive's bound (three missed pings; 1 s ones here) and the next client's namespace
+    opens."""
     server = ServeProcess(
-        *("--transports", "ucx", "--max-namespaces", "1", "--host-capacity", str(4 * MiB))
+        *("--transports", "ucx", "--max-namespaces", "1", "--host-capacity", str(4 * MiB)),
+        *("--keepalive", str(_KEEPALIVE_S)),
     )
     client = spawn_python(_STORE_CLIENT, server.address)
     try:
@@ -84,7 +89,7 @@ def test_a_killed_ucx_client_gives_its_namespace_back() -> None:
         until(
             lambda: _opens(server.address, "second"),
             "the dead client's namespace is given back",
-            timeout=KEEPALIVE_MISSES * DEFAULT_KEEPALIVE_S + SLACK,
+            timeout=KEEPALIVE_MISSES * _KEEPALIVE_S + SLACK,
             pause=0.5,
         )
     finally:

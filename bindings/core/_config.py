@@ -55,6 +55,9 @@ class ConnectorConfig:
     async_load: bool = False
     """Load on a worker thread while the engine runs other requests (the request waits in
     ``WAITING_FOR_REMOTE_KVS``) instead of before the forward of its next step."""
+    lookup_wait: float = 0.05
+    """How long the engine's scheduler waits (across its steps, never blocking one) for a
+    request's lookup before it computes the prefix itself; a later answer is dropped."""
     pd_wait: float = 10.0
     """Decode side of P/D: how long a request waits for the blocks its prefill announced
     before it computes what is missing itself."""
@@ -147,6 +150,7 @@ _KINDS: dict[str, Kind] = {
     "timeout": Seconds(),
     "failed_key_ttl": Seconds(),
     "async_load": Flag(),
+    "lookup_wait": Seconds(),
     "pd_wait": Seconds(),
     "streams": Whole(1, 64),
     "transports": Text(),

@@ -9,6 +9,7 @@ from typing import Any
 
 COUNTERS = (
     "lookups",
+    "lookups_late",
     "tokens_looked_up",
     "tokens_hit",
     "tokens_loaded",
@@ -39,6 +40,10 @@ class ConnectorStats:
             tokens_hit=hit_tokens,
             lookup_seconds=time.perf_counter() - started,
         )
+
+    def lookup_late(self) -> None:
+        """A lookup answered later than the engine could wait: a miss for its request."""
+        self._add(lookups_late=1)
 
     def loaded(self, tokens: int, nbytes: int, started: float) -> None:
         self._add(

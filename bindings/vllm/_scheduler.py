@@ -6,6 +6,12 @@ lookup (vLLM asks again every step a request waits: the answer must not change a
 cost nothing), the pin that keeps the advertised blocks in the store until they are
 loaded, its engine block ids, and how many prompt blocks were queued for saving.
 
+The scheduler never waits on the network: a request's lookup and pin run on the
+connector's own thread (:class:`~kvbridge.bindings.core.Lookups`). The first call for a
+request starts them and answers ``None`` (vLLM asks again next step); a later call
+answers the count once it is known, or 0 (the request computes its prefix) when the
+lookup took longer than ``lookup_wait``: its late answer's pin is then released.
+
 Decisions (see ``docs/VLLM.md``): loads are synchronous (before the forward of the step
 that computes the rest of the prompt), saves run off the step on a worker thread, blocks
 are saved when full and only for the prompt, and a request with multimodal inputs or
@@ -23,6 +29,7 @@ from typing import Any
 from ...store import BlockKey
 from ..core._core import ConnectorCore
 from ..core._identity import PROCESS_SALT, weights
+from ..core._lookups import Lookup, Lookups
 from ._meta import StepMeta, Transfer, WorkerReport
 
 PD_PARAM = "kvbridge_blocks"
@@ -44,6 +51,8 @@ class _Request:
     hit: int | None = None
     """Leading blocks the store can give, cached until the request is admitted."""
     hold: object | None = None
+    asking: Lookup | None = None
+    """The lookup in flight on the connector's thread."""
     load: tuple[int, int] | None = None
     """Blocks ``[first, last)`` to load, once vLLM allocated them."""
     block_ids: list[int] = field(default_factory=list)
@@ -68,6 +77,8 @@ class SchedulerSide:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._core = core
+        self._wait = core.config.lookup_wait
+        self._lookups = Lookups(core, clock)
         self._loads = loads
         self._saves = saves
         self._clock = clock
@@ -91,8 +102,12 @@ class SchedulerSide:
             return 0, False
         cap = min(len(state.keys), (request.num_tokens - 1) // self._block)
         stale = self._clock() - state.looked_at > _REPIN_S
-        if state.hit is None or state.local != num_computed or stale or self._waiting(state, cap):
+        if state.asking is None and (
+            state.hit is None or state.local != num_computed or stale or self._waiting(state, cap)
+        ):
             self._look(state, cap, num_computed)
+        if state.asking is not None and not self._heard(state):
+            return None, False  # asked on the connector's thread: answered next step
         if self._waiting(state, cap):
             return None, False  # the prefill's blocks are on their way
         assert state.hit is not None
@@ -111,7 +126,7 @@ class SchedulerSide:
             if self._async:
                 self._plan_async(request.request_id, state, blocks)
         else:
-            self._core.unpin(state.hold)
+            self._lookups.unpin(state.hold)
             state.hold = None
         state.hit = None  # admitted: a later re-admission looks again
 
@@ -120,7 +135,7 @@ class SchedulerSide:
     def build(self, out: Any) -> StepMeta:
         """``build_connector_meta``: this step's loads and saves."""
         for hold in self._loaded.pop(0).values():
-            self._core.unpin(hold)
+            self._lookups.unpin(hold)
         self._loaded.append({})
         meta = StepMeta(preempted=sorted(out.preempted_req_ids or ()))
         for req_id, load in self._waiting_loads.items():
@@ -162,10 +177,10 @@ class SchedulerSide:
         state = self._requests.pop(request.request_id, None)
         if state is None:
             return False, None
-        self._core.unpin(state.hold)
+        self._forget(state)
         self._waiting_loads.pop(request.request_id, None)
         for loaded in self._loaded:
-            self._core.unpin(loaded.pop(request.request_id, None))
+            self._lookups.unpin(loaded.pop(request.request_id, None))
         params = {PD_PARAM: state.saved} if self._saves and state.saved else None
         return state.saves, params
 
@@ -198,15 +213,42 @@ class SchedulerSide:
             and now - state.looked_at < _RELOOK_S
         ):
             return
-        self._core.unpin(state.hold)
+        self._lookups.unpin(state.hold)
         state.hold, state.local, state.looked_at = None, num_computed, now
-        hit = self._core.lookup(state.keys[:cap]) if cap > 0 else 0
         first = num_computed // self._block
-        if hit > first:
-            state.hold = self._core.pin(state.keys[first:hit], first)
-            if state.hold is None:  # gone between the two calls: load nothing
-                hit = 0
-        state.hit = hit
+        if cap <= first:
+            state.hit = 0  # vLLM holds every block the store could give
+        else:
+            state.hit, state.asking = None, self._lookups.start(state.keys[:cap], first)
+
+    def _heard(self, state: _Request) -> bool:
+        """Whether the lookup in flight settled: answered, or given up on once it took
+        longer than ``lookup_wait`` (a miss; its late pin is released)."""
+        asking = state.asking
+        assert asking is not None
+        answer = asking.answer()
+        if answer is None:
+            if self._clock() - asking.started < self._wait:
+                time.sleep(0)  # hand the GIL to the lookup thread: an idle engine spins
+                return False
+            self._lookups.unpin(asking.drop())
+            answer = (0, None)
+            self._core.stats.lookup_late()
+        state.asking = None
+        state.hit, state.hold = answer
+        return True
+
+    def _forget(self, state: _Request) -> None:
+        """The request is done with its lookups: release what they pinned."""
+        if state.asking is not None:
+            self._lookups.unpin(state.asking.drop())
+            state.asking = None
+        self._lookups.unpin(state.hold)
+        state.hold = None
+
+    def close(self) -> None:
+        """Stop the lookup thread (after the releases queued so far)."""
+        self._lookups.close()
 
     def _plan_async(self, req_id: str, state: _Request, blocks: Any) -> None:
         """The blocks vLLM gave the loaded tokens: the whole list when it covers them,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,6 +29,11 @@ else:
         return str(make_model(tmp_path_factory.mktemp("model")))
 
     @pytest.fixture(scope="session")
-    def baseline(model: str) -> list[list[int]]:
+    def baseline_run(model: str) -> dict[str, Any]:
+        """The same vLLM without a connector over ``PROMPTS``: its outputs and seconds."""
+        return run_engine({"model": model, "prompts": PROMPTS, "connector": None})
+
+    @pytest.fixture(scope="session")
+    def baseline(baseline_run: dict[str, Any]) -> list[list[int]]:
         """Greedy outputs of the same vLLM without a connector, for ``PROMPTS``."""
-        return tokens(run_engine({"model": model, "prompts": PROMPTS, "connector": None}))
+        return tokens(baseline_run)

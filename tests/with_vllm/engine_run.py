@@ -7,8 +7,10 @@ prefix_caching, blocks (num_gpu_blocks_override), connector (extra config, or nu
 none), role, failure_policy, abort (request index to abort after the first step), engine
 (more arguments of ``LLM``: ``hf_overrides``, ``served_model_name``, ...), kill_after_round
 and kill_pid (SIGKILL a process between two rounds), kill_in_round and kill_in_pid (SIGKILL
-it after that round's first two engine steps, its requests under way). The result has each
-round's outputs, its wall seconds (``seconds``) and the connector's counters.
+it after that round's first two engine steps, its requests under way), signals (``[round,
+pid, "SIGSTOP"]``: send after that round). The result has each round's outputs, its wall
+seconds (``seconds``), the seconds ``LLM(...)`` took (``startup``), the connector's
+counters (``stats``: the worker's; ``scheduler``: the scheduler's, in-process only).
 """
 
 from __future__ import annotations
@@ -69,9 +71,18 @@ def _stats() -> dict[str, Any]:
     return dict(get_kv_transfer_group().stats) if has_kv_transfer_group() else {}
 
 
+def _scheduler_stats(llm: Any) -> dict[str, Any]:
+    """The scheduler side's counters (lookups), where the engine runs in this process."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    connector = getattr(getattr(core, "scheduler", None), "connector", None)
+    return dict(connector.stats) if connector is not None else {}
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
+    started = time.monotonic()
     llm = _engine(spec)
+    startup = time.monotonic() - started
     params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0, detokenize=False)
     rounds: list[list[dict[str, Any]]] = []
     seconds: list[float] = []
@@ -90,7 +101,16 @@ def main() -> None:
         seconds.append(time.monotonic() - started)
         if spec.get("kill_after_round") == number:
             os.kill(spec["kill_pid"], signal.SIGKILL)  # the server dies between two rounds
-    result: dict[str, Any] = {"rounds": rounds, "seconds": seconds, "stats": _stats()}
+        for after, pid, name in spec.get("signals", []):
+            if after == number:
+                os.kill(pid, getattr(signal, name))
+    result: dict[str, Any] = {
+        "rounds": rounds,
+        "seconds": seconds,
+        "startup": startup,
+        "stats": _stats(),
+        "scheduler": _scheduler_stats(llm),
+    }
     if spec.get("observe"):  # what the server holds while this engine still runs
         result["server"] = _server_figures(spec["observe"])
     print("RESULT " + json.dumps(result), flush=True)

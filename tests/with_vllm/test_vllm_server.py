@@ -1,9 +1,11 @@
 """The connector against a ``kvbridge serve`` on a real vLLM: a second, fresh instance
 loads the prefix the first saved (also after the server restarted on its disk), a server
-killed mid-run costs recomputation only, and aborted requests leave nothing held."""
+killed mid-run costs recomputation only, a frozen one never holds the scheduler, and
+aborted requests leave nothing held."""
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 from typing import Any
@@ -71,6 +73,32 @@ def test_a_server_killed_mid_run_costs_recomputation_only(
         assert tokens(result, round_) == baseline
     assert "computing instead" in result["log"]  # one warning per pause, not per call
     assert "kvbridge lookup failed" in result["log"] or "kvbridge save failed" in result["log"]
+
+
+def test_a_frozen_server_never_holds_the_engine(model: str, baseline_run: dict[str, Any]) -> None:
+    """The server is frozen (SIGSTOP) while the engine starts and again for its third
+    round: the engine starts without waiting for it, those rounds compute every prompt
+    (outputs equal, no request fails) and end long before a store call's timeout (120 s
+    here); once the server runs again (SIGCONT) the next round loads. Before lookups left
+    the scheduler, the start took two connect timeouts (10 s each) more and the frozen
+    round the whole store timeout."""
+    server = ServeProcess("--host-capacity", "64MiB")
+    pid = server.proc.pid
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        thaw, freeze = [0, pid, "SIGCONT"], [1, pid, "SIGSTOP"]
+        run = spec(model, {"server": server.address, "timeout": 120}, rounds=4)
+        run["signals"] = [thaw, freeze, [2, pid, "SIGCONT"]]
+        result = run_engine(run, timeout=600)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        server.kill()
+    for round_ in range(4):
+        assert tokens(result, round_) == tokens(baseline_run)
+    assert result["startup"] < baseline_run["startup"] + 8  # not 2 x 10 s of connecting
+    assert max(result["seconds"][0], result["seconds"][2]) < 60  # no call waited for 120 s
+    assert result["scheduler"]["lookups_late"] > 0  # the frozen rounds' lookups gave up
+    assert sum(out["cached"] for out in result["rounds"][3]) > 0  # loads again
 
 
 def test_aborted_requests_leave_no_lease_or_pin(model: str) -> None:

@@ -3,8 +3,14 @@ the cases a real run rarely reaches on a CPU build (async scheduling's steps in 
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
+
+import pytest
+from helpers import FakeClock, until
 
 from kvbridge.bindings.core._jobs import SaveJob
 from kvbridge.bindings.vllm._meta import StepMeta, Transfer
@@ -17,13 +23,15 @@ class _Core:
     """What the sides use of a ConnectorCore: every load fails, saves are recorded."""
 
     block_tokens = 32
-    config = SimpleNamespace(pd_wait=10.0)
+    config = SimpleNamespace(pd_wait=10.0, lookup_wait=0.05)
     identity = SimpleNamespace(dtype="float32")
 
     def __init__(self) -> None:
         self.saved: list[SaveJob] = []
         self.pins: list[object] = []
         self.unpinned: list[object] = []
+        self.stats = SimpleNamespace(late=0)
+        self.stats.lookup_late = lambda: setattr(self.stats, "late", self.stats.late + 1)
 
     def keys(self, tokens: list[int], extra: bytes = b"") -> list[bytes]:
         return [bytes([i]) * 32 for i in range(len(tokens) // 32)]
@@ -90,27 +98,116 @@ def _output(new: list[Any]) -> Any:
     )
 
 
-def test_a_loads_pin_lasts_until_every_step_in_flight_ran() -> None:
+def _answer(side: SchedulerSide, request: Any, computed: int = 0) -> tuple[int | None, bool]:
+    """What vLLM's scheduler gets once the lookup settled: it asks every step."""
+    answers: list[tuple[int | None, bool]] = []
+    until(lambda: answers.append(side.matched(request, computed)) or answers[-1][0] is not None)
+    return answers[-1]
+
+
+@contextmanager
+def _side(core: Any, **more: Any) -> Iterator[SchedulerSide]:
+    side = SchedulerSide(core, **{"loads": True, "saves": False, **more})
+    try:
+        yield side
+    finally:
+        side.close()
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+def test_a_loads_pin_lasts_until_every_step_in_flight_ran(clock: FakeClock) -> None:
     core = _Core()
-    side = SchedulerSide(core, loads=True, saves=False, steps_in_flight=2)  # type: ignore[arg-type]
-    request = _request("r", 100)
-    assert side.matched(request, 0) == (96, False)  # 3 full blocks; tokens 96-99 computed
-    side.allocated(request, None, 96)
-    new = SimpleNamespace(req_id="r", block_ids=([7, 8, 9, 10],), num_computed_tokens=96)
-    meta = side.build(_output([new]))
-    assert [t.block_ids for t in meta.loads] == [(7, 8, 9)]
-    side.build(_output([]))  # async scheduling: the load's step may not have run yet
-    assert core.unpinned == []
-    side.build(_output([]))
-    assert core.unpinned == core.pins
+    with _side(core, steps_in_flight=2, clock=clock) as side:
+        request = _request("r", 100)
+        assert side.matched(request, 0) == (None, False)  # asked on the connector's thread
+        assert _answer(side, request) == (96, False)  # 3 full blocks; tokens 96-99 computed
+        side.allocated(request, None, 96)
+        new = SimpleNamespace(req_id="r", block_ids=([7, 8, 9, 10],), num_computed_tokens=96)
+        meta = side.build(_output([new]))
+        assert [t.block_ids for t in meta.loads] == [(7, 8, 9)]
+        side.build(_output([]))  # async scheduling: the load's step may not have run yet
+        until(lambda: len(core.pins) == 1)
+        side.build(_output([]))
+    assert core.unpinned == core.pins  # released in order, on the connector's thread
+
+
+class _FrozenCore(_Core):
+    """A store that stopped answering: every call waits until ``thaw`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.thaw = threading.Event()
+        self.asked = threading.Event()
+
+    def lookup(self, keys: list[bytes]) -> int:
+        self.asked.set()
+        self.thaw.wait()
+        return len(keys)
+
+    def unpin(self, hold: object | None) -> None:
+        self.thaw.wait()
+        super().unpin(hold)
+
+
+def test_a_store_that_stops_answering_never_holds_the_scheduler(clock: FakeClock) -> None:
+    """Every scheduler-side call returns while the store answers nothing; a lookup later
+    than ``lookup_wait`` is a miss, and the pin its late answer took is released."""
+    core = _FrozenCore()
+    with _side(core, saves=True, clock=clock) as side:
+        done = threading.Event()
+
+        def schedule() -> None:
+            request = _request("r", 100)
+            assert side.matched(request, 0) == (None, False)
+            until(core.asked.is_set, "the lookup thread asked the store")
+            clock.advance(0.01)
+            assert side.matched(request, 0) == (None, False)  # within lookup_wait: ask again
+            clock.advance(0.05)
+            assert side.matched(request, 0) == (0, False)  # late: compute the prefix
+            side.allocated(request, None, 0)
+            new = SimpleNamespace(req_id="r", block_ids=([1, 2, 3, 4],), num_computed_tokens=0)
+            side.build(_output([new]))
+            assert side.finished(request)[0] is False
+            done.set()
+
+        thread = threading.Thread(target=schedule)
+        thread.start()
+        thread.join(10)
+        assert done.is_set()  # nothing above waited for the store
+        assert core.stats.late == 1
+        core.thaw.set()  # the store answers the late lookup: its pin is released
+    assert len(core.pins) == 1 and core.unpinned == core.pins
+
+
+def test_a_request_that_ends_while_its_lookup_runs_releases_its_pin(clock: FakeClock) -> None:
+    core = _FrozenCore()
+    with _side(core, clock=clock) as side:
+        request = _request("r", 100)
+        assert side.matched(request, 0) == (None, False)
+        until(core.asked.is_set)
+        side.finished(request)  # aborted before vLLM asked again
+        core.thaw.set()
+    assert len(core.pins) == 1 and core.unpinned == core.pins
+
+
+def test_vllms_own_blocks_cover_the_hit_no_store_call(clock: FakeClock) -> None:
+    core = _FrozenCore()
+    with _side(core, clock=clock) as side:
+        assert side.matched(_request("r", 100), 96) == (0, False)  # nothing past vLLM's own
+        assert not core.asked.is_set()
+        core.thaw.set()
 
 
 def test_requests_whose_kv_token_ids_do_not_decide_are_left_alone() -> None:
-    side = SchedulerSide(_Core(), loads=True, saves=True)  # type: ignore[arg-type]
-    embeds = _request("e", 100, prompt_embeds=object())
-    media = _request("m", 100, mm_features=[object()])
-    assert side.matched(embeds, 0) == (0, False) and side.matched(media, 0) == (0, False)
-    assert side.finished(embeds) == (False, None)
+    with _side(_Core(), saves=True) as side:
+        embeds = _request("e", 100, prompt_embeds=object())
+        media = _request("m", 100, mm_features=[object()])
+        assert side.matched(embeds, 0) == (0, False) and side.matched(media, 0) == (0, False)
+        assert side.finished(embeds) == (False, None)
 
 
 class _KeyCore(_Core):
@@ -135,17 +232,17 @@ def _adapter_folder(folder: Any, weights: bytes) -> str:
 
 def test_lora_adapters_are_keyed_by_their_files_not_their_names(tmp_path: Any) -> None:
     core = _KeyCore()
-    side = SchedulerSide(core, loads=True, saves=True)  # type: ignore[arg-type]
     one = _adapter_folder(tmp_path / "one", b"\x01" * 4096)
     other = _adapter_folder(tmp_path / "other", b"\x02" * 4096)
     copy = _adapter_folder(tmp_path / "elsewhere" / "one", b"\x01" * 4096)
     seen = []
-    for n, (name, path) in enumerate([("chat", one), ("chat", other), ("tuned", copy)]):
-        lora = SimpleNamespace(lora_name=name, lora_int_id=n + 1, lora_path=path)
-        request = _request(f"r{n}", 64, lora_request=lora)
-        request.prompt_token_ids = [n, *range(1, 64)]
-        side.matched(request, 0)
-        seen.append(core.extras[bytes([n])])
+    with _side(core, saves=True) as side:
+        for n, (name, path) in enumerate([("chat", one), ("chat", other), ("tuned", copy)]):
+            lora = SimpleNamespace(lora_name=name, lora_int_id=n + 1, lora_path=path)
+            request = _request(f"r{n}", 64, lora_request=lora)
+            request.prompt_token_ids = [n, *range(1, 64)]
+            side.matched(request, 0)
+            seen.append(core.extras[bytes([n])])
     assert seen[0] != seen[1]  # one name, two adapters: never each other's KV
     assert seen[0] == seen[2]  # a copy of the same files under another name shares it
     assert b"chat" not in seen[0] and b"tuned" not in seen[2]
