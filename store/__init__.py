@@ -13,6 +13,10 @@ Public surface:
   the surface of a local :class:`TieredStore`; :class:`ClusterClient`, the same surface
   over a cluster of servers found in etcd (``kvbridge serve --cluster``), with its
   registered buffers (:class:`ClusterRegion`) and pins (:class:`ClusterLease`).
+- The namespaces' event streams (``kvbridge serve --events-port``, ``docs/EVENTS.md``):
+  :class:`KeyMirror`, a namespace's keys kept from its stream; :func:`decode_events`, a
+  message read (:class:`MalformedEvent` if it is none), :class:`Subscription` and
+  :class:`KeySnapshot`, what :class:`StoreClient` hands a subscriber.
 - Tenants (:class:`Tenant`, :func:`load_tenants`, ``kvbridge serve --tenants``): each
   with a secret of its own, the namespaces it may open, and its share of the server.
 - Typed errors, all subclasses of :class:`StoreError`.
@@ -44,6 +48,8 @@ from ._errors import (
 from ._keys import KEY_BYTES, BlockKey, HashAlgo, InvalidNamespace, prefix_hashes
 from ._sizes import parse_size
 from ._stats import StoreStats, TierStats
+from ._stream import KeySnapshot, MalformedEvent, Message, Subscription
+from ._stream import decode as decode_events
 from ._wire import (
     DEFAULT_PORT,
     BadRequest,
@@ -73,7 +79,7 @@ from .local import (
 from .settings import ConfigError, read_secret
 
 if TYPE_CHECKING:
-    from .client import SERVER_FAULTS, ClientPool, Lent, StoreClient
+    from .client import SERVER_FAULTS, ClientPool, KeyMirror, Lent, StoreClient
     from .cluster import ClusterClient, ClusterLease, ClusterRegion
     from .server import (
         CacheServer,
@@ -89,6 +95,7 @@ _LAZY = {
     "StoreClient": ".client",
     "ClientPool": ".client",
     "Lent": ".client",
+    "KeyMirror": ".client",
     "SERVER_FAULTS": ".client",
     "ClusterClient": ".cluster",
     "ClusterLease": ".cluster",
@@ -138,9 +145,13 @@ __all__ = [
     "InvalidKey",
     "InvalidNamespace",
     "InvalidTokens",
+    "KeyMirror",
+    "KeySnapshot",
     "Lease",
     "LeaseExpired",
     "Lent",
+    "MalformedEvent",
+    "Message",
     "NotPermitted",
     "RemoteAccess",
     "ReuseLRU",
@@ -153,6 +164,7 @@ __all__ = [
     "StoreError",
     "StoreFull",
     "StoreStats",
+    "Subscription",
     "Tenant",
     "TenantError",
     "Tier",
@@ -161,6 +173,7 @@ __all__ = [
     "TieredStore",
     "TooManyRequests",
     "UnknownNamespace",
+    "decode_events",
     "load_config",
     "load_tenants",
     "metrics_token",

@@ -48,6 +48,11 @@ def add_parsers(commands: Any) -> None:
     serve.add_argument("--disk-path", help="directory of the disk tier (LMDB)")
     serve.add_argument("--disk-capacity", help="disk tier size, e.g. 100GiB")
     serve.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    serve.add_argument(
+        "--events-port",
+        type=int,
+        help="publish the namespaces' event streams on this port (docs/EVENTS.md; 0: any)",
+    )
     serve.add_argument("--max-namespaces", type=int, help="namespaces at once (default 4)")
     serve.add_argument("--lease-ttl", type=float, help="seconds a lease lasts (default 60)")
     serve.add_argument(
@@ -113,7 +118,7 @@ def add_parsers(commands: Any) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     names = [
-        *("host", "port", "data_port", "metrics_port"),
+        *("host", "port", "data_port", "metrics_port", "events_port"),
         *("host_capacity", "disk_path", "disk_capacity"),
         *("max_namespaces", "lease_ttl", "transports", "secret_file", "insecure", "policy"),
         *("tenants_file", "handoff_ttl", "max_leases_per_client", "keepalive"),
@@ -144,6 +149,7 @@ def _serve(args: argparse.Namespace) -> int:
     previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         metrics = f", metrics on :{server.metrics_port}" if server.metrics_port else ""
+        metrics += f", events on :{server.events_port}" if server.events_port else ""
         disk = f", disk {config.disk_path}" if config.disk_path else ""
         print(
             f"{LISTENING}{server.address} ({config.host_capacity >> 20} MiB host{disk}{metrics})",

@@ -9,7 +9,17 @@ from typing import NoReturn
 
 from kvbridge import __version__
 
-from . import _bench, _demo, _linkcheck, _plan, _proxy, _replay, _serve_cmds, _store_cmds
+from . import (
+    _bench,
+    _demo,
+    _events_cmd,
+    _linkcheck,
+    _plan,
+    _proxy,
+    _replay,
+    _serve_cmds,
+    _store_cmds,
+)
 from ._fail import fail, unexpected
 
 INTERRUPTED = 130
@@ -35,6 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     _demo.add_parser(commands)
     _store_cmds.add_parsers(commands)
     _serve_cmds.add_parsers(commands)
+    _events_cmd.add_parser(commands)
     _replay.add_parser(commands)
     _plan.add_parser(commands)
     _bench.add_parser(commands)

@@ -1,7 +1,8 @@
 """kvbridge.store.client: :class:`StoreClient`, a cache server with the surface of a local
 ``TieredStore``, moving blocks zero-copy with the transfer engine (``_registration``: a
 caller's buffers registered for one call); :class:`ClientPool`, the clients of a connector
-or a cluster client, with one rule for a client whose server failed; ``SERVER_FAULTS``,
+or a cluster client, with one rule for a client whose server failed; :class:`KeyMirror`,
+a namespace's keys kept from its event stream; ``SERVER_FAULTS``,
 what such a failure looks like; ``pages_of_blocks``, the check of a zero-copy call's pages
 (the cluster client's too). Imports the wire; never ``server``."""
 
@@ -13,6 +14,7 @@ from ..._lazy import lazy
 
 if TYPE_CHECKING:
     from ._client import SERVER_FAULTS, StoreClient
+    from ._mirror import KeyMirror
     from ._pool import ClientPool, Lent
     from ._registration import pages_of_blocks
 
@@ -21,10 +23,11 @@ _LAZY = {
     "SERVER_FAULTS": "._client",
     "ClientPool": "._pool",
     "Lent": "._pool",
+    "KeyMirror": "._mirror",
     "pages_of_blocks": "._registration",
 }
 """Loaded on first use: the package's modules load the transfer engine (pyzmq, threads)."""
 
 __getattr__ = lazy(__name__, _LAZY, globals())
 
-__all__ = ["SERVER_FAULTS", "ClientPool", "Lent", "StoreClient", "pages_of_blocks"]
+__all__ = ["SERVER_FAULTS", "ClientPool", "KeyMirror", "Lent", "StoreClient", "pages_of_blocks"]

@@ -36,12 +36,14 @@ from ...transfer import (
     Region,
     TransferEngine,
     TransferError,
+    parse_address,
 )
 from .._errors import InvalidBlock, LeaseExpired, StoreClosed, StoreFull
 from .._keys import BlockKey, check_keys, namespace_bytes
 from .._sizes import positive_int
 from .._stats import StoreStats, TierStats
-from .._wire import DEFAULT_PORT, ERRORS, MAX_KEYS_PER_REQUEST, error_for, raise_error
+from .._stream import KeySnapshot, Subscription
+from .._wire import DEFAULT_PORT, ERRORS, MAX_KEYS_PER_REQUEST, error_for, field, raise_error
 from ._registration import Locations as _Locations
 from ._registration import Registration as _Registration
 from ._registration import one_per_block, pages_of_blocks
@@ -116,6 +118,7 @@ class StoreClient(Closing):
             "kvbridge-store-client-deadline", default=None
         )
         """Per thread and asyncio task: a deadline is its caller's, never another's."""
+        self._address = address
         try:
             self.peer = self.engine.dial(address)
             self._open()
@@ -255,6 +258,30 @@ class StoreClient(Closing):
 
     def server_stats(self) -> dict[str, Any]:
         return self._call({"op": "stats"})
+
+    def subscription(self) -> Subscription:
+        """A one-time ticket to this namespace's event stream (``docs/EVENTS.md``);
+        :class:`BadRequest` when the server publishes none."""
+        reply = self._call({"op": "events", "ns": self._ns})
+        host, _ = parse_address(self._address)
+        host = f"[{host}]" if ":" in host else host
+        return Subscription(
+            endpoint=f"tcp://{host}:{field(reply, 'port', int)}",
+            topic=field(reply, "topic", bytes),
+            ticket=field(reply, "ticket", bytes),
+        )
+
+    def snapshot(self) -> KeySnapshot:
+        """Every key of the namespace, and the event stream's sequence number they hold
+        every change up to (read in pages of one snapshot)."""
+        reply = self._call({"op": "keys", "ns": self._ns})
+        sid, seq = field(reply, "snapshot", int), field(reply, "seq", int)
+        keys = list(check_keys(field(reply, "keys", list)))
+        while field(reply, "more", bool):
+            request = {"op": "keys", "ns": self._ns, "snapshot": sid, "offset": len(keys)}
+            reply = self._call(request)
+            keys += check_keys(field(reply, "keys", list))
+        return KeySnapshot(seq, keys)
 
     @property
     def takes_device_memory(self) -> bool:

@@ -14,26 +14,33 @@ from __future__ import annotations
 from collections.abc import Container, Iterator, Sequence
 
 from .._keys import BlockKey
+from ._changes import Changes
 from ._policy import EvictionPolicy, insert_all
 
 
 class HeldOrder:
     """An :class:`EvictionPolicy` around a tier's own: keys in ``pinned`` are held."""
 
-    def __init__(self, policy: EvictionPolicy, pinned: Container[BlockKey]) -> None:
+    def __init__(
+        self, policy: EvictionPolicy, pinned: Container[BlockKey], changes: Changes | None = None
+    ) -> None:
         self.policy = policy
         self._pinned = pinned
+        self._changes = changes or Changes()
+        """Where the keys the tier gains or loses are noted (for the store's watcher)."""
         self.held: set[BlockKey] = set()
         """The tier's keys that are pinned now (so ``len(held)`` slots cannot be freed)."""
 
     def insert(self, key: BlockKey) -> None:
         self.policy.insert(key)
+        self._changes.note(key)
         if key in self._pinned:
             self.hold(key)
 
     def insert_many(self, keys: Sequence[BlockKey]) -> None:
         """:meth:`insert` of each key, in one call where the policy has ``insert_many``."""
         insert_all(self.policy, keys)
+        self._changes.note_all(keys)
         pinned = self._pinned
         if len(pinned):  # type: ignore[arg-type]  # a PinTable, or any sized container
             for key in [key for key in keys if key in pinned]:
@@ -45,6 +52,7 @@ class HeldOrder:
     def remove(self, key: BlockKey) -> None:
         self.held.discard(key)
         self.policy.remove(key)
+        self._changes.note(key)
 
     def hold(self, key: BlockKey) -> None:
         if key not in self.held:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +27,7 @@ from .._errors import (
 )
 from .._keys import BlockKey
 from .._stats import StoreStats
+from ._changes import Changes, Report, ReportingLock
 from ._held import HeldOrder
 from ._pins import Lease, PinTable
 from ._policy import check_policy
@@ -88,9 +88,13 @@ class Placement:
         self.pin_ttl = pin_ttl
         self.clock = clock
         """Times pins and staged puts (``time.monotonic`` unless a test gives its own)."""
-        self.lock = threading.RLock()
+        self.changes = Changes()
+        """Keys that entered or left the store, for its watcher (see :meth:`watch`)."""
+        self.lock = ReportingLock(lambda: self.changes.flush(self._where))
         self.pins = PinTable(clock, on_change=self._pin_changed)
-        self.orders = [HeldOrder(check_policy(tier.policy), self.pins) for tier in tiers]
+        self.orders = [
+            HeldOrder(check_policy(tier.policy), self.pins, self.changes) for tier in tiers
+        ]
         """Each tier's eviction order less its pinned blocks (``tier.policy`` is the same)."""
         for tier, order in zip(tiers, self.orders, strict=True):
             tier.policy = order  # the tier tells it what happens; pinned keys leave its walk
@@ -101,6 +105,16 @@ class Placement:
         self.stats = StoreStats()
         self.tier_evictions = [0] * len(tiers)
         self.closed = False
+
+    def watch(self, report: Report | None) -> None:
+        """Report the keys each operation added or removed, with the tier each is in now,
+        as it lets go of the lock (``None``: stop)."""
+        with self.lock:
+            self.changes.watch(report)
+
+    def _where(self, key: BlockKey) -> str | None:
+        t = self.locate(key)
+        return None if t is None else self.tiers[t].name
 
     def locate(self, key: BlockKey) -> int | None:
         """Index of the highest tier holding ``key``."""

@@ -42,6 +42,7 @@ from .._errors import (
 from .._keys import BlockKey, check_keys
 from .._stats import StoreStats, TierStats
 from ._build import DiskBound, PolicySpec, build_tiers
+from ._changes import Report
 from ._pins import DEFAULT_PIN_TTL_S, Lease
 from ._placement import Keep, Placement
 from ._spill import spill
@@ -168,6 +169,23 @@ class TieredStore(Closing):
     def tiers(self) -> tuple[Tier, ...]:
         """The tiers, highest first (for inspection; mutate them only through the store)."""
         return tuple(self._placement.tiers)
+
+    def watch(self, report: Report | None) -> None:
+        """Hear of every key that enters or leaves the store: after each operation,
+        ``report([(key, tier name or None), ...])`` runs under the store's lock (it must
+        only hand the changes on). A key whose block moved between tiers is reported with
+        its new tier; one the operation did not keep (a failed batch) is not reported as
+        added. ``None`` stops it."""
+        self._placement.watch(report)
+
+    def keys(self) -> list[BlockKey]:
+        """Every key the store holds, in any tier (a copy, taken under the lock)."""
+        placement = self._placement
+        with placement.lock:
+            placement.check_open()
+            if len(placement.tiers) == 1:
+                return list(placement.tiers[0].keys())
+            return list(set().union(*(tier.keys() for tier in placement.tiers)))
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key is present in any tier. Does not count as a use."""

@@ -11,6 +11,7 @@ TOML (``kvbridge serve --config server.toml``), every key optional, top level or
     disk_path = "/var/cache/kvbridge"
     disk_capacity = "100GiB"
     metrics_port = 9400
+    events_port = 7602        # the namespaces' event streams (docs/EVENTS.md)
     max_namespaces = 4
     lease_ttl = 60.0
     handoff_ttl = 5.0
@@ -97,6 +98,9 @@ class ServerConfig:
     the namespaces on disk stay within it)."""
     metrics_port: int | None = None
     """Prometheus metrics over HTTP on ``host``; ``None`` for none."""
+    events_port: int | None = None
+    """The namespaces' event streams (ZMQ XPUB on ``host``: ``docs/EVENTS.md``); ``None``
+    for none, 0 for any free port."""
     max_namespaces: int = 4
     """Namespaces served at once; each gets ``1/max_namespaces`` of each capacity."""
     lease_ttl: float = 60.0
@@ -150,6 +154,7 @@ _KINDS: dict[str, Kind] = {
     "port": _PORT,
     "data_port": _PORT,
     "metrics_port": _PORT,
+    "events_port": _PORT,
     "host_capacity": Size(1),
     "disk_path": Text(),
     "disk_capacity": Size(0),
@@ -164,7 +169,7 @@ _KINDS: dict[str, Kind] = {
 }
 """Each setting's kind and bounds (``store/settings.py``); the checks across settings
 follow in ``__post_init__``."""
-_OPTIONAL = {"metrics_port", "disk_path"}
+_OPTIONAL = {"metrics_port", "events_port", "disk_path"}
 """Settings that ``None`` turns off."""
 
 
@@ -174,7 +179,12 @@ def _check_network(cfg: ServerConfig) -> None:
         raise ConfigError(
             f"host must be an address or host name to bind, got {host!r}", setting="host"
         )
-    ports = {"port": cfg.port, "data_port": cfg.data_port, "metrics_port": cfg.metrics_port}
+    ports = {
+        "port": cfg.port,
+        "data_port": cfg.data_port,
+        "metrics_port": cfg.metrics_port,
+        "events_port": cfg.events_port,
+    }
     taken: dict[int, str] = {}
     for name, port in ports.items():
         if port:  # 0 (any free port) and None (none) clash with nothing

@@ -115,7 +115,7 @@ class NamespaceTable:
         for ns in self.snapshot():
             if ns.region is not None:
                 self._engine.unregister(ns.region)
-            ns.store.close()
+            ns.close()
 
     def _create(self, name: bytes, block_bytes: int, tenant: Tenant) -> Namespace:
         cfg = self._config
@@ -209,7 +209,7 @@ class NamespaceTable:
             with self._lock:
                 del self._by_handle[ns.handle]
                 del self._by_name[ns.name]
-            ns.store.close()
+            ns.close()
             if self._dirs is not None:
                 self._dirs.used(_disk_path(ns))  # kept, the most recently used
             self._events.refused(

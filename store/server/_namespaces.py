@@ -21,6 +21,7 @@ import numpy as np
 from ...transfer import Admission, Caller, Region
 from ..local._remote import RemoteAccess
 from ..local._store import TieredStore
+from ._events import EventPublisher, EventStream
 from ._handoff import HandoffHolds
 from ._leases import LeaseBook, Pinned, Use
 from ._puts import PutsInProgress
@@ -53,11 +54,28 @@ class Namespace:
     """Committed blocks held for their first read (``_handoff``)."""
     puts: PutsInProgress = field(init=False)
     """Puts of several requests in progress, and the blocks each keeps (``_puts``)."""
+    stream: EventStream | None = None
+    """Its event stream, from the first session that asked for it (``_events``)."""
 
     def __post_init__(self) -> None:
         self.remote = RemoteAccess(self.store)
         self.holds = HandoffHolds(self.store, self.slots // 2)
         self.puts = PutsInProgress(self.blocks, self.store.clock)
+
+    def events(self, publisher: EventPublisher) -> EventStream:
+        """Its event stream, started the first time a session asks (a namespace nobody
+        listens to pays nothing for it)."""
+        if self.stream is None:
+            self.stream = publisher.stream()
+            self.store.watch(self.stream.report)
+        return self.stream
+
+    def close(self) -> None:
+        """It leaves the server: its stream ends, its store closes (the disk kept)."""
+        if self.stream is not None:
+            self.store.watch(None)
+            self.stream.close()
+        self.store.close()
 
     @property
     def label(self) -> str:

@@ -44,6 +44,7 @@ from ...transfer import Caller, NotifyRefused, TransferEngine
 from .._errors import BlockNotFound, BlockPinned, LeaseExpired, StoreError
 from .._stats import StoreStats
 from .._wire import (
+    MAX_KEYS_PER_REQUEST,
     BadRequest,
     InternalError,
     NotPermitted,
@@ -56,9 +57,11 @@ from .._wire import (
 from .._wire import field as message_field
 from ..local._placement import Prefetched
 from ._config import ServerConfig
+from ._events import EventPublisher
 from ._metrics import ServerMetrics, metrics_token
 from ._namespace_table import NamespaceTable
 from ._namespaces import Namespace
+from ._snapshots import Snapshots
 from ._tenants import Tenant, default_tenant
 
 _log = logging.getLogger("kvbridge.server")
@@ -97,13 +100,20 @@ class CacheServer:
         self._refusals = BoundedLog(_log)
         self.metrics = ServerMetrics(self._store_stats, lambda: self.engine.stats()["refused"])
         self.metrics_port: int | None = None
+        self._events: EventPublisher | None = None
+        self._snapshots = Snapshots(clock)
         try:
             if cfg.metrics_port is not None:
                 token = None if cfg.secret is None else metrics_token(cfg.secret)
                 self.metrics_port = self.metrics.serve(cfg.host, cfg.metrics_port, token=token)
+            if cfg.events_port is not None:
+                self._events = EventPublisher(cfg.host, cfg.events_port, clock)
         except BaseException:
+            self.metrics.close()
             self.engine.close()
             raise
+        self.events_port = None if self._events is None else self._events.port
+        """Where the namespaces' event streams are published (``docs/EVENTS.md``)."""
         self.address = self.engine.address
         self._ops: dict[str, Callable[[Caller, dict[str, Any]], dict[str, Any]]] = {
             "open": self._open,
@@ -118,6 +128,8 @@ class CacheServer:
             "remove": self._remove,
             "clear": self._clear,
             "stats": self._stats,
+            "events": self._subscribe,
+            "keys": self._keys,
         }
         self._closed = False
         self.engine.set_request_handler(self._handle, quick=self._quick)
@@ -134,6 +146,8 @@ class CacheServer:
         self.engine.close()  # joins every engine thread: no request is mid-way after this
         self.metrics.close()
         self._namespaces.close()
+        if self._events is not None:
+            self._events.close()
         _log.info("stopped")
 
     def __enter__(self) -> CacheServer:
@@ -235,6 +249,7 @@ class CacheServer:
         with self._state:
             for ns in self._namespaces.snapshot():
                 ns.end_session(caller.session)
+            self._snapshots.drop(caller.session)
         _log.debug("session %d (%s) ended", caller.session, caller.peer)
 
     def _namespace(self, caller: Caller, body: dict[str, Any]) -> Namespace:
@@ -415,6 +430,31 @@ class CacheServer:
         ns = self._namespace(caller, body)
         ns.holds.take(ns.holds.keys())
         return {"removed": ns.store.clear()}
+
+    def _subscribe(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
+        """A ticket to the namespace's event stream (``_events``): only a session that
+        opened the namespace gets one, and it subscribes one connection, once."""
+        ns = self._namespace(caller, body)
+        if self._events is None:
+            raise BadRequest("this server publishes no events (kvbridge serve --events-port)")
+        stream = ns.events(self._events)
+        return {"port": self._events.port, "topic": stream.topic, "ticket": stream.ticket()}
+
+    def _keys(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
+        """A page of a snapshot of the namespace's keys (``_snapshots``): without
+        ``snapshot`` the first page of a new one, with it the page at ``offset``."""
+        ns = self._namespace(caller, body)
+        sid = optional_field(body, "snapshot", int)
+        offset = optional_field(body, "offset", int) or 0
+        if sid is None:
+            seq = 0 if ns.stream is None else ns.stream.seq  # read before the keys: see there
+            sid = self._snapshots.take(caller.session, ns.handle, seq, ns.store.keys())
+        snap = self._snapshots.page(caller.session, ns.handle, sid)
+        if offset < 0:
+            raise BadRequest(f"offset {offset} is negative")
+        end = offset + MAX_KEYS_PER_REQUEST
+        more = end < len(snap.keys)
+        return {"snapshot": sid, "seq": snap.seq, "keys": snap.keys[offset:end], "more": more}
 
     def _stats(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
         """Server figures. A namespace this session has not opened is named by a digest of

@@ -1,0 +1,236 @@
+"""The namespaces' event streams: what enters and leaves each namespace, for the engines'
+mirrors and for KV-aware routers (``docs/EVENTS.md``).
+
+One ZMQ XPUB socket (``kvbridge serve --events-port``) carries every stream. A message is
+three frames, as vLLM's KV event publisher sends them: the stream's topic (16 random
+bytes, new for each namespace the server opens), the sequence number (8 bytes, big-endian;
+per stream, from 1) and a msgpack ``KVEventBatch`` (``[ts, [event, ...], None]``, each
+event a map tagged ``"type"``: ``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``).
+A heartbeat (no events, the last sequence number again) goes out every second: a
+subscriber that missed the last messages sees the gap without waiting for the next change.
+
+Who may listen: the socket applies no subscription a subscriber sends (``XPUB_MANUAL``)
+but a **ticket** the control plane gave a session that opened the namespace (the ``events``
+op, signed like every request): the ticket is good once, for 30 s, and subscribes that
+connection to that namespace's topic. A subscriber that asks for anything else (every
+topic, a guessed one) gets nothing. A subscription lasts as long as its connection.
+
+A subscriber that misses a sequence number (the socket drops what a slow subscriber
+cannot take: ``SNDHWM``) reads a snapshot of the namespace's keys (the ``keys`` op) and
+applies the messages after it. Changes are reported by the store after each operation
+(``TieredStore.watch``) and handed to the publisher's thread, which alone touches the
+socket; when more wait than it may hold, the excess is dropped and the stream's sequence
+number skips one, so that every subscriber resynchronises.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from ..._closing import Closing
+from .._stream import MAX_KEYS_PER_MESSAGE, TICKET_PREFIX, Change, encode, pack
+
+_log = logging.getLogger("kvbridge.server")
+
+TICKET_TTL_S = 30.0
+HEARTBEAT_S = 1.0
+MAX_WAITING_KEYS = 1 << 20
+"""Changes waiting for the publisher's thread at most; past it a stream skips a number."""
+MAX_TICKETS = 4096
+SNDHWM = 1000
+"""Messages queued per subscriber before the socket drops (the subscriber resyncs)."""
+
+
+class EventStream:
+    """One namespace's stream: its topic and the last sequence number sent."""
+
+    def __init__(self, publisher: EventPublisher) -> None:
+        self.topic = secrets.token_bytes(16)
+        self.seq = 0
+        """The last sequence number assigned (read by the ``keys`` op: a snapshot holds
+        every change numbered up to it)."""
+        self.skip = False
+        """Changes were dropped: the next message skips a number."""
+        self.closed = False
+        self._publisher = publisher
+
+    def report(self, changes: list[Change]) -> None:
+        """The store's watcher (called under the store's lock: only queues)."""
+        self._publisher.queue(self, changes)
+
+    def ticket(self) -> bytes:
+        """A one-time subscription to this stream (for a session that opened it)."""
+        return self._publisher.ticket(self)
+
+    def close(self) -> None:
+        """The namespace left the server: subscribers hear ``AllBlocksCleared``."""
+        self._publisher.queue(self, None)
+
+
+class EventPublisher(Closing):
+    """The XPUB socket and the thread that alone uses it (see the module's docstring)."""
+
+    def __init__(self, host: str, port: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        context: zmq.Context[Any] = zmq.Context.instance()
+        self._socket: zmq.Socket[bytes] = context.socket(zmq.XPUB)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.XPUB_MANUAL, 1)
+        self._socket.setsockopt(zmq.SNDHWM, SNDHWM)
+        try:
+            self.port = _bind(self._socket, host, port)
+        except BaseException:
+            self._socket.close()
+            raise
+        self._waiting: collections.deque[tuple[EventStream, list[Change] | None]] = (
+            collections.deque()
+        )
+        self._waiting_keys = 0
+        self._lock = threading.Lock()  # the waiting count, the tickets, the streams
+        self._tickets: dict[bytes, tuple[EventStream, float]] = {}
+        self._streams: list[EventStream] = []
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="kvbridge-events", daemon=True)
+        self._thread.start()
+
+    def stream(self) -> EventStream:
+        stream = EventStream(self)
+        with self._lock:
+            self._streams.append(stream)
+        return stream
+
+    def ticket(self, stream: EventStream) -> bytes:
+        ticket = secrets.token_bytes(16)
+        now = self._clock()
+        with self._lock:
+            if len(self._tickets) >= MAX_TICKETS:
+                self._expire(now)
+            if len(self._tickets) >= MAX_TICKETS:  # all fresh: the oldest goes
+                del self._tickets[next(iter(self._tickets))]
+            self._tickets[ticket] = (stream, now + TICKET_TTL_S)
+        return ticket
+
+    def queue(self, stream: EventStream, changes: list[Change] | None) -> None:
+        with self._lock:
+            if changes is not None and self._waiting_keys + len(changes) > MAX_WAITING_KEYS:
+                stream.skip = True  # subscribers resync: nothing is lost to them
+                return
+            self._waiting_keys += 0 if changes is None else len(changes)
+            self._waiting.append((stream, changes))
+        with contextlib.suppress(BlockingIOError):  # a full pipe: the thread is awake
+            os.write(self._wake_w, b"!")
+
+    def close(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._wake_w, b"!")
+        self._thread.join()
+        self._socket.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    # -- the thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        beat = self._clock() + HEARTBEAT_S
+        while not self._stopped:
+            timeout = max(0.0, beat - self._clock())
+            ready = dict(poller.poll(int(timeout * 1000) + 1))
+            try:
+                if self._socket in ready:
+                    self._subscriptions()
+                if self._wake_r in ready:
+                    os.read(self._wake_r, 4096)
+                self._send_waiting()
+                if self._clock() >= beat:
+                    self._heartbeats()
+                    beat = self._clock() + HEARTBEAT_S
+            except Exception:  # a bug must not end the stream of every namespace
+                _log.exception("event publisher failed")
+
+    def _subscriptions(self) -> None:
+        """Apply the subscriptions that carry a valid ticket; ignore every other one."""
+        while True:
+            try:
+                message = self._socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if message[:1] != b"\x01" or not message[1:].startswith(TICKET_PREFIX):
+                continue  # an unsubscription, or a subscription without a ticket
+            with self._lock:
+                entry = self._tickets.pop(message[1 + len(TICKET_PREFIX) :], None)
+            if entry is None or entry[1] < self._clock() or entry[0].closed:
+                continue
+            stream = entry[0]
+            self._socket.setsockopt(zmq.SUBSCRIBE, stream.topic)  # for that connection
+            self._send(stream, [])  # it hears where the stream is at once
+
+    def _send_waiting(self) -> None:
+        with self._lock:
+            waiting, self._waiting = self._waiting, collections.deque()
+            self._waiting_keys = 0
+        for stream, changes in waiting:
+            if stream.closed:
+                continue
+            if changes is None:
+                stream.closed = True
+                self._send(stream, [{"type": "AllBlocksCleared"}], advance=True)
+                with self._lock:
+                    self._streams.remove(stream)
+                continue
+            for start in range(0, len(changes), MAX_KEYS_PER_MESSAGE):
+                part = changes[start : start + MAX_KEYS_PER_MESSAGE]
+                self._send(stream, encode(part), advance=True)
+
+    def _heartbeats(self) -> None:
+        with self._lock:
+            streams = list(self._streams)
+            self._expire(self._clock())
+        for stream in streams:
+            if stream.skip:
+                stream.seq += 1  # what was dropped: subscribers see the gap and resync
+                stream.skip = False
+            self._send(stream, [])
+
+    def _send(
+        self, stream: EventStream, events: list[dict[str, object]], *, advance: bool = False
+    ) -> None:
+        if advance:
+            stream.seq += 2 if stream.skip else 1
+            stream.skip = False
+        batch = pack(events, time.time())
+        with contextlib.suppress(zmq.Again):  # XPUB drops rather than blocks, as a rule
+            self._socket.send_multipart(
+                [stream.topic, stream.seq.to_bytes(8, "big"), batch], zmq.NOBLOCK
+            )
+
+    def _expire(self, now: float) -> None:
+        for ticket in [t for t, (_, until) in self._tickets.items() if until < now]:
+            del self._tickets[ticket]
+
+
+def _bind(socket: zmq.Socket[bytes], host: str, port: int) -> int:
+    bracketed = f"[{host}]" if ":" in host else host
+    if ":" in host:
+        socket.setsockopt(zmq.IPV6, 1)
+    if port:
+        socket.bind(f"tcp://{bracketed}:{port}")
+        return port
+    return int(socket.bind_to_random_port(f"tcp://{bracketed}"))
