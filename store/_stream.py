@@ -27,8 +27,8 @@ from ._keys import KEY_LENGTHS, BlockKey
 TICKET_PREFIX = b"kvbridge-ticket:"
 """A subscription that carries a ticket: this prefix and the ticket's bytes."""
 MAX_KEYS_PER_MESSAGE = 4096
-MAX_MESSAGE_BYTES = 1 << 20
-"""A message's batch at most: 4,096 keys of 32 bytes with msgpack's framing fit in 140 KiB."""
+MAX_MESSAGE_BYTES = 256 << 10
+"""A message's batch at most: 4,096 keys of 32 bytes with msgpack's framing take 140 KiB."""
 MEDIUM = {"device": "GPU", "host": "CPU", "disk": "STORAGE"}
 """vLLM's names of the tiers (``vllm.distributed.kv_events``)."""
 

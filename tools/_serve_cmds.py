@@ -53,6 +53,11 @@ def add_parsers(commands: Any) -> None:
         type=int,
         help="publish the namespaces' event streams on this port (docs/EVENTS.md; 0: any)",
     )
+    serve.add_argument(
+        "--events-hwm",
+        type=int,
+        help="messages queued per event subscriber before its messages are dropped (1000)",
+    )
     serve.add_argument("--max-namespaces", type=int, help="namespaces at once (default 4)")
     serve.add_argument("--lease-ttl", type=float, help="seconds a lease lasts (default 60)")
     serve.add_argument(
@@ -118,7 +123,7 @@ def add_parsers(commands: Any) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     names = [
-        *("host", "port", "data_port", "metrics_port", "events_port"),
+        *("host", "port", "data_port", "metrics_port", "events_port", "events_hwm"),
         *("host_capacity", "disk_path", "disk_capacity"),
         *("max_namespaces", "lease_ttl", "transports", "secret_file", "insecure", "policy"),
         *("tenants_file", "handoff_ttl", "max_leases_per_client", "keepalive"),

@@ -55,6 +55,10 @@ class ConnectorConfig:
     async_load: bool = False
     """Load on a worker thread while the engine runs other requests (the request waits in
     ``WAITING_FOR_REMOTE_KVS``) instead of before the forward of its next step."""
+    mirror: bool = True
+    """Keep the namespace's keys from the server's event stream (``kvbridge serve
+    --events-port``): the scheduler then probes them locally and asks the server only to
+    pin a hit. Without a stream (or while the mirror is out of step) it asks the server."""
     lookup_wait: float = 0.05
     """How long the engine's scheduler waits (across its steps, never blocking one) for a
     request's lookup before it computes the prefix itself; a later answer is dropped."""
@@ -150,6 +154,7 @@ _KINDS: dict[str, Kind] = {
     "timeout": Seconds(),
     "failed_key_ttl": Seconds(),
     "async_load": Flag(),
+    "mirror": Flag(),
     "lookup_wait": Seconds(),
     "pd_wait": Seconds(),
     "streams": Whole(1, 64),

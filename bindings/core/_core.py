@@ -23,6 +23,8 @@ from ...store import (
     BlockKey,
     CacheServer,
     ConfigError,
+    KeyMirror,
+    StoreClient,
     StoreClosed,
     StoreError,
     prefix_hashes,
@@ -41,6 +43,9 @@ _log = logging.getLogger("kvbridge.bindings")
 
 _RETRY_AFTER_S = 5.0
 """After a store fault, calls are skipped (a miss, nothing saved) for this long."""
+
+_MIRROR_TIMEOUT_S = 10.0
+"""The mirror's calls (a ticket, a snapshot's pages) give up sooner than a load."""
 
 _PROBE = BlockKey(bytes(32))
 """A key no block has: asked once a connection is made, so that the first lookup an
@@ -61,11 +66,14 @@ class ConnectorCore(Closing):
         identity: Identity,
         *,
         saves: bool = False,
+        mirror: bool = False,
         connections: int = 1,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``saves``: run :meth:`save_later` jobs on a thread of its own; ``connections``:
-        how many threads may call the store at once (see :class:`ServerBackend`)."""
+        """``saves``: run :meth:`save_later` jobs on a thread of its own; ``mirror``: keep
+        the namespace's keys from the server's event stream (:meth:`mirrored`; where
+        ``config.mirror`` allows it); ``connections``: how many threads may call the store
+        at once (see :class:`ServerBackend`)."""
         self.config = config
         self._connections = connections
         self.identity = identity
@@ -90,10 +98,18 @@ class ConnectorCore(Closing):
         self._reaching: list[threading.Thread] = []
         """Connections made in the background (joined by :meth:`close`)."""
         self._closed = False
+        self._wants_mirror = mirror and config.mirror
+        self._mirror: KeyMirror | None = None
         self._embedded: CacheServer | None = None
         if config.server is not None:
             self.connect(config.server, config.secret)
         self._saver = Saver(self._run_save) if saves else None
+        _log.info(
+            "kvbridge connector: namespace %s, %d-byte blocks of %d tokens",
+            self.namespace.decode(errors="replace"),
+            identity.block_bytes,
+            identity.block_tokens,
+        )
 
     # -- where the blocks are -------------------------------------------------------------
 
@@ -104,6 +120,7 @@ class ConnectorCore(Closing):
         not answer is a warning, and asked again after the pause by the next call."""
         with self._connecting:
             old, self._backend = self._backend, None
+            old_mirror, self._mirror = self._mirror, None
             self._target = (address, secret)
             self._down_until = 0.0
             if self._closed:
@@ -111,8 +128,11 @@ class ConnectorCore(Closing):
             reach = threading.Thread(target=self._up, name="kvbridge-connect", daemon=True)
             self._reaching.append(reach)
             reach.start()
-        if old is not None:
-            old.close()
+            if self._wants_mirror and not address.startswith(ETCD_SCHEME):
+                self._mirror = KeyMirror(lambda: self._mirror_client(address, secret))
+        for closing in (old, old_mirror):
+            if closing is not None:
+                closing.close()
 
     def host(self) -> tuple[str, bytes]:
         """Run this engine's own cache server (no ``server`` configured: the store lives in
@@ -154,6 +174,20 @@ class ConnectorCore(Closing):
             return 0
         self.stats.lookup(usable * self.block_tokens, hit * self.block_tokens, started)
         return hit
+
+    def mirrored(self, keys: Sequence[BlockKey]) -> int | None:
+        """How many leading blocks the store holds as its event stream says (a local
+        probe, no call); ``None`` without a mirror in step: ask :meth:`lookup`."""
+        mirror = self._mirror
+        if mirror is None or self._closed:
+            return None
+        started = time.perf_counter()
+        usable = self._usable(keys)
+        seen = mirror.leading(keys[:usable])
+        if seen is not None:
+            self.stats.lookup(usable * self.block_tokens, seen * self.block_tokens, started)
+            self.stats.lookup_local()
+        return seen
 
     def pin(self, keys: Sequence[BlockKey], start: int = 0) -> object | None:
         """Keep the blocks from eviction until :meth:`unpin` (or the store's lease TTL);
@@ -320,6 +354,9 @@ class ConnectorCore(Closing):
         with self._connecting:
             self._closed = True
             backend, self._backend = self._backend, None
+            mirror, self._mirror = self._mirror, None
+        if mirror is not None:
+            mirror.close()
         for reach in self._reaching:
             reach.join()  # within the connect timeout
         if backend is not None:
@@ -418,6 +455,19 @@ class ConnectorCore(Closing):
                 **settings,
             )
         return ServerBackend(address, secret, self.namespace, block_bytes, timeout, **settings)
+
+    def _mirror_client(self, address: str, secret: bytes | None) -> StoreClient:
+        """The mirror's own client of the server (its calls never wait behind the
+        connector's)."""
+        config = self.config
+        return StoreClient(
+            address,
+            block_bytes=self.identity.block_bytes,
+            namespace=self.namespace,
+            secret=secret,
+            tenant=config.tenant,
+            timeout=min(config.timeout, _MIRROR_TIMEOUT_S),
+        )
 
     def _store(self) -> Backend:
         backend = self._backend

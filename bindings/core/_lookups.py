@@ -45,10 +45,15 @@ class Lookup:
     """One lookup (and pin) in flight. Thread-safe: the lookup thread answers, the
     scheduler reads or drops."""
 
-    def __init__(self, keys: Sequence[BlockKey], first: int, started: float) -> None:
+    def __init__(
+        self, keys: Sequence[BlockKey], first: int, started: float, known: int | None = None
+    ) -> None:
         self.keys = keys
         self.first = first
         """Blocks the engine holds itself: only those after them are pinned."""
+        self.known = known
+        """Leading blocks the store's mirror says it holds: pinned without a lookup first
+        (a lookup follows only when the pin fails)."""
         self.started = started
         """When it was started, on the scheduler's clock."""
         self._lock = threading.Lock()
@@ -101,10 +106,11 @@ class Lookups(Closing):
         self._thread = threading.Thread(target=self._run, name="kvbridge-lookups", daemon=True)
         self._thread.start()
 
-    def start(self, keys: Sequence[BlockKey], first: int) -> Lookup:
+    def start(self, keys: Sequence[BlockKey], first: int, known: int | None = None) -> Lookup:
         """Ask how many leading ``keys`` the store holds and pin those from ``first`` on
-        (the block index of ``keys[first]`` is ``first``: keys start a prompt)."""
-        lookup = Lookup(keys, first, self._clock())
+        (the block index of ``keys[first]`` is ``first``: keys start a prompt); with
+        ``known``, pin that many at once and look up only if that fails."""
+        lookup = Lookup(keys, first, self._clock(), known)
         self._jobs.put(lookup)
         return lookup
 
@@ -142,6 +148,10 @@ class Lookups(Closing):
                 self._store.unpin(answer[1])  # nobody waits: release at once
 
     def _ask(self, job: Lookup) -> Hit:
+        if job.known is not None and job.known > job.first:
+            hold = self._store.pin(job.keys[job.first : job.known], job.first)
+            if hold is not None:
+                return job.known, hold
         hit = self._store.lookup(job.keys)
         if hit <= job.first:
             return hit, None

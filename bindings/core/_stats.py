@@ -10,6 +10,7 @@ from typing import Any
 COUNTERS = (
     "lookups",
     "lookups_late",
+    "lookups_local",
     "tokens_looked_up",
     "tokens_hit",
     "tokens_loaded",
@@ -40,6 +41,10 @@ class ConnectorStats:
             tokens_hit=hit_tokens,
             lookup_seconds=time.perf_counter() - started,
         )
+
+    def lookup_local(self) -> None:
+        """A lookup the store's mirror answered (no call)."""
+        self._add(lookups_local=1)
 
     def lookup_late(self) -> None:
         """A lookup answered later than the engine could wait: a miss for its request."""

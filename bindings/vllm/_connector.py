@@ -53,7 +53,7 @@ class KVBridgeConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if config.server is None and parallel.world_size > 1:
             raise ValueError("kvbridge: the in-process cache serves one worker; set 'server'")
         saves = bool(transfer.is_kv_producer)
-        self._core = ConnectorCore(config, identity, saves=saves and worker)
+        self._core = ConnectorCore(config, identity, saves=saves and worker, mirror=not worker)
         self._handshake: Handshake | None = None
         if worker and config.server is None:  # the store lives here; the scheduler connects
             self._handshake = Handshake(*self._core.host())

@@ -13,6 +13,8 @@ from ..core._stats import COUNTERS, TIMINGS
 
 _HELP = {
     "lookups": "Prefix lookups the scheduler made in kvbridge",
+    "lookups_late": "Lookups not answered within lookup_wait (the request computed its prefix)",
+    "lookups_local": "Lookups the mirror of the store's event stream answered (no call)",
     "tokens_looked_up": "Prompt tokens (full blocks) looked up in kvbridge",
     "tokens_hit": "Prompt tokens kvbridge held at lookup",
     "tokens_loaded": "Tokens whose KV was loaded from kvbridge",

@@ -216,10 +216,12 @@ class SchedulerSide:
         self._lookups.unpin(state.hold)
         state.hold, state.local, state.looked_at = None, num_computed, now
         first = num_computed // self._block
-        if cap <= first:
-            state.hit = 0  # vLLM holds every block the store could give
+        keys = state.keys[:cap]
+        seen = self._core.mirrored(keys) if cap > first else 0
+        if seen is not None and seen <= first:
+            state.hit = 0  # vLLM holds every block the store has (its mirror says)
         else:
-            state.hit, state.asking = None, self._lookups.start(state.keys[:cap], first)
+            state.hit, state.asking = None, self._lookups.start(keys, first, seen)
 
     def _heard(self, state: _Request) -> bool:
         """Whether the lookup in flight settled: answered, or given up on once it took

@@ -11,7 +11,8 @@ answers ``None`` and the caller asks the server. A stale mirror costs a miss or 
 that fails, never a wrong byte: the pin and the load decide.
 
 Memory is bounded by the namespace's keys and the socket's queue (``RCVHWM`` messages of
-at most ``MAX_MESSAGE_BYTES``): a flood costs a resync, nothing more.
+at most ``MAX_MESSAGE_BYTES``: 64 MiB): a flood costs a resync, which drops whatever waits
+(all of it older than the snapshot that follows), nothing more.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from .._stream import (
     Subscription,
     decode,
 )
+from .._wire import BadRequest
 
 _log = logging.getLogger("kvbridge.mirror")
 
@@ -45,7 +47,10 @@ RESYNC_EVERY_S = 1.0
 """Snapshots are read at most this often (a flood of bad messages costs no more)."""
 RETRY_S = 1.0
 """After a failure to reach the server, try again after this long."""
-RCVHWM = 10_000
+RCVHWM = 256
+"""Messages the socket holds for the mirror's thread (at most 256 KiB each)."""
+NO_EVENTS_RETRY_S = 60.0
+"""A server that publishes no events is asked again this rarely."""
 
 
 class Source(Protocol):
@@ -88,6 +93,7 @@ class KeyMirror(Closing):
         self.resyncs = 0
         """Snapshots read since the start (the first included)."""
         self._last_sync = -RESYNC_EVERY_S
+        self._told = False
         self._context: zmq.Context[Any] = zmq.Context.instance()
         self._thread = threading.Thread(target=self._run, name="kvbridge-mirror", daemon=True)
         self._thread.start()
@@ -131,6 +137,13 @@ class KeyMirror(Closing):
                 self._follow(source)
             except _Restart as exc:
                 _log.debug("mirror starts over: %s", exc)
+            except BadRequest as exc:  # the server publishes no events (yet)
+                if not self._told:
+                    _log.info("no mirror of the namespace's keys: %s", exc)
+                    self._told = True
+                _closed(source)
+                source = None
+                self._stop.wait(NO_EVENTS_RETRY_S)
             except (StoreError, ConnectionError, TimeoutError, OSError, zmq.ZMQError) as exc:
                 _log.info("mirror out of step: %s: %s", type(exc).__name__, exc)
                 self._stop.wait(RETRY_S)
@@ -171,6 +184,7 @@ class KeyMirror(Closing):
             return
         self._last_sync = self._clock()
         self._ready = False
+        _drain(socket)  # what waits is older than the snapshot: it holds all of it
         snapshot = source.snapshot()
         self.resyncs += 1
         keys, last = set(snapshot.keys), snapshot.seq
@@ -210,6 +224,11 @@ class KeyMirror(Closing):
     @staticmethod
     def _pending(socket: zmq.Socket[bytes]) -> bool:
         return bool(socket.poll(0))
+
+
+def _drain(socket: zmq.Socket[bytes]) -> None:
+    while socket.poll(0):
+        socket.recv_multipart(zmq.NOBLOCK)
 
 
 def _apply(keys: set[BlockKey], message: Message) -> None:

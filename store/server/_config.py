@@ -12,6 +12,7 @@ TOML (``kvbridge serve --config server.toml``), every key optional, top level or
     disk_capacity = "100GiB"
     metrics_port = 9400
     events_port = 7602        # the namespaces' event streams (docs/EVENTS.md)
+    events_hwm = 1000         # messages queued per subscriber before they are dropped
     max_namespaces = 4
     lease_ttl = 60.0
     handoff_ttl = 5.0
@@ -101,6 +102,9 @@ class ServerConfig:
     events_port: int | None = None
     """The namespaces' event streams (ZMQ XPUB on ``host``: ``docs/EVENTS.md``); ``None``
     for none, 0 for any free port."""
+    events_hwm: int = 1000
+    """Messages (up to 140 KiB each) queued for one subscriber beyond what its connection
+    holds; past it the server drops the subscriber's messages and it resyncs."""
     max_namespaces: int = 4
     """Namespaces served at once; each gets ``1/max_namespaces`` of each capacity."""
     lease_ttl: float = 60.0
@@ -155,6 +159,7 @@ _KINDS: dict[str, Kind] = {
     "data_port": _PORT,
     "metrics_port": _PORT,
     "events_port": _PORT,
+    "events_hwm": Whole(1),
     "host_capacity": Size(1),
     "disk_path": Text(),
     "disk_capacity": Size(0),

@@ -80,13 +80,22 @@ class EventStream:
 class EventPublisher(Closing):
     """The XPUB socket and the thread that alone uses it (see the module's docstring)."""
 
-    def __init__(self, host: str, port: int, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        hwm: int = SNDHWM,
+    ) -> None:
+        """``hwm``: messages queued per subscriber (beyond its connection's buffers) before
+        the socket drops the subscriber's messages."""
         self._clock = clock
         context: zmq.Context[Any] = zmq.Context.instance()
         self._socket: zmq.Socket[bytes] = context.socket(zmq.XPUB)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.XPUB_MANUAL, 1)
-        self._socket.setsockopt(zmq.SNDHWM, SNDHWM)
+        self._socket.setsockopt(zmq.SNDHWM, hwm)
         try:
             self.port = _bind(self._socket, host, port)
         except BaseException:

@@ -107,7 +107,7 @@ class CacheServer:
                 token = None if cfg.secret is None else metrics_token(cfg.secret)
                 self.metrics_port = self.metrics.serve(cfg.host, cfg.metrics_port, token=token)
             if cfg.events_port is not None:
-                self._events = EventPublisher(cfg.host, cfg.events_port, clock)
+                self._events = EventPublisher(cfg.host, cfg.events_port, clock, hwm=cfg.events_hwm)
         except BaseException:
             self.metrics.close()
             self.engine.close()

@@ -4,7 +4,7 @@ that every engine is a fresh process (as a restarted or second instance is).
 
 SPEC: model, prompts (lists of token ids), rounds, max_tokens, batched (max_num_batched_tokens),
 prefix_caching, blocks (num_gpu_blocks_override), connector (extra config, or null for
-none), role, failure_policy, abort (request index to abort after the first step), engine
+none), role, failure_policy, abort (abort every request once a load ran), engine
 (more arguments of ``LLM``: ``hf_overrides``, ``served_model_name``, ...), kill_after_round
 and kill_pid (SIGKILL a process between two rounds), kill_in_round and kill_in_pid (SIGKILL
 it after that round's first two engine steps, its requests under way), signals (``[round,
@@ -149,13 +149,16 @@ def _kill_after_first_steps(llm: Any, prompts: list[list[int]], params: Any, pid
 
 
 def _abort_after_first_steps(llm: Any, prompts: list[list[int]], params: Any) -> None:
-    """Add every prompt, run two engine steps, abort them all, and step until idle."""
+    """Add every prompt, step until the connector loaded something (a lookup is answered a
+    step after it was asked; at most 50 steps), abort them all, and step until idle."""
     engine = llm.llm_engine
     ids = [f"abort-{i}" for i in range(len(prompts))]
     for req_id, prompt in zip(ids, prompts, strict=True):
         engine.add_request(req_id, {"prompt_token_ids": prompt}, params)
-    for _ in range(2):
+    for _ in range(50):
         engine.step()
+        if _stats().get("tokens_loaded"):
+            break
     engine.abort_request(ids)
     for _ in range(200):
         if not engine.has_unfinished_requests():

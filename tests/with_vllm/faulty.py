@@ -31,5 +31,7 @@ class _FailingLoads:
 class FaultyConnector(KVBridgeConnector):
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        if self._core._backend is not None:  # the worker's (the scheduler's comes later)
-            self._core._backend = _FailingLoads(self._core._backend)
+        if self._worker is not None:  # the worker's loads fail (the scheduler's calls do not)
+            self._core._up()  # connected now: the connector dials on a thread of its own
+            if self._core._backend is not None:
+                self._core._backend = _FailingLoads(self._core._backend)

@@ -59,8 +59,18 @@ PATHS: dict[str, dict[str, Any]] = {
 buffer (the GPU path), two of the tiny model's 32 KiB blocks a chunk."""
 
 
+LOOKUP_WAIT = 5.0
+"""The tests count what loads, not how long a lookup may take: on a loaded 2-core machine
+a lookup can take longer than the default ``lookup_wait`` (50 ms), and the request would
+then compute its prefix (right, but not what they count). The bound itself is tested by
+``test_a_frozen_server_never_holds_the_engine`` and ``test_vllm_sides.py``."""
+
+
 def spec(model: str, connector: dict[str, Any] | None, **more: Any) -> dict[str, Any]:
-    """An engine run over ``PROMPTS`` with ``connector`` (extra config; None: no connector)."""
+    """An engine run over ``PROMPTS`` with ``connector`` (extra config; None: no connector;
+    ``lookup_wait`` is :data:`LOOKUP_WAIT` unless it says otherwise)."""
+    if connector is not None:
+        connector = {"lookup_wait": LOOKUP_WAIT, **connector}
     return {"model": model, "prompts": PROMPTS, "connector": connector, **more}
 
 

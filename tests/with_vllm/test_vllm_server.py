@@ -25,7 +25,9 @@ def _namespaces(server: ServeProcess) -> list[dict[str, Any]]:
 
 
 def test_a_fresh_instance_loads_what_another_saved(model: str, baseline: list[list[int]]) -> None:
-    server = ServeProcess("--host-capacity", "64MiB")
+    """Through a server that publishes its event stream: the second instance's scheduler
+    answers from its mirror of the namespace's keys (and pins what it hits)."""
+    server = ServeProcess("--host-capacity", "64MiB", "--events-port", "0")
     try:
         connector = {"server": server.address}
         first = run_engine(spec(model, connector))
@@ -33,6 +35,7 @@ def test_a_fresh_instance_loads_what_another_saved(model: str, baseline: list[li
         second = run_engine(spec(model, connector))
         assert tokens(second) == baseline
         assert second["stats"]["tokens_loaded"] == LOADABLE
+        assert second["scheduler"]["lookups_local"] > 0
         (ns,) = [n for n in _namespaces(server) if n["hits"]]
         assert ns["hits"] * 32 >= LOADABLE  # the server counts the same blocks
     finally:
@@ -87,7 +90,8 @@ def test_a_frozen_server_never_holds_the_engine(model: str, baseline_run: dict[s
     try:
         os.kill(pid, signal.SIGSTOP)
         thaw, freeze = [0, pid, "SIGCONT"], [1, pid, "SIGSTOP"]
-        run = spec(model, {"server": server.address, "timeout": 120}, rounds=4)
+        connector = {"server": server.address, "timeout": 120, "lookup_wait": 0.05}
+        run = spec(model, connector, rounds=4)  # the default lookup_wait
         run["signals"] = [thaw, freeze, [2, pid, "SIGCONT"]]
         result = run_engine(run, timeout=600)
     finally:

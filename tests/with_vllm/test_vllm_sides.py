@@ -30,6 +30,9 @@ class _Core:
         self.saved: list[SaveJob] = []
         self.pins: list[object] = []
         self.unpinned: list[object] = []
+        self.lookups = 0
+        self.mirror: int | None = None
+        """What the store's mirror says (``None``: no mirror in step)."""
         self.stats = SimpleNamespace(late=0)
         self.stats.lookup_late = lambda: setattr(self.stats, "late", self.stats.late + 1)
 
@@ -37,7 +40,11 @@ class _Core:
         return [bytes([i]) * 32 for i in range(len(tokens) // 32)]
 
     def lookup(self, keys: list[bytes]) -> int:
+        self.lookups += 1
         return len(keys)
+
+    def mirrored(self, keys: list[bytes]) -> int | None:
+        return self.mirror
 
     def pin(self, keys: list[bytes], start: int = 0) -> object:
         self.pins.append(object())
@@ -192,6 +199,17 @@ def test_a_request_that_ends_while_its_lookup_runs_releases_its_pin(clock: FakeC
         side.finished(request)  # aborted before vLLM asked again
         core.thaw.set()
     assert len(core.pins) == 1 and core.unpinned == core.pins
+
+
+def test_a_mirror_answers_misses_at_once_and_hits_with_a_pin_alone(clock: FakeClock) -> None:
+    core = _Core()
+    with _side(core, clock=clock) as side:
+        core.mirror = 0
+        assert side.matched(_request("miss", 100), 0) == (0, False)  # no step lost
+        core.mirror = 2
+        assert side.matched(_request("hit", 100), 0) == (None, False)
+        assert _answer(side, _request("hit", 100)) == (64, False)
+        assert core.lookups == 0 and len(core.pins) == 1  # the pin checked it; no lookup
 
 
 def test_vllms_own_blocks_cover_the_hit_no_store_call(clock: FakeClock) -> None:

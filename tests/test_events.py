@@ -1,0 +1,207 @@
+"""A real ``kvbridge serve --events-port``: who hears a namespace's stream, and a mirror that
+ends with the server's key set (``contains`` over every key) whatever happens on the way:
+evictions, removals, clears, the subscriber closed and started again, the server
+restarted on its disk (new topics, numbers from 1), a frozen subscriber the server had to
+drop messages for."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+from attack import raw
+from helpers import keys, payloads, reap, spawn_python, until
+from serve import ServeProcess
+
+from kvbridge.store import (
+    BadRequest,
+    KeyMirror,
+    StoreClient,
+    UnknownNamespace,
+    decode_events,
+)
+from kvbridge.store._stream import TICKET_PREFIX
+
+BB = 4096
+CAPACITY = 512 * BB
+"""512 blocks: puts of a few hundred evict (the stream says so)."""
+_SMALL = ("--host-capacity", str(4 * CAPACITY), "--handoff-ttl", "0")
+"""Four namespaces of 512 blocks; no handoff holds (every stored block may be evicted)."""
+
+
+@pytest.fixture
+def server() -> Iterator[ServeProcess]:
+    served = ServeProcess("--events-port", "0", *_SMALL)
+    yield served
+    served.kill()
+
+
+def _client(server: ServeProcess, namespace: str = "events") -> StoreClient:
+    return StoreClient(server.address, block_bytes=BB, namespace=namespace, timeout=10)
+
+
+def _mirror(server: ServeProcess, namespace: str = "events") -> KeyMirror:
+    return KeyMirror(lambda: _client(server, namespace))
+
+
+def _truth(client: StoreClient, universe: list[bytes]) -> set[bytes]:
+    return {k for k, there in zip(universe, client.contains(universe), strict=True) if there}
+
+
+def _converged(mirror: KeyMirror, client: StoreClient, universe: list[bytes]) -> Callable[[], bool]:
+    return lambda: mirror.keys() == _truth(client, universe)
+
+
+def _churn(client: StoreClient, start: int, rounds: int) -> list[bytes]:
+    """Puts that evict, removals and a clear; every key it touched."""
+    touched: list[bytes] = []
+    for r in range(rounds):
+        ks = keys(start + r * 300, start + r * 300 + 300)
+        client.put(ks, payloads(ks, BB))
+        client.remove(ks[::7])
+        touched += ks
+        if r == rounds // 2:
+            client.clear()
+    return touched
+
+
+def test_a_mirror_ends_with_the_servers_keys(server: ServeProcess) -> None:
+    with _client(server) as client, _mirror(server) as mirror:
+        assert mirror.wait_ready(20)
+        universe = _churn(client, 0, 6)
+        until(_converged(mirror, client, universe), "the mirror holds the server's keys")
+        assert mirror.leading(universe[-299:-293]) == 6  # blocks 1-6 of the last put (0, 7 went)
+
+
+def test_a_restarted_subscriber_starts_from_a_snapshot(server: ServeProcess) -> None:
+    with _client(server) as client:
+        universe = _churn(client, 0, 2)
+        with _mirror(server) as mirror:
+            until(_converged(mirror, client, universe), "the first mirror")
+        universe += _churn(client, 10_000, 2)  # changes nobody hears
+        with _mirror(server) as mirror:
+            until(_converged(mirror, client, universe), "the second, from its snapshot")
+
+
+def test_a_mirror_follows_a_server_restarted_on_its_disk(tmp_path: Path) -> None:
+    disk = ("--disk-path", str(tmp_path), "--disk-capacity", str(16 * CAPACITY))
+    args = ("--events-port", "0", *_SMALL, *disk)
+    first = ServeProcess(*args)
+    port = first.address.rsplit(":", 1)[1]
+    try:
+        with _client(first) as client:
+            universe = _churn(client, 0, 2)
+        mirror = _mirror(first)
+        until(lambda: mirror.ready, "in step with the first server")
+        resyncs = mirror.resyncs
+    finally:
+        first.stop(signal.SIGTERM)
+    second = ServeProcess("--port", port, *args)  # numbers start over, topics are new
+    try:
+        with _client(second) as client:
+            universe += _churn(client, 20_000, 2)
+            until(_converged(mirror, client, universe), "in step with the restarted server")
+        assert mirror.resyncs > resyncs
+    finally:
+        mirror.close()
+        second.kill()
+
+
+_FROZEN_MIRROR = """
+import sys
+from kvbridge.store import KeyMirror, StoreClient
+mirror = KeyMirror(lambda: StoreClient(sys.argv[1], block_bytes=4096, namespace="events"))
+mirror.wait_ready(20)
+print("ready", flush=True)
+for line in sys.stdin:  # each line: print what the mirror holds, and how often it resynced
+    print(mirror.resyncs, ",".join(sorted(k.hex() for k in (mirror.keys() or ()))), flush=True)
+"""
+
+
+def test_a_frozen_subscriber_the_server_dropped_messages_for_resyncs() -> None:
+    """The subscriber's process is stopped (SIGSTOP) while a burst of changes goes out:
+    its socket fills, the server's high-water mark drops what follows. Once it runs again
+    it sees the gap, reads a snapshot and holds the server's keys."""
+    served = ServeProcess("--events-port", "0", "--events-hwm", "1", *_SMALL)
+    proc = spawn_python(_FROZEN_MIRROR, served.address)
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout.readline().strip() == "ready"
+        os.kill(proc.pid, signal.SIGSTOP)
+        with _client(served) as client:
+            universe: list[bytes] = []
+            for r in range(200):  # 400 messages of 500 keys: past what the sockets hold
+                ks = keys(100_000 + r * 500, 100_000 + r * 500 + 500)
+                client.put(ks, payloads(ks, BB))
+                client.clear()
+                universe += ks
+            os.kill(proc.pid, signal.SIGCONT)
+            want = ",".join(sorted(k.hex() for k in _truth(client, universe)))
+
+            def holds() -> bool:
+                proc.stdin.write("?\n")  # type: ignore[union-attr]
+                proc.stdin.flush()  # type: ignore[union-attr]
+                resyncs, _, held = proc.stdout.readline().strip().partition(" ")  # type: ignore[union-attr]
+                return held == want and int(resyncs) > 1
+
+            until(holds, "the unfrozen mirror resynced and holds the server's keys", timeout=60)
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        reap(proc)
+        served.kill()
+
+
+def test_only_a_session_that_opened_the_namespace_hears_it(server: ServeProcess) -> None:
+    """A subscriber without a ticket (every topic, the real topic guessed or overheard, a
+    ticket used already) hears nothing; a session asks for a ticket only of a namespace it
+    opened."""
+    with _client(server) as owner, _client(server, "other") as other:
+        sub = owner.subscription()
+        context = zmq.Context.instance()
+        eavesdroppers = []
+        for subscriptions in ([b""], [sub.topic], [sub.topic, TICKET_PREFIX + b"\x00" * 16]):
+            socket = context.socket(zmq.SUB)
+            socket.setsockopt(zmq.LINGER, 0)
+            for topic in subscriptions:
+                socket.setsockopt(zmq.SUBSCRIBE, topic)
+            socket.connect(sub.endpoint)
+            eavesdroppers.append(socket)
+        with _mirror(server) as mirror:  # the owner's own subscriber, with its ticket
+            assert mirror.wait_ready(20)
+            honest = context.socket(zmq.SUB)  # the ticket, used once, honestly
+            honest.setsockopt(zmq.LINGER, 0)
+            honest.setsockopt(zmq.SUBSCRIBE, sub.topic)
+            honest.setsockopt(zmq.SUBSCRIBE, TICKET_PREFIX + sub.ticket)
+            honest.connect(sub.endpoint)
+            until(lambda: honest.poll(100) != 0, "the ticket's holder hears the stream")
+            late = context.socket(zmq.SUB)  # the same ticket replayed: used already
+            late.setsockopt(zmq.LINGER, 0)
+            late.setsockopt(zmq.SUBSCRIBE, b"")
+            late.setsockopt(zmq.SUBSCRIBE, TICKET_PREFIX + sub.ticket)
+            late.connect(sub.endpoint)
+            ks = keys(0, 50)
+            owner.put(ks, payloads(ks, BB))
+            until(lambda: mirror.leading(ks) == 50, "the owner's mirror heard the put")
+        for socket in [*eavesdroppers, late]:
+            assert socket.poll(200) == 0  # not a heartbeat, not a key
+            socket.close()
+        messages = []
+        while honest.poll(200):
+            messages.append(decode_events(honest.recv_multipart(), sub.topic))
+        assert any(m.changes for m in messages)
+        honest.close()
+        with pytest.raises(UnknownNamespace):
+            raw(other).call({"op": "events", "ns": raw(owner).ns})  # not its namespace
+
+
+def test_a_server_without_an_events_port_says_so() -> None:
+    served = ServeProcess(*_SMALL)
+    try:
+        with _client(served) as client, pytest.raises(BadRequest, match="events-port"):
+            client.subscription()
+    finally:
+        served.kill()
