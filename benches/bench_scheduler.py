@@ -157,3 +157,41 @@ def _wait_mirrored(core: ConnectorCore, prompts: list[list[int]]) -> None:
         while core.mirrored(keys) != len(keys):
             assert time.monotonic() < deadline, "the mirror never saw the puts"
             time.sleep(0.001)
+
+
+SHORT, COUNT, ROUNDS = 96, 256, 4
+
+
+def test_requests_per_second_with_the_connector(server: ServeProcess, tmp_path: Path) -> None:
+    """Requests per second an engine runs on short prompts (96 tokens, one output token,
+    nothing cached: every lookup misses) with a loading connector (``kv_consumer``), the
+    mirror's way and the lookup thread's, against the same engine without a connector:
+    the connector's overhead on vLLM's scheduling. Each engine is a fresh process; the
+    median of its rounds after the first."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "with_vllm"))
+    from harness import run_engine  # noqa: PLC0415  (the vLLM tests' engine runner)
+    from tiny import make_model  # noqa: PLC0415
+
+    model = str(make_model(tmp_path / "model"))
+    rng = random.Random(7)
+    prompts = [[rng.randrange(1, 999) for _ in range(SHORT)] for _ in range(COUNT)]
+    plain = ServeProcess("--host-capacity", "256MiB")  # publishes no events
+    try:
+        runs = {
+            "no connector": None,
+            "connector, mirror": {"server": server.address},
+            "connector, lookup thread": {"server": plain.address},
+        }
+        seconds = {}
+        for name, connector in runs.items():
+            spec = {"model": model, "prompts": prompts, "connector": connector}
+            spec.update(rounds=ROUNDS, max_tokens=1, role="kv_consumer", seqs=64, batched=2048)
+            result = run_engine(spec, timeout=900)
+            seconds[name] = float(np.median(result["seconds"][1:]))
+    finally:
+        plain.kill()
+    base = seconds["no connector"]
+    for name, took in seconds.items():
+        line = f"{name:<28} {COUNT / took:8.1f} requests/s  ({took / base:5.3f}x the time)"
+        _EXTRA_LINES.append(line)
+        print(line)

@@ -51,7 +51,7 @@ def _kv(blocks: int, seed: int) -> tuple[list[np.ndarray], PagedKV]:
 def _member(etcd: EtcdProcess) -> ServeProcess:
     return ServeProcess(
         *("--cluster", etcd.url, "--cluster-name", CLUSTER, "--host-capacity", "64MiB"),
-        *("--handoff-ttl", "0", "--max-namespaces", "8"),
+        *("--handoff-ttl", "0", "--max-namespaces", "8", "--events-port", "0"),
     )
 
 
@@ -144,6 +144,30 @@ def test_a_member_killed_is_misses_and_no_call_waits_out_the_timeout(
         assert core.load(ks[:hit], list(range(hit)))
         assert time.monotonic() - started < 5.0  # three calls, none of them a timeout
         assert core.lookup(other) == 8  # asked on: no pause as after a store that is down
+
+
+def test_a_scheduler_mirrors_every_member_and_a_dead_one_is_not_guessed(
+    cluster: tuple[EtcdProcess, list[ServeProcess]],
+) -> None:
+    """The scheduler side's mirror follows every member's event stream: it lists what a
+    writer saved over the three. A killed member's mirror falls out of step: the mirror
+    then answers nothing (the cluster is asked) until the membership drops the member,
+    and then answers without its blocks."""
+    etcd, members = cluster
+    ident = _identity("mirror")
+    _, kv = _kv(blocks=160, seed=5)
+    with (
+        _core(_config(etcd), ident, kv) as writer,
+        ConnectorCore(_config(etcd), ident, mirror=True) as scheduler,
+    ):
+        ks = writer.keys(list(range(16 * 150)))
+        assert writer.save(ks, list(range(150)))
+        until(lambda: scheduler.mirrored(ks) == 150, "the mirror lists every saved block")
+        assert scheduler.stats.totals()["lookups_local"] > 0
+        members[1].kill()
+        until(lambda: scheduler.mirrored(ks) is None, "the dead member's mirror is out of step")
+        hit = writer.lookup(ks)  # what the two members left hold, as the cluster says
+        until(lambda: scheduler.mirrored(ks) == hit, "the mirror without the dead member")
 
 
 def test_an_unreachable_etcd_is_a_warning_and_misses(caplog: pytest.LogCaptureFixture) -> None:

@@ -114,7 +114,8 @@ def test_a_mirror_follows_a_server_restarted_on_its_disk(tmp_path: Path) -> None
 _FROZEN_MIRROR = """
 import sys
 from kvbridge.store import KeyMirror, StoreClient
-mirror = KeyMirror(lambda: StoreClient(sys.argv[1], block_bytes=4096, namespace="events"))
+client = lambda: StoreClient(sys.argv[1], block_bytes=4096, namespace="events")  # noqa: E731
+mirror = KeyMirror(client, silence=60)
 mirror.wait_ready(20)
 print("ready", flush=True)
 for line in sys.stdin:  # each line: print what the mirror holds, and how often it resynced
@@ -124,8 +125,9 @@ for line in sys.stdin:  # each line: print what the mirror holds, and how often 
 
 def test_a_frozen_subscriber_the_server_dropped_messages_for_resyncs() -> None:
     """The subscriber's process is stopped (SIGSTOP) while a burst of changes goes out:
-    its socket fills, the server's high-water mark drops what follows. Once it runs again
-    it sees the gap, reads a snapshot and holds the server's keys."""
+    its socket fills, the server's high-water mark (1 message here) drops what follows.
+    Once it runs again it sees the gap, reads a snapshot and holds the server's keys (its
+    silence bound is 60 s: only a gap can have made it resync)."""
     served = ServeProcess("--events-port", "0", "--events-hwm", "1", *_SMALL)
     proc = spawn_python(_FROZEN_MIRROR, served.address)
     try:
@@ -134,11 +136,13 @@ def test_a_frozen_subscriber_the_server_dropped_messages_for_resyncs() -> None:
         os.kill(proc.pid, signal.SIGSTOP)
         with _client(served) as client:
             universe: list[bytes] = []
+            blocks = payloads(keys(0, 500), BB)  # any bytes: the keys are what is heard
             for r in range(200):  # 400 messages of 500 keys: past what the sockets hold
                 ks = keys(100_000 + r * 500, 100_000 + r * 500 + 500)
-                client.put(ks, payloads(ks, BB))
+                client.put(ks, blocks)
                 client.clear()
                 universe += ks
+            client.put(universe[:300], blocks[:300])  # what the mirror must end with
             os.kill(proc.pid, signal.SIGCONT)
             want = ",".join(sorted(k.hex() for k in _truth(client, universe)))
 

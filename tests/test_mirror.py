@@ -71,8 +71,8 @@ def publisher() -> Iterator[_Publisher]:
     pub.socket.close()
 
 
-def _mirror(publisher: _Publisher) -> KeyMirror:
-    mirror = KeyMirror(lambda: publisher, silence=2.0)
+def _mirror(publisher: _Publisher, resync_every: float = 0.05) -> KeyMirror:
+    mirror = KeyMirror(lambda: publisher, silence=2.0, resync_every=resync_every)
     until(lambda: _started(publisher, mirror), "the mirror subscribed and read a snapshot")
     return mirror
 
@@ -159,7 +159,7 @@ def test_malformed_messages_cost_a_resync_never_a_wrong_key(
 def test_a_flood_of_bad_messages_costs_at_most_a_snapshot_a_second(
     publisher: _Publisher,
 ) -> None:
-    with _mirror(publisher) as mirror:
+    with _mirror(publisher, resync_every=1.0) as mirror:
         for _ in range(20_000):
             publisher.raw([TOPIC, (1 << 40).to_bytes(8, "big"), b"\xc1"])
         publisher.change([key(7)], [])

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import Any, Protocol
 
 import zmq
@@ -79,12 +79,15 @@ class KeyMirror(Closing):
         connect: Callable[[], Source],
         *,
         silence: float = SILENCE_S,
+        resync_every: float = RESYNC_EVERY_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``connect`` makes the mirror's own client of the server (called again after a
-        failure); the mirror closes it."""
+        failure); the mirror closes it. ``silence``: how long a stream may send nothing
+        before the mirror subscribes again; ``resync_every``: snapshots at most this often."""
         self._connect = connect
         self._silence = silence
+        self._resync_every = resync_every
         self._clock = clock
         self._keys: set[BlockKey] = set()
         self._ready = False
@@ -92,7 +95,7 @@ class KeyMirror(Closing):
         self._synced = threading.Condition()
         self.resyncs = 0
         """Snapshots read since the start (the first included)."""
-        self._last_sync = -RESYNC_EVERY_S
+        self._last_sync = -resync_every
         self._told = False
         self._context: zmq.Context[Any] = zmq.Context.instance()
         self._thread = threading.Thread(target=self._run, name="kvbridge-mirror", daemon=True)
@@ -114,6 +117,11 @@ class KeyMirror(Closing):
             if key not in present:
                 return i
         return len(keys)
+
+    def view(self) -> Container[BlockKey] | None:
+        """The keys themselves (no copy: read ``key in view`` only), or ``None`` while out
+        of step."""
+        return self._keys if self._ready else None
 
     def keys(self) -> set[BlockKey] | None:
         """A copy of the keys, or ``None`` while out of step."""
@@ -160,38 +168,28 @@ class KeyMirror(Closing):
 
     def _follow(self, source: Source) -> None:
         """Subscribe, then keep in step until the stream says to start over."""
-        sub = source.subscription()
-        socket = self._context.socket(zmq.SUB)
-        try:
-            socket.setsockopt(zmq.LINGER, 0)
-            socket.setsockopt(zmq.RCVHWM, RCVHWM)
-            socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES + 1024)
-            socket.setsockopt(zmq.SUBSCRIBE, sub.topic)  # what this socket lets through
-            socket.setsockopt(zmq.SUBSCRIBE, TICKET_PREFIX + sub.ticket)  # what the server grants
-            socket.connect(sub.endpoint)
-            self._receive(socket, sub.topic)  # the stream took the subscription
+        with _Stream(self._context, source.subscription()) as stream:
+            self._receive(stream)  # the stream took the subscription
             while not self._stop.is_set():
                 try:
-                    self._keep_in_step(source, socket, sub.topic)
+                    self._keep_in_step(source, stream)
                 except _Resync as exc:
                     _log.debug("mirror resyncs: %s", exc)
-        finally:
-            socket.close()
 
-    def _keep_in_step(self, source: Source, socket: zmq.Socket[bytes], topic: bytes) -> None:
-        wait = self._last_sync + RESYNC_EVERY_S - self._clock()
+    def _keep_in_step(self, source: Source, stream: _Stream) -> None:
+        wait = self._last_sync + self._resync_every - self._clock()
         if wait > 0 and self._stop.wait(wait):
             return
         self._last_sync = self._clock()
         self._ready = False
-        _drain(socket)  # what waits is older than the snapshot: it holds all of it
+        stream.drain()  # what waits is older than the snapshot: it holds all of it
         snapshot = source.snapshot()
         self.resyncs += 1
         keys, last = set(snapshot.keys), snapshot.seq
         while not self._stop.is_set():
-            if not self._ready and not self._pending(socket):
+            if not self._ready and not stream.pending():
                 self._publish(keys)  # nothing waits: as in step as the stream can tell
-            message = self._receive(socket, topic)
+            message = self._receive(stream)
             if message.cleared:
                 raise _Restart("the namespace left the server")
             if message.seq > last:  # news: it must be the next number, with changes
@@ -208,27 +206,60 @@ class KeyMirror(Closing):
             self._ready = True
             self._synced.notify_all()
 
-    def _receive(self, socket: zmq.Socket[bytes], topic: bytes) -> Message:
+    def _receive(self, stream: _Stream) -> Message:
         deadline = self._clock() + self._silence
         while not self._stop.is_set():
             left = deadline - self._clock()
             if left <= 0:
                 raise _Restart("the stream fell silent")
-            if socket.poll(int(min(left, 0.25) * 1000) + 1):
-                try:
-                    return decode(socket.recv_multipart(zmq.NOBLOCK), topic)
-                except MalformedEvent as exc:
-                    raise _Resync(f"a malformed message: {exc}") from None
+            message = stream.receive(min(left, 0.25))
+            if message is not None:
+                return message
         raise _Restart("stopped")
 
-    @staticmethod
-    def _pending(socket: zmq.Socket[bytes]) -> bool:
-        return bool(socket.poll(0))
 
+class _Stream(Closing):
+    """One subscription's socket, and a monitor that says when its connection drops (a
+    server killed or restarted: the mirror starts over at once, not after the silence)."""
 
-def _drain(socket: zmq.Socket[bytes]) -> None:
-    while socket.poll(0):
-        socket.recv_multipart(zmq.NOBLOCK)
+    def __init__(self, context: zmq.Context[Any], sub: Subscription) -> None:
+        self._topic = sub.topic
+        self._socket: zmq.Socket[bytes] = context.socket(zmq.SUB)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.RCVHWM, RCVHWM)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES + 1024)
+        self._socket.setsockopt(zmq.SUBSCRIBE, sub.topic)  # what this socket lets through
+        self._socket.setsockopt(zmq.SUBSCRIBE, TICKET_PREFIX + sub.ticket)  # what is granted
+        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._poller = zmq.Poller()
+        self._poller.register(self._socket, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+        self._socket.connect(sub.endpoint)
+
+    def receive(self, seconds: float) -> Message | None:
+        """The next message within ``seconds`` (``None``: none came); :class:`_Restart`
+        when the connection dropped, :class:`_Resync` for a malformed message."""
+        ready = dict(self._poller.poll(int(seconds * 1000) + 1))
+        if self._monitor in ready:
+            raise _Restart("the server closed the stream")
+        if self._socket not in ready:
+            return None
+        try:
+            return decode(self._socket.recv_multipart(zmq.NOBLOCK), self._topic)
+        except MalformedEvent as exc:
+            raise _Resync(f"a malformed message: {exc}") from None
+
+    def pending(self) -> bool:
+        return bool(self._socket.poll(0))
+
+    def drain(self) -> None:
+        while self._socket.poll(0):
+            self._socket.recv_multipart(zmq.NOBLOCK)
+
+    def close(self) -> None:
+        self._socket.disable_monitor()
+        self._monitor.close()
+        self._socket.close()
 
 
 def _apply(keys: set[BlockKey], message: Message) -> None:
