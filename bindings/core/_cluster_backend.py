@@ -68,6 +68,10 @@ class ClusterBackend(Closing):
         if not self._client.members():
             _log.warning("kvbridge: cluster %r in %s has no members yet: misses", cluster, url)
 
+    def members(self) -> list[str]:
+        """The members the cluster places on now."""
+        return self._client.members()
+
     def lookup(self, keys: Sequence[BlockKey]) -> int:
         return self._client.match_prefix(keys)
 

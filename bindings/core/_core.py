@@ -29,6 +29,7 @@ from ...store import (
     StoreError,
     prefix_hashes,
 )
+from ...store.cluster import ClusterMirror
 from ...transfer import is_device
 from ._backend import Backend, ServerBackend
 from ._cluster_backend import ClusterBackend
@@ -99,7 +100,7 @@ class ConnectorCore(Closing):
         """Connections made in the background (joined by :meth:`close`)."""
         self._closed = False
         self._wants_mirror = mirror and config.mirror
-        self._mirror: KeyMirror | None = None
+        self._mirror: KeyMirror | ClusterMirror | None = None
         self._embedded: CacheServer | None = None
         if config.server is not None:
             self.connect(config.server, config.secret)
@@ -128,8 +129,8 @@ class ConnectorCore(Closing):
             reach = threading.Thread(target=self._up, name="kvbridge-connect", daemon=True)
             self._reaching.append(reach)
             reach.start()
-            if self._wants_mirror and not address.startswith(ETCD_SCHEME):
-                self._mirror = KeyMirror(lambda: self._mirror_client(address, secret))
+            if self._wants_mirror:
+                self._mirror = self._new_mirror(address, secret)
         for closing in (old, old_mirror):
             if closing is not None:
                 closing.close()
@@ -455,6 +456,18 @@ class ConnectorCore(Closing):
                 **settings,
             )
         return ServerBackend(address, secret, self.namespace, block_bytes, timeout, **settings)
+
+    def _new_mirror(self, address: str, secret: bytes | None) -> KeyMirror | ClusterMirror:
+        """One server's mirror, or every member's of a cluster (as its backend lists them
+        once connected)."""
+        if not address.startswith(ETCD_SCHEME):
+            return KeyMirror(lambda: self._mirror_client(address, secret))
+
+        def members() -> list[str]:
+            backend = self._backend
+            return backend.members() if isinstance(backend, ClusterBackend) else []
+
+        return ClusterMirror(members, lambda member: self._mirror_client(member, secret))
 
     def _mirror_client(self, address: str, secret: bytes | None) -> StoreClient:
         """The mirror's own client of the server (its calls never wait behind the

@@ -4,7 +4,8 @@
 (a server's record under a lease; a client's live view of the members), ``_join`` (where
 a cluster lives in etcd, and ``kvbridge serve --cluster``), ``_rendezvous`` (the owners of
 a key), ``_client`` (:class:`ClusterClient`, its members' clients in a ``ClientPool``), ``_parts``
-(how a call is split among members).
+(how a call is split among members), ``_mirror`` (:class:`ClusterMirror`: a namespace's
+keys over every member, from their event streams).
 Imports ``client``; never ``server``.
 """
 
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
     from ._etcd import EtcdError, EtcdGateway, EtcdUnavailable
     from ._join import DEFAULT_CLUSTER, join, members_prefix
     from ._membership import Member, Membership, Registrar
+    from ._mirror import ClusterMirror
     from ._rendezvous import Rendezvous
 
 _LAZY = {
@@ -34,6 +36,7 @@ _LAZY = {
     "Member": "._membership",
     "Membership": "._membership",
     "Registrar": "._membership",
+    "ClusterMirror": "._mirror",
     "Rendezvous": "._rendezvous",
 }
 """Loaded on first use: the package's modules load the transfer engine (pyzmq, threads)."""
@@ -44,6 +47,7 @@ __all__ = [
     "DEFAULT_CLUSTER",
     "ClusterClient",
     "ClusterLease",
+    "ClusterMirror",
     "ClusterRegion",
     "EtcdError",
     "EtcdGateway",
