@@ -184,7 +184,7 @@ def test_requests_per_second_with_the_connector(server: ServeProcess, tmp_path: 
         }
         seconds = {}
         for name, connector in runs.items():
-            spec = {"model": model, "prompts": prompts, "connector": connector}
+            spec: dict[str, Any] = {"model": model, "prompts": prompts, "connector": connector}
             spec.update(rounds=ROUNDS, max_tokens=1, role="kv_consumer", seqs=64, batched=2048)
             result = run_engine(spec, timeout=900)
             seconds[name] = float(np.median(result["seconds"][1:]))

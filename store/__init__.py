@@ -15,8 +15,9 @@ Public surface:
   registered buffers (:class:`ClusterRegion`) and pins (:class:`ClusterLease`).
 - The namespaces' event streams (``kvbridge serve --events-port``, ``docs/EVENTS.md``):
   :class:`KeyMirror`, a namespace's keys kept from its stream; :func:`decode_events`, a
-  message read (:class:`MalformedEvent` if it is none), :class:`Subscription` and
-  :class:`KeySnapshot`, what :class:`StoreClient` hands a subscriber.
+  message read (:class:`MalformedEvent` if it is none), :func:`encode_events` and
+  :func:`pack_events`, one written; :class:`Subscription` and :class:`KeySnapshot`, what
+  :class:`StoreClient` hands a subscriber; :data:`EVENT_TICKET_PREFIX`.
 - Tenants (:class:`Tenant`, :func:`load_tenants`, ``kvbridge serve --tenants``): each
   with a secret of its own, the namespaces it may open, and its share of the server.
 - Typed errors, all subclasses of :class:`StoreError`.
@@ -48,8 +49,11 @@ from ._errors import (
 from ._keys import KEY_BYTES, BlockKey, HashAlgo, InvalidNamespace, prefix_hashes
 from ._sizes import parse_size
 from ._stats import StoreStats, TierStats
+from ._stream import TICKET_PREFIX as EVENT_TICKET_PREFIX
 from ._stream import KeySnapshot, MalformedEvent, Message, Subscription
 from ._stream import decode as decode_events
+from ._stream import encode as encode_events
+from ._stream import pack as pack_events
 from ._wire import (
     DEFAULT_PORT,
     BadRequest,
@@ -118,6 +122,7 @@ __getattr__ = lazy(__name__, _LAZY, globals())
 __all__ = [
     "DEFAULT_PIN_TTL_S",
     "DEFAULT_PORT",
+    "EVENT_TICKET_PREFIX",
     "FIFO",
     "KEY_BYTES",
     "LRU",
@@ -174,9 +179,11 @@ __all__ = [
     "TooManyRequests",
     "UnknownNamespace",
     "decode_events",
+    "encode_events",
     "load_config",
     "load_tenants",
     "metrics_token",
+    "pack_events",
     "parse_size",
     "prefix_hashes",
     "read_secret",

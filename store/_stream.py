@@ -47,6 +47,12 @@ class Subscription:
     topic: bytes
     ticket: bytes
 
+    @property
+    def filters(self) -> tuple[bytes, bytes]:
+        """What a SUB socket subscribes to: the topic (what the socket lets through) and
+        the ticket (what the server turns into the subscription)."""
+        return self.topic, TICKET_PREFIX + self.ticket
+
 
 @dataclass(frozen=True)
 class KeySnapshot:

@@ -11,7 +11,7 @@ from helpers import key, payloads
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvbridge.store import BlockNotFound, BlockPinned, StoreFull, TieredStore
+from kvbridge.store import BlockKey, BlockNotFound, BlockPinned, StoreFull, TieredStore
 
 BB = 64
 KEYS = [key(i) for i in range(30)]
@@ -29,7 +29,7 @@ class _Mirror:
         self.where: dict[bytes, str] = {}
         self.reports = 0
 
-    def __call__(self, changes: list[tuple[bytes, str | None]]) -> None:
+    def __call__(self, changes: list[tuple[BlockKey, str | None]]) -> None:
         self.reports += 1
         for k, tier in changes:
             if tier is None:

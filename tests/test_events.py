@@ -18,13 +18,14 @@ from helpers import keys, payloads, reap, spawn_python, until
 from serve import ServeProcess
 
 from kvbridge.store import (
+    EVENT_TICKET_PREFIX,
     BadRequest,
+    BlockKey,
     KeyMirror,
     StoreClient,
     UnknownNamespace,
     decode_events,
 )
-from kvbridge.store._stream import TICKET_PREFIX
 
 BB = 4096
 CAPACITY = 512 * BB
@@ -74,7 +75,9 @@ def test_a_mirror_ends_with_the_servers_keys(server: ServeProcess) -> None:
         assert mirror.wait_ready(20)
         universe = _churn(client, 0, 6)
         until(_converged(mirror, client, universe), "the mirror holds the server's keys")
-        assert mirror.leading(universe[-299:-293]) == 6  # blocks 1-6 of the last put (0, 7 went)
+        assert (
+            mirror.leading([BlockKey(k) for k in universe[-299:-293]]) == 6
+        )  # blocks 1-6 of the last put (0, 7 went)
 
 
 def test_a_restarted_subscriber_starts_from_a_snapshot(server: ServeProcess) -> None:
@@ -165,9 +168,9 @@ def test_only_a_session_that_opened_the_namespace_hears_it(server: ServeProcess)
     opened."""
     with _client(server) as owner, _client(server, "other") as other:
         sub = owner.subscription()
-        context = zmq.Context.instance()
+        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         eavesdroppers = []
-        for subscriptions in ([b""], [sub.topic], [sub.topic, TICKET_PREFIX + b"\x00" * 16]):
+        for subscriptions in ([b""], [sub.topic], [sub.topic, EVENT_TICKET_PREFIX + b"\x00" * 16]):
             socket = context.socket(zmq.SUB)
             socket.setsockopt(zmq.LINGER, 0)
             for topic in subscriptions:
@@ -179,13 +182,13 @@ def test_only_a_session_that_opened_the_namespace_hears_it(server: ServeProcess)
             honest = context.socket(zmq.SUB)  # the ticket, used once, honestly
             honest.setsockopt(zmq.LINGER, 0)
             honest.setsockopt(zmq.SUBSCRIBE, sub.topic)
-            honest.setsockopt(zmq.SUBSCRIBE, TICKET_PREFIX + sub.ticket)
+            honest.setsockopt(zmq.SUBSCRIBE, EVENT_TICKET_PREFIX + sub.ticket)
             honest.connect(sub.endpoint)
             until(lambda: honest.poll(100) != 0, "the ticket's holder hears the stream")
             late = context.socket(zmq.SUB)  # the same ticket replayed: used already
             late.setsockopt(zmq.LINGER, 0)
             late.setsockopt(zmq.SUBSCRIBE, b"")
-            late.setsockopt(zmq.SUBSCRIBE, TICKET_PREFIX + sub.ticket)
+            late.setsockopt(zmq.SUBSCRIBE, EVENT_TICKET_PREFIX + sub.ticket)
             late.connect(sub.endpoint)
             ks = keys(0, 50)
             owner.put(ks, payloads(ks, BB))

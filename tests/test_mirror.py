@@ -14,7 +14,8 @@ import zmq
 from helpers import key, until
 
 from kvbridge.store import KeyMirror, KeySnapshot, Subscription
-from kvbridge.store._stream import encode, pack
+from kvbridge.store import encode_events as encode
+from kvbridge.store import pack_events as pack
 
 TOPIC = b"t" * 16
 
@@ -25,7 +26,7 @@ class _Publisher:
     def __init__(self) -> None:
         self.socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
         self.socket.setsockopt(zmq.LINGER, 0)
-        self.port = self.socket.bind_to_random_port("tcp://127.0.0.1")
+        self.port: int = self.socket.bind_to_random_port("tcp://127.0.0.1")
         self.keys: set[bytes] = set()
         self.seq = 0
         self.lock = threading.Lock()

@@ -76,7 +76,7 @@ def _logged(text: str) -> Check:
 
 def _case(tmp: Path) -> dict[str, tuple[dict[str, str], Check]]:
     """Per setting: the variables that set it, and how to see that the server took it."""
-    port, data_port, metrics = free_port(), free_port(), free_port()
+    port, data_port, metrics, events = free_port(), free_port(), free_port(), free_port()
     disk = tmp / "disk"
     secret_file = tmp / "secret"
     secret_file.write_text("from a file\n")
@@ -93,6 +93,11 @@ def _case(tmp: Path) -> dict[str, tuple[dict[str, str], Check]]:
 
     def on_metrics(started: _Started, settings: str) -> None:
         assert f"metrics on :{metrics}" in started.line
+
+    def on_events(started: _Started, settings: str) -> None:
+        assert f"events on :{events}" in started.line
+        with StoreClient(started.address, block_bytes=BB, namespace="m") as client:
+            assert client.subscription().endpoint.endswith(f":{events}")
 
     tenants = tmp / "tenants.toml"
     tenants.write_text('[[tenant]]\nname = "alpha"\nsecret = "alpha secret"\n')
@@ -121,6 +126,8 @@ def _case(tmp: Path) -> dict[str, tuple[dict[str, str], Check]]:
             on_disk,
         ),
         "metrics_port": ({"KVBRIDGE_METRICS_PORT": str(metrics)}, on_metrics),
+        "events_port": ({"KVBRIDGE_EVENTS_PORT": str(events)}, on_events),
+        "events_hwm": ({"KVBRIDGE_EVENTS_HWM": "7"}, _logged("events_hwm=7")),
         "max_namespaces": ({"KVBRIDGE_MAX_NAMESPACES": "3"}, _logged("max_namespaces=3")),
         "lease_ttl": ({"KVBRIDGE_LEASE_TTL": "7.5"}, _logged("lease_ttl=7.5")),
         "max_leases_per_client": (
@@ -151,6 +158,7 @@ def test_every_setting_has_an_environment_case(tmp_path: Path) -> None:
 
 _SETTINGS = (
     *("host", "port", "data_port", "host_capacity", "disk_path", "metrics_port", "max_namespaces"),
+    *("events_port", "events_hwm"),
     *("lease_ttl", "max_leases_per_client", "handoff_ttl", "policy", "transports", "keepalive"),
     *("insecure", "secret_file", "tenants_file"),
 )

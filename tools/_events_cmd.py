@@ -27,7 +27,6 @@ from kvbridge.store import (
     decode_events,
     read_secret,
 )
-from kvbridge.store._stream import TICKET_PREFIX
 from kvbridge.transfer import TransferError
 
 from ._fail import fail
@@ -86,8 +85,8 @@ def _print_stream(client: StoreClient, args: argparse.Namespace, stop: threading
         sub = client.subscription()
         socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
         socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.SUBSCRIBE, sub.topic)
-        socket.setsockopt(zmq.SUBSCRIBE, TICKET_PREFIX + sub.ticket)
+        for subscription in sub.filters:
+            socket.setsockopt(zmq.SUBSCRIBE, subscription)
         socket.connect(sub.endpoint)
         last: int | None = None
         try:

@@ -30,7 +30,6 @@ from .._errors import StoreError
 from .._keys import BlockKey
 from .._stream import (
     MAX_MESSAGE_BYTES,
-    TICKET_PREFIX,
     KeySnapshot,
     MalformedEvent,
     Message,
@@ -228,8 +227,8 @@ class _Stream(Closing):
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.RCVHWM, RCVHWM)
         self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES + 1024)
-        self._socket.setsockopt(zmq.SUBSCRIBE, sub.topic)  # what this socket lets through
-        self._socket.setsockopt(zmq.SUBSCRIBE, TICKET_PREFIX + sub.ticket)  # what is granted
+        for subscription in sub.filters:  # the topic, and the ticket the server turns into it
+            self._socket.setsockopt(zmq.SUBSCRIBE, subscription)
         self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._poller = zmq.Poller()
         self._poller.register(self._socket, zmq.POLLIN)

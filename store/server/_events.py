@@ -173,6 +173,10 @@ class EventPublisher(Closing):
                     beat = self._clock() + HEARTBEAT_S
             except Exception:  # a bug must not end the stream of every namespace
                 _log.exception("event publisher failed")
+        try:
+            self._send_waiting()  # the last words of the streams that closed with the server
+        except Exception:
+            _log.exception("event publisher failed as it stopped")
 
     def _subscriptions(self) -> None:
         """Apply the subscriptions that carry a valid ticket; ignore every other one."""
@@ -213,22 +217,25 @@ class EventPublisher(Closing):
             streams = list(self._streams)
             self._expire(self._clock())
         for stream in streams:
-            if stream.skip:
-                stream.seq += 1  # what was dropped: subscribers see the gap and resync
-                stream.skip = False
-            self._send(stream, [])
+            self._send(stream, [])  # a number skipped shows here too
 
     def _send(
         self, stream: EventStream, events: list[dict[str, object]], *, advance: bool = False
     ) -> None:
-        if advance:
-            stream.seq += 2 if stream.skip else 1
-            stream.skip = False
+        if advance or stream.skip:
+            stream.seq += self._skipped(stream) + (1 if advance else 0)
         batch = pack(events, time.time())
         with contextlib.suppress(zmq.Again):  # XPUB drops rather than blocks, as a rule
             self._socket.send_multipart(
                 [stream.topic, stream.seq.to_bytes(8, "big"), batch], zmq.NOBLOCK
             )
+
+    def _skipped(self, stream: EventStream) -> int:
+        """1 when changes of ``stream`` were dropped since its last message (the next
+        number is skipped: subscribers see the gap and resync), else 0."""
+        with self._lock:  # queue() sets it under the same lock: no drop goes unseen
+            skipped, stream.skip = stream.skip, False
+        return int(skipped)
 
     def _expire(self, now: float) -> None:
         for ticket in [t for t, (_, until) in self._tickets.items() if until < now]:

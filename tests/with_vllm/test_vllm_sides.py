@@ -108,7 +108,12 @@ def _output(new: list[Any]) -> Any:
 def _answer(side: SchedulerSide, request: Any, computed: int = 0) -> tuple[int | None, bool]:
     """What vLLM's scheduler gets once the lookup settled: it asks every step."""
     answers: list[tuple[int | None, bool]] = []
-    until(lambda: answers.append(side.matched(request, computed)) or answers[-1][0] is not None)
+
+    def answered() -> bool:
+        answers.append(side.matched(request, computed))
+        return answers[-1][0] is not None
+
+    until(answered, "the lookup settled")
     return answers[-1]
 
 
