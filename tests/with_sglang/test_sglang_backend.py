@@ -63,10 +63,11 @@ def names(count: int, tag: str = "p") -> list[str]:
 
 def namespace_stats(server: CacheServer) -> dict[str, int]:
     """Summed counters of every namespace on the server."""
-    total: dict[str, int] = {}
+    names = ("puts", "duplicates", "bytes_in", "hits")
+    total = dict.fromkeys(names, 0)  # no namespace yet (the backend dials in the background)
     for entry in server.stats()["namespaces"]:
-        for name in ("puts", "duplicates", "bytes_in", "hits"):
-            total[name] = total.get(name, 0) + int(entry[name])
+        for name in names:
+            total[name] += int(entry[name])
     return total
 
 
