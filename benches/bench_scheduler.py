@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 from serve import ServeProcess
 
 from kvbridge.bindings import ConnectorConfig, ConnectorCore, Identity
-from kvbridge.bindings.vllm._scheduler import SchedulerSide
+from kvbridge.bindings.vllm._scheduler import LOOKUP_THREADS, SchedulerSide
 from kvbridge.store import StoreClient
 
 BLOCK_TOKENS, BLOCK_BYTES, PROMPT = 32, 32 << 10, 512
@@ -40,7 +40,10 @@ STEP_S = 0.0005
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServeProcess]:
-    proc = ServeProcess("--host-capacity", "512MiB", "--handoff-ttl", "0", "--events-port", "0")
+    proc = ServeProcess(
+        *("--host-capacity", "512MiB", "--handoff-ttl", "0", "--events-port", "0"),
+        *("--max-namespaces", "1"),
+    )
     yield proc
     proc.kill()
 
@@ -51,7 +54,7 @@ def _identity() -> Identity:
 
 def _core(server: ServeProcess, *, mirror: bool) -> ConnectorCore:
     config = ConnectorConfig(server=server.address, mirror=mirror)
-    core = ConnectorCore(config, _identity(), mirror=True)
+    core = ConnectorCore(config, _identity(), mirror=True, connections=LOOKUP_THREADS)
     core.lookup(core.keys(list(range(BLOCK_TOKENS))))  # connected
     return core
 

@@ -3,11 +3,11 @@
 An engine's scheduler asks about every new request in the loop that schedules all of
 them; a lookup and a pin are two round trips to the store, and a store that stopped
 answering would hold them for the whole store timeout. :class:`Lookups` runs them on a
-thread of its own: the scheduler starts one (:meth:`Lookups.start`), reads its answer on
-a later call (:meth:`Lookup.answer`), and gives up on one that is late
+few threads of their own: the scheduler starts one (:meth:`Lookups.start`), reads its
+answer on a later call (:meth:`Lookup.answer`), and gives up on one that is late
 (:meth:`Lookup.drop`: its pin, when it comes, is released). Releases of pins are queued
-on the same thread, behind the pins they release. Nothing here waits on the network in
-the caller's thread: a call costs a lock hand-off and a queue put.
+on the same threads (a release is queued only once its pin was answered). Nothing here
+waits on the network in the caller's thread: a call costs a lock hand-off and a queue put.
 """
 
 from __future__ import annotations
@@ -98,13 +98,20 @@ _STOP = object()
 class Lookups(Closing):
     """The thread that asks the store for the scheduler (see the module's docstring)."""
 
-    def __init__(self, store: Store, clock: Callable[[], float]) -> None:
+    def __init__(self, store: Store, clock: Callable[[], float], workers: int = 1) -> None:
+        """``workers`` threads ask the store side by side (give the store as many
+        connections): a burst of new requests is not looked up one round trip after
+        another."""
         self._store = store
         self._clock = clock
         self._jobs: queue.SimpleQueue[Lookup | _Unpin | object] = queue.SimpleQueue()
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="kvbridge-lookups", daemon=True)
-        self._thread.start()
+        self._threads = [
+            threading.Thread(target=self._run, name=f"kvbridge-lookups-{i}", daemon=True)
+            for i in range(max(1, workers))
+        ]
+        for thread in self._threads:
+            thread.start()
 
     def start(self, keys: Sequence[BlockKey], first: int, known: int | None = None) -> Lookup:
         """Ask how many leading ``keys`` the store holds and pin those from ``first`` on
@@ -124,8 +131,10 @@ class Lookups(Closing):
         miss)."""
         if not self._closed:
             self._closed = True
-            self._jobs.put(_STOP)
-            self._thread.join()
+            for _ in self._threads:
+                self._jobs.put(_STOP)
+            for thread in self._threads:
+                thread.join()
 
     def _run(self) -> None:
         while True:

@@ -30,7 +30,7 @@ from ..core._core import ConnectorCore
 from ..core._identity import Identity, effective_config, settings_digest, settle, weights
 from ._meta import Handshake, KVBridgeStats, StepMeta, WorkerReport
 from ._metrics import KVBridgePromMetrics
-from ._scheduler import SchedulerSide
+from ._scheduler import LOOKUP_THREADS, SchedulerSide
 from ._worker import WorkerSide
 
 __all__ = ["KVBridgeConnector"]
@@ -53,7 +53,13 @@ class KVBridgeConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if config.server is None and parallel.world_size > 1:
             raise ValueError("kvbridge: the in-process cache serves one worker; set 'server'")
         saves = bool(transfer.is_kv_producer)
-        self._core = ConnectorCore(config, identity, saves=saves and worker, mirror=not worker)
+        self._core = ConnectorCore(
+            config,
+            identity,
+            saves=saves and worker,
+            mirror=not worker,
+            connections=1 if worker else LOOKUP_THREADS,
+        )
         self._handshake: Handshake | None = None
         if worker and config.server is None:  # the store lives here; the scheduler connects
             self._handshake = Handshake(*self._core.host())

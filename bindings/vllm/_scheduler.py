@@ -38,6 +38,10 @@ blocks it saved. The decode instance waits (up to ``pd_wait``) until it can load
 
 _RELOOK_S = 0.01
 """While a decode request waits for its prefill's blocks, look again at most this often."""
+LOOKUP_THREADS = 4
+"""Lookups asked side by side (the scheduler side's store connections): a burst of new
+requests is not looked up one round trip after another."""
+_YIELD_EVERY_S = 0.001
 _REPIN_S = 15.0
 """A request that waits longer for admission looks (and pins) again: its pin is a server
 lease (60 s by default) and must still hold when the load runs."""
@@ -78,7 +82,8 @@ class SchedulerSide:
     ) -> None:
         self._core = core
         self._wait = core.config.lookup_wait
-        self._lookups = Lookups(core, clock)
+        self._lookups = Lookups(core, clock, workers=LOOKUP_THREADS)
+        self._yielded = 0.0
         self._loads = loads
         self._saves = saves
         self._clock = clock
@@ -231,7 +236,7 @@ class SchedulerSide:
         answer = asking.answer()
         if answer is None:
             if self._clock() - asking.started < self._wait:
-                time.sleep(0)  # hand the GIL to the lookup thread: an idle engine spins
+                self._yield()
                 return False
             self._lookups.unpin(asking.drop())
             answer = (0, None)
@@ -239,6 +244,15 @@ class SchedulerSide:
         state.asking = None
         state.hit, state.hold = answer
         return True
+
+    def _yield(self) -> None:
+        """Hand the GIL to the lookup threads, at most once a millisecond: an idle vLLM
+        loop spins and would starve them (a lookup then took 50-60 ms, 3-10 ms with
+        this); once per waiting request it would cost a step hundreds of hand-offs."""
+        now = time.perf_counter()
+        if now - self._yielded >= _YIELD_EVERY_S:
+            self._yielded = now
+            time.sleep(0)
 
     def _forget(self, state: _Request) -> None:
         """The request is done with its lookups: release what they pinned."""
