@@ -14,7 +14,8 @@ Public surface:
   over a cluster of servers found in etcd (``kvbridge serve --cluster``), with its
   registered buffers (:class:`ClusterRegion`) and pins (:class:`ClusterLease`).
 - The namespaces' event streams (``kvbridge serve --events-port``, ``docs/EVENTS.md``):
-  :class:`KeyMirror`, a namespace's keys kept from its stream; :func:`decode_events`, a
+  :class:`KeyMirror`, a namespace's keys kept from its stream, and
+  :class:`EventSubscriber`, one subscription read message by message; :func:`decode_events`, a
   message read (:class:`MalformedEvent` if it is none), :func:`encode_events` and
   :func:`pack_events`, one written; :class:`Subscription` and :class:`KeySnapshot`, what
   :class:`StoreClient` hands a subscriber; :data:`EVENT_TICKET_PREFIX`.
@@ -83,7 +84,15 @@ from .local import (
 from .settings import ConfigError, read_secret
 
 if TYPE_CHECKING:
-    from .client import SERVER_FAULTS, ClientPool, KeyMirror, Lent, StoreClient
+    from .client import (
+        SERVER_FAULTS,
+        ClientPool,
+        EventSubscriber,
+        KeyMirror,
+        Lent,
+        StoreClient,
+        SubscriptionLost,
+    )
     from .cluster import ClusterClient, ClusterLease, ClusterRegion
     from .server import (
         CacheServer,
@@ -100,6 +109,8 @@ _LAZY = {
     "ClientPool": ".client",
     "Lent": ".client",
     "KeyMirror": ".client",
+    "EventSubscriber": ".client",
+    "SubscriptionLost": ".client",
     "SERVER_FAULTS": ".client",
     "ClusterClient": ".cluster",
     "ClusterLease": ".cluster",
@@ -141,6 +152,7 @@ __all__ = [
     "ConfigError",
     "DeviceSlab",
     "DiskTier",
+    "EventSubscriber",
     "EvictionPolicy",
     "HashAlgo",
     "HostSlab",
@@ -170,6 +182,7 @@ __all__ = [
     "StoreFull",
     "StoreStats",
     "Subscription",
+    "SubscriptionLost",
     "Tenant",
     "TenantError",
     "Tier",

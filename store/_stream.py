@@ -25,7 +25,12 @@ import msgpack
 from ._keys import KEY_LENGTHS, BlockKey
 
 TICKET_PREFIX = b"kvbridge-ticket:"
-"""A subscription that carries a ticket: this prefix and the ticket's bytes."""
+"""What a subscriber sends first: this prefix and the ticket's bytes."""
+RENEW = b"kvbridge-renew"
+"""What a subscriber sends every :data:`RENEW_S` to keep its subscription."""
+RENEW_S = 1.0
+SUBSCRIBER_ID_BYTES = 16
+"""A subscriber's routing id: 16 random bytes it chooses (none other is served)."""
 MAX_KEYS_PER_MESSAGE = 4096
 MAX_MESSAGE_BYTES = 256 << 10
 """A message's batch at most: 4,096 keys of 32 bytes with msgpack's framing take 140 KiB."""
@@ -48,10 +53,10 @@ class Subscription:
     ticket: bytes
 
     @property
-    def filters(self) -> tuple[bytes, bytes]:
-        """What a SUB socket subscribes to: the topic (what the socket lets through) and
-        the ticket (what the server turns into the subscription)."""
-        return self.topic, TICKET_PREFIX + self.ticket
+    def request(self) -> bytes:
+        """What the subscriber sends first: the ticket, which the server turns into the
+        subscription."""
+        return TICKET_PREFIX + self.ticket
 
 
 @dataclass(frozen=True)

@@ -21,10 +21,11 @@ from kvbridge.store import (
     EVENT_TICKET_PREFIX,
     BadRequest,
     BlockKey,
+    EventSubscriber,
     KeyMirror,
+    Message,
     StoreClient,
     UnknownNamespace,
-    decode_events,
 )
 
 BB = 4096
@@ -163,46 +164,62 @@ def test_a_frozen_subscriber_the_server_dropped_messages_for_resyncs() -> None:
 
 
 def test_only_a_session_that_opened_the_namespace_hears_it(server: ServeProcess) -> None:
-    """A subscriber without a ticket (every topic, the real topic guessed or overheard, a
-    ticket used already) hears nothing; a session asks for a ticket only of a namespace it
-    opened."""
+    """Nobody without a ticket hears a stream: a SUB to every topic, a DEALER that brings
+    nothing, a made-up ticket, the ticket once it was used, a valid ticket from a peer
+    whose routing id the server chose (guessable), and a peer that floods the socket
+    with subscription-like messages while the owner subscribes (what broke an XPUB in
+    manual mode: libzmq applied the owner's subscription to the flooder). A session asks
+    for a ticket only of a namespace it opened."""
     with _client(server) as owner, _client(server, "other") as other:
         sub = owner.subscription()
+        honest = EventSubscriber(sub)  # the ticket's first use: it subscribes this one
+        heard: list[Message] = []
+        until(lambda: _heard(honest, heard, changes=False), "the ticket's holder is subscribed")
         context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        eavesdroppers = []
-        for subscriptions in ([b""], [sub.topic], [sub.topic, EVENT_TICKET_PREFIX + b"\x00" * 16]):
-            socket = context.socket(zmq.SUB)
-            socket.setsockopt(zmq.LINGER, 0)
-            for topic in subscriptions:
-                socket.setsockopt(zmq.SUBSCRIBE, topic)
-            socket.connect(sub.endpoint)
-            eavesdroppers.append(socket)
-        with _mirror(server) as mirror:  # the owner's own subscriber, with its ticket
+        everything = context.socket(zmq.SUB)
+        everything.setsockopt(zmq.SUBSCRIBE, b"")
+        everything.connect(sub.endpoint)
+        attackers = [everything]
+        for body in (None, EVENT_TICKET_PREFIX + b"\x00" * 16, sub.request):  # used: nothing
+            attackers.append(_dealer(context, sub.endpoint, body, chosen_id=True))
+        flooder = _dealer(context, sub.endpoint, None, chosen_id=True)
+        attackers.append(flooder)
+        for _ in range(200):
+            flooder.send_multipart([b"\x02x"])
+            flooder.send_multipart([b"\x01z"])
+        assigned_id = _dealer(context, sub.endpoint, owner.subscription().request, chosen_id=False)
+        attackers.append(assigned_id)
+        with honest, _mirror(server) as mirror:  # the mirror subscribes beside the flood
             assert mirror.wait_ready(20)
-            honest = context.socket(zmq.SUB)  # the ticket, used once, honestly
-            honest.setsockopt(zmq.LINGER, 0)
-            honest.setsockopt(zmq.SUBSCRIBE, sub.topic)
-            honest.setsockopt(zmq.SUBSCRIBE, EVENT_TICKET_PREFIX + sub.ticket)
-            honest.connect(sub.endpoint)
-            until(lambda: honest.poll(100) != 0, "the ticket's holder hears the stream")
-            late = context.socket(zmq.SUB)  # the same ticket replayed: used already
-            late.setsockopt(zmq.LINGER, 0)
-            late.setsockopt(zmq.SUBSCRIBE, b"")
-            late.setsockopt(zmq.SUBSCRIBE, EVENT_TICKET_PREFIX + sub.ticket)
-            late.connect(sub.endpoint)
             ks = keys(0, 50)
             owner.put(ks, payloads(ks, BB))
             until(lambda: mirror.leading(ks) == 50, "the owner's mirror heard the put")
-        for socket in [*eavesdroppers, late]:
-            assert socket.poll(200) == 0  # not a heartbeat, not a key
+            until(lambda: _heard(honest, heard), "the ticket's holder hears the put")
+        for socket in attackers:
+            assert socket.poll(300) == 0  # not a heartbeat, not a key
             socket.close()
-        messages = []
-        while honest.poll(200):
-            messages.append(decode_events(honest.recv_multipart(), sub.topic))
-        assert any(m.changes for m in messages)
-        honest.close()
         with pytest.raises(UnknownNamespace):
             raw(other).call({"op": "events", "ns": raw(owner).ns})  # not its namespace
+
+
+def _dealer(
+    context: zmq.Context[zmq.Socket[bytes]], endpoint: str, body: bytes | None, *, chosen_id: bool
+) -> zmq.Socket[bytes]:
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    if chosen_id:
+        socket.setsockopt(zmq.ROUTING_ID, b"\x01" + os.urandom(15))
+    socket.connect(endpoint)
+    if body is not None:
+        socket.send(body)
+    return socket
+
+
+def _heard(stream: EventSubscriber, heard: list[Message], *, changes: bool = True) -> bool:
+    message = stream.receive(0.1)
+    if message is not None:
+        heard.append(message)
+    return any(m.changes for m in heard) if changes else bool(heard)
 
 
 def test_a_server_without_an_events_port_says_so() -> None:

@@ -13,7 +13,7 @@ import pytest
 import zmq
 from helpers import key, until
 
-from kvbridge.store import KeyMirror, KeySnapshot, Subscription
+from kvbridge.store import EVENT_TICKET_PREFIX, KeyMirror, KeySnapshot, Subscription
 from kvbridge.store import encode_events as encode
 from kvbridge.store import pack_events as pack
 
@@ -21,12 +21,14 @@ TOPIC = b"t" * 16
 
 
 class _Publisher:
-    """A stream's server side: a PUB socket, the namespace's true keys, the numbers."""
+    """A stream's server side: a ROUTER that sends to whoever brought a ticket, the
+    namespace's true keys, the numbers."""
 
     def __init__(self) -> None:
-        self.socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
+        self.socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.port: int = self.socket.bind_to_random_port("tcp://127.0.0.1")
+        self.peers: set[bytes] = set()
         self.keys: set[bytes] = set()
         self.seq = 0
         self.lock = threading.Lock()
@@ -62,7 +64,12 @@ class _Publisher:
         self.raw([TOPIC, self.seq.to_bytes(8, "big"), pack([], 0.0)])
 
     def raw(self, frames: list[bytes]) -> None:
-        self.socket.send_multipart(frames)
+        while self.socket.poll(0):  # tickets (any, here) and renewals
+            peer, body = self.socket.recv_multipart()
+            if body.startswith(EVENT_TICKET_PREFIX):
+                self.peers.add(peer)
+        for peer in self.peers:
+            self.socket.send_multipart([peer, *frames])
 
 
 @pytest.fixture
@@ -79,7 +86,7 @@ def _mirror(publisher: _Publisher, resync_every: float = 0.05) -> KeyMirror:
 
 
 def _started(publisher: _Publisher, mirror: KeyMirror) -> bool:
-    publisher.beat()  # a PUB drops what it sends before the subscription arrives
+    publisher.beat()  # sent only to those whose ticket arrived
     return mirror.ready
 
 

@@ -14,17 +14,17 @@ import argparse
 import json
 import signal
 import threading
+import time
 from typing import Any
-
-import zmq
 
 from kvbridge.store import (
     ConfigError,
+    EventSubscriber,
     MalformedEvent,
     Message,
     StoreClient,
     StoreError,
-    decode_events,
+    SubscriptionLost,
     read_secret,
 )
 from kvbridge.transfer import TransferError
@@ -82,22 +82,20 @@ def _print_stream(client: StoreClient, args: argparse.Namespace, stop: threading
     printed = 0
     snapshot = args.snapshot
     while not stop.is_set():
-        sub = client.subscription()
-        socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
-        socket.setsockopt(zmq.LINGER, 0)
-        for subscription in sub.filters:
-            socket.setsockopt(zmq.SUBSCRIBE, subscription)
-        socket.connect(sub.endpoint)
         last: int | None = None
-        try:
-            while not stop.is_set():
-                if not socket.poll(int(_SILENCE_S * 1000)):
-                    break  # silent: subscribe again
+        silent_since = time.monotonic()
+        with EventSubscriber(client.subscription()) as stream:
+            while not stop.is_set() and time.monotonic() - silent_since < _SILENCE_S:
                 try:
-                    message = decode_events(socket.recv_multipart(), sub.topic)
+                    message = stream.receive(0.25)
                 except MalformedEvent as exc:
                     _emit({"malformed": str(exc)})
                     continue
+                except SubscriptionLost:
+                    break  # subscribe again
+                if message is None:
+                    continue
+                silent_since = time.monotonic()
                 if snapshot:
                     shot = client.snapshot()
                     _emit({"snapshot": {"seq": shot.seq, "keys": [k.hex() for k in shot.keys]}})
@@ -106,8 +104,6 @@ def _print_stream(client: StoreClient, args: argparse.Namespace, stop: threading
                 printed += bool(message.events)
                 if args.count is not None and printed >= args.count:
                     return 0
-        finally:
-            socket.close()
     return 0
 
 

@@ -106,13 +106,15 @@ class SchedulerSide:
         if state is None or not self._loads:
             return 0, False
         cap = min(len(state.keys), (request.num_tokens - 1) // self._block)
-        stale = self._clock() - state.looked_at > _REPIN_S
-        if state.asking is None and (
-            state.hit is None or state.local != num_computed or stale or self._waiting(state, cap)
-        ):
-            self._look(state, cap, num_computed)
         if state.asking is not None and not self._heard(state):
-            return None, False  # asked on the connector's thread: answered next step
+            return None, False  # asked on the connector's threads: answered on a later call
+        stale = self._clock() - state.looked_at > _REPIN_S
+        # vLLM's own hit (num_computed) may have moved while the lookup ran: an answer for
+        # another one would load into the wrong blocks, so it is asked again.
+        if state.hit is None or state.local != num_computed or stale or self._waiting(state, cap):
+            self._look(state, cap, num_computed)
+            if state.asking is not None:
+                return None, False
         if self._waiting(state, cap):
             return None, False  # the prefill's blocks are on their way
         assert state.hit is not None

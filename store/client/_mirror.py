@@ -21,22 +21,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Container, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import zmq
 
 from ..._closing import Closing
 from .._errors import StoreError
 from .._keys import BlockKey
-from .._stream import (
-    MAX_MESSAGE_BYTES,
-    KeySnapshot,
-    MalformedEvent,
-    Message,
-    Subscription,
-    decode,
-)
+from .._stream import KeySnapshot, MalformedEvent, Message, Subscription
 from .._wire import BadRequest
+from ._subscriber import EventSubscriber, SubscriptionLost
 
 _log = logging.getLogger("kvbridge.mirror")
 
@@ -46,8 +40,6 @@ RESYNC_EVERY_S = 1.0
 """Snapshots are read at most this often (a flood of bad messages costs no more)."""
 RETRY_S = 1.0
 """After a failure to reach the server, try again after this long."""
-RCVHWM = 256
-"""Messages the socket holds for the mirror's thread (at most 256 KiB each)."""
 NO_EVENTS_RETRY_S = 60.0
 """A server that publishes no events is asked again this rarely."""
 
@@ -68,6 +60,10 @@ class _Resync(Exception):
 
 class _Restart(Exception):
     """The subscription is over: subscribe again."""
+
+
+class _NoEvents(Exception):
+    """The server refused a subscription: it publishes no events."""
 
 
 class KeyMirror(Closing):
@@ -96,7 +92,6 @@ class KeyMirror(Closing):
         """Snapshots read since the start (the first included)."""
         self._last_sync = -resync_every
         self._told = False
-        self._context: zmq.Context[Any] = zmq.Context.instance()
         self._thread = threading.Thread(target=self._run, name="kvbridge-mirror", daemon=True)
         self._thread.start()
 
@@ -144,7 +139,7 @@ class KeyMirror(Closing):
                 self._follow(source)
             except _Restart as exc:
                 _log.debug("mirror starts over: %s", exc)
-            except BadRequest as exc:  # the server publishes no events (yet)
+            except _NoEvents as exc:  # the server publishes no events (yet)
                 if not self._told:
                     _log.info("no mirror of the namespace's keys: %s", exc)
                     self._told = True
@@ -167,7 +162,11 @@ class KeyMirror(Closing):
 
     def _follow(self, source: Source) -> None:
         """Subscribe, then keep in step until the stream says to start over."""
-        with _Stream(self._context, source.subscription()) as stream:
+        try:
+            sub = source.subscription()
+        except BadRequest as exc:  # the server publishes no events (a refused page is not it)
+            raise _NoEvents(str(exc)) from None
+        with EventSubscriber(sub, self._clock) as stream:
             self._receive(stream)  # the stream took the subscription
             while not self._stop.is_set():
                 try:
@@ -175,7 +174,7 @@ class KeyMirror(Closing):
                 except _Resync as exc:
                     _log.debug("mirror resyncs: %s", exc)
 
-    def _keep_in_step(self, source: Source, stream: _Stream) -> None:
+    def _keep_in_step(self, source: Source, stream: EventSubscriber) -> None:
         wait = self._last_sync + self._resync_every - self._clock()
         if wait > 0 and self._stop.wait(wait):
             return
@@ -205,60 +204,21 @@ class KeyMirror(Closing):
             self._ready = True
             self._synced.notify_all()
 
-    def _receive(self, stream: _Stream) -> Message:
+    def _receive(self, stream: EventSubscriber) -> Message:
         deadline = self._clock() + self._silence
         while not self._stop.is_set():
             left = deadline - self._clock()
             if left <= 0:
                 raise _Restart("the stream fell silent")
-            message = stream.receive(min(left, 0.25))
+            try:
+                message = stream.receive(min(left, 0.25))
+            except SubscriptionLost as exc:
+                raise _Restart(str(exc)) from None
+            except MalformedEvent as exc:
+                raise _Resync(f"a malformed message: {exc}") from None
             if message is not None:
                 return message
         raise _Restart("stopped")
-
-
-class _Stream(Closing):
-    """One subscription's socket, and a monitor that says when its connection drops (a
-    server killed or restarted: the mirror starts over at once, not after the silence)."""
-
-    def __init__(self, context: zmq.Context[Any], sub: Subscription) -> None:
-        self._topic = sub.topic
-        self._socket: zmq.Socket[bytes] = context.socket(zmq.SUB)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.RCVHWM, RCVHWM)
-        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES + 1024)
-        for subscription in sub.filters:  # the topic, and the ticket the server turns into it
-            self._socket.setsockopt(zmq.SUBSCRIBE, subscription)
-        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self._poller = zmq.Poller()
-        self._poller.register(self._socket, zmq.POLLIN)
-        self._poller.register(self._monitor, zmq.POLLIN)
-        self._socket.connect(sub.endpoint)
-
-    def receive(self, seconds: float) -> Message | None:
-        """The next message within ``seconds`` (``None``: none came); :class:`_Restart`
-        when the connection dropped, :class:`_Resync` for a malformed message."""
-        ready = dict(self._poller.poll(int(seconds * 1000) + 1))
-        if self._monitor in ready:
-            raise _Restart("the server closed the stream")
-        if self._socket not in ready:
-            return None
-        try:
-            return decode(self._socket.recv_multipart(zmq.NOBLOCK), self._topic)
-        except MalformedEvent as exc:
-            raise _Resync(f"a malformed message: {exc}") from None
-
-    def pending(self) -> bool:
-        return bool(self._socket.poll(0))
-
-    def drain(self) -> None:
-        while self._socket.poll(0):
-            self._socket.recv_multipart(zmq.NOBLOCK)
-
-    def close(self) -> None:
-        self._socket.disable_monitor()
-        self._monitor.close()
-        self._socket.close()
 
 
 def _apply(keys: set[BlockKey], message: Message) -> None:

@@ -100,7 +100,7 @@ class ServerConfig:
     metrics_port: int | None = None
     """Prometheus metrics over HTTP on ``host``; ``None`` for none."""
     events_port: int | None = None
-    """The namespaces' event streams (ZMQ XPUB on ``host``: ``docs/EVENTS.md``); ``None``
+    """The namespaces' event streams (ZMQ ROUTER on ``host``: ``docs/EVENTS.md``); ``None``
     for none, 0 for any free port."""
     events_hwm: int = 1000
     """Messages (up to 140 KiB each) queued for one subscriber beyond what its connection

@@ -1,26 +1,31 @@
 """The namespaces' event streams: what enters and leaves each namespace, for the engines'
 mirrors and for KV-aware routers (``docs/EVENTS.md``).
 
-One ZMQ XPUB socket (``kvbridge serve --events-port``) carries every stream. A message is
-three frames, as vLLM's KV event publisher sends them: the stream's topic (16 random
-bytes, new for each namespace the server opens), the sequence number (8 bytes, big-endian;
-per stream, from 1) and a msgpack ``KVEventBatch`` (``[ts, [event, ...], None]``, each
-event a map tagged ``"type"``: ``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``).
-A heartbeat (no events, the last sequence number again) goes out every second: a
-subscriber that missed the last messages sees the gap without waiting for the next change.
+One ZMQ ROUTER socket (``kvbridge serve --events-port``) carries every stream, to each
+subscriber on its own: a message is three frames, as vLLM's KV event publisher sends
+them: the stream's topic (16 random bytes, new for each namespace the server opens), the
+sequence number (8 bytes, big-endian; per stream, from 1) and a msgpack ``KVEventBatch``
+(``[ts, [event, ...], None]``, each event a map tagged ``"type"``: ``BlockStored``,
+``BlockRemoved``, ``AllBlocksCleared``). A heartbeat (no events, the last sequence number
+again) goes out every second: a subscriber that missed the last messages sees the gap
+without waiting for the next change.
 
-Who may listen: the socket applies no subscription a subscriber sends (``XPUB_MANUAL``)
-but a **ticket** the control plane gave a session that opened the namespace (the ``events``
-op, signed like every request): the ticket is good once, for 30 s, and subscribes that
-connection to that namespace's topic. A subscriber that asks for anything else (every
-topic, a guessed one) gets nothing. A subscription lasts as long as its connection.
+Who may listen: a subscriber (a DEALER whose routing id is 16 random bytes it chose)
+sends a **ticket** the control plane gave a session that opened the namespace (the
+``events`` op, signed like every request): good once, for 30 s, it subscribes that
+connection to that namespace's stream, and the subscriber renews it every second (a
+subscription not renewed for :data:`SUBSCRIPTION_TTL_S` ends). Nothing else a peer sends
+does anything. A publisher that chose whom to send each message to (rather than a PUB
+socket that filters by prefix) is what keeps a subscription to every topic, or a forged
+one, from hearing anything: an XPUB in manual mode was tried first, and a peer sending
+messages that are not subscriptions made libzmq apply a victim's subscription to it.
 
 A subscriber that misses a sequence number (the socket drops what a slow subscriber
 cannot take: ``SNDHWM``) reads a snapshot of the namespace's keys (the ``keys`` op) and
-applies the messages after it. Changes are reported by the store after each operation
-(``TieredStore.watch``) and handed to the publisher's thread, which alone touches the
-socket; when more wait than it may hold, the excess is dropped and the stream's sequence
-number skips one, so that every subscriber resynchronises.
+applies the messages numbered after it. Changes are reported by the store after each
+operation (``TieredStore.watch``) and handed to the publisher's thread, which alone touches
+the socket; when more wait than it may hold, the excess is dropped and the stream's
+sequence number skips one, so that every subscriber resynchronises.
 """
 
 from __future__ import annotations
@@ -38,7 +43,15 @@ from typing import Any
 import zmq
 
 from ..._closing import Closing
-from .._stream import MAX_KEYS_PER_MESSAGE, TICKET_PREFIX, Change, encode, pack
+from .._stream import (
+    MAX_KEYS_PER_MESSAGE,
+    RENEW,
+    SUBSCRIBER_ID_BYTES,
+    TICKET_PREFIX,
+    Change,
+    encode,
+    pack,
+)
 
 _log = logging.getLogger("kvbridge.server")
 
@@ -47,6 +60,9 @@ HEARTBEAT_S = 1.0
 MAX_WAITING_KEYS = 1 << 20
 """Changes waiting for the publisher's thread at most; past it a stream skips a number."""
 MAX_TICKETS = 4096
+MAX_SUBSCRIBERS = 4096
+SUBSCRIPTION_TTL_S = 5.0
+"""A subscription its subscriber has not renewed for this long ends (a renewal a second)."""
 SNDHWM = 1000
 """Messages queued per subscriber before the socket drops (the subscriber resyncs)."""
 
@@ -78,7 +94,7 @@ class EventStream:
 
 
 class EventPublisher(Closing):
-    """The XPUB socket and the thread that alone uses it (see the module's docstring)."""
+    """The ROUTER socket and the thread that alone uses it (see the module's docstring)."""
 
     def __init__(
         self,
@@ -92,10 +108,10 @@ class EventPublisher(Closing):
         the socket drops the subscriber's messages."""
         self._clock = clock
         context: zmq.Context[Any] = zmq.Context.instance()
-        self._socket: zmq.Socket[bytes] = context.socket(zmq.XPUB)
+        self._socket: zmq.Socket[bytes] = context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.XPUB_MANUAL, 1)
         self._socket.setsockopt(zmq.SNDHWM, hwm)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, 256)  # a ticket or a renewal, nothing more
         try:
             self.port = _bind(self._socket, host, port)
         except BaseException:
@@ -108,6 +124,9 @@ class EventPublisher(Closing):
         self._lock = threading.Lock()  # the waiting count, the tickets, the streams
         self._tickets: dict[bytes, tuple[EventStream, float]] = {}
         self._streams: list[EventStream] = []
+        self._subscribers: dict[bytes, tuple[EventStream, float]] = {}
+        """Each subscriber's routing id: its stream and when its subscription ends (only
+        the publisher's thread touches it)."""
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._stopped = False
@@ -173,27 +192,41 @@ class EventPublisher(Closing):
                     beat = self._clock() + HEARTBEAT_S
             except Exception:  # a bug must not end the stream of every namespace
                 _log.exception("event publisher failed")
+                self._skip_all()  # what it was sending may be lost: every subscriber resyncs
         try:
             self._send_waiting()  # the last words of the streams that closed with the server
         except Exception:
             _log.exception("event publisher failed as it stopped")
 
     def _subscriptions(self) -> None:
-        """Apply the subscriptions that carry a valid ticket; ignore every other one."""
+        """Subscribe a peer that brings a valid ticket, renew one that says so; ignore
+        anything else (see the module's docstring)."""
         while True:
             try:
-                message = self._socket.recv(zmq.NOBLOCK)
+                frames = self._socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if message[:1] != b"\x01" or not message[1:].startswith(TICKET_PREFIX):
-                continue  # an unsubscription, or a subscription without a ticket
-            with self._lock:
-                entry = self._tickets.pop(message[1 + len(TICKET_PREFIX) :], None)
-            if entry is None or entry[1] < self._clock() or entry[0].closed:
-                continue
-            stream = entry[0]
-            self._socket.setsockopt(zmq.SUBSCRIBE, stream.topic)  # for that connection
-            self._send(stream, [])  # it hears where the stream is at once
+            if len(frames) != 2 or len(frames[0]) != SUBSCRIBER_ID_BYTES:
+                continue  # not [its 16-byte id, one frame]: an id ROUTER gave is guessable
+            peer, body = frames
+            now = self._clock()
+            if body == RENEW:
+                held = self._subscribers.get(peer)
+                if held is not None:
+                    self._subscribers[peer] = (held[0], now + SUBSCRIPTION_TTL_S)
+            elif body.startswith(TICKET_PREFIX):
+                self._subscribe(peer, body[len(TICKET_PREFIX) :], now)
+
+    def _subscribe(self, peer: bytes, ticket: bytes, now: float) -> None:
+        with self._lock:
+            entry = self._tickets.pop(ticket, None)
+        if entry is None or entry[1] < now or entry[0].closed:
+            return
+        if peer not in self._subscribers and len(self._subscribers) >= MAX_SUBSCRIBERS:
+            del self._subscribers[next(iter(self._subscribers))]  # the oldest goes
+        stream = entry[0]
+        self._subscribers[peer] = (stream, now + SUBSCRIPTION_TTL_S)
+        self._send(stream, [], to=[peer])  # it hears where the stream is at once
 
     def _send_waiting(self) -> None:
         with self._lock:
@@ -207,28 +240,51 @@ class EventPublisher(Closing):
                 self._send(stream, [{"type": "AllBlocksCleared"}], advance=True)
                 with self._lock:
                     self._streams.remove(stream)
+                for peer in self._listening(stream):
+                    del self._subscribers[peer]
                 continue
             for start in range(0, len(changes), MAX_KEYS_PER_MESSAGE):
                 part = changes[start : start + MAX_KEYS_PER_MESSAGE]
                 self._send(stream, encode(part), advance=True)
 
     def _heartbeats(self) -> None:
+        now = self._clock()
         with self._lock:
             streams = list(self._streams)
-            self._expire(self._clock())
+            self._expire(now)
+        for peer in [p for p, (_, until) in self._subscribers.items() if until < now]:
+            del self._subscribers[peer]
         for stream in streams:
             self._send(stream, [])  # a number skipped shows here too
 
     def _send(
-        self, stream: EventStream, events: list[dict[str, object]], *, advance: bool = False
+        self,
+        stream: EventStream,
+        events: list[dict[str, object]],
+        *,
+        advance: bool = False,
+        to: list[bytes] | None = None,
     ) -> None:
+        """Number (``advance``) and send a message of ``stream`` to its subscribers (or
+        ``to`` those)."""
         if advance or stream.skip:
             stream.seq += self._skipped(stream) + (1 if advance else 0)
-        batch = pack(events, time.time())
-        with contextlib.suppress(zmq.Again):  # XPUB drops rather than blocks, as a rule
-            self._socket.send_multipart(
-                [stream.topic, stream.seq.to_bytes(8, "big"), batch], zmq.NOBLOCK
-            )
+        peers = to if to is not None else self._listening(stream)
+        if not peers:
+            return
+        frames = [stream.topic, stream.seq.to_bytes(8, "big"), pack(events, time.time())]
+        for peer in peers:
+            # ROUTER drops what a peer's queue cannot take, or a peer gone: it resyncs
+            with contextlib.suppress(zmq.Again):
+                self._socket.send_multipart([peer, *frames], zmq.NOBLOCK)
+
+    def _listening(self, stream: EventStream) -> list[bytes]:
+        return [peer for peer, (heard, _) in self._subscribers.items() if heard is stream]
+
+    def _skip_all(self) -> None:
+        with self._lock:
+            for stream in self._streams:
+                stream.skip = True
 
     def _skipped(self, stream: EventStream) -> int:
         """1 when changes of ``stream`` were dropped since its last message (the next

@@ -447,6 +447,7 @@ class CacheServer:
         sid = optional_field(body, "snapshot", int)
         offset = optional_field(body, "offset", int) or 0
         if sid is None:
+            self._snapshots.check_room(caller.session)
             seq = 0 if ns.stream is None else ns.stream.seq  # read before the keys: see there
             sid = self._snapshots.take(caller.session, ns.handle, seq, ns.store.keys())
         snap = self._snapshots.page(caller.session, ns.handle, sid)

@@ -19,10 +19,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .._keys import BlockKey
-from .._wire import BadRequest
+from .._wire import BadRequest, TooManyRequests
 
 MAX_SNAPSHOTS = 16
 SNAPSHOT_TTL_S = 60.0
+SNAPSHOT_EVERY_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -41,10 +42,21 @@ class Snapshots:
         self._clock = clock
         self._ids = itertools.count(1)
         self._taken: OrderedDict[int, Snapshot] = OrderedDict()
+        self._last: dict[int, float] = {}
+        """When each session took its last snapshot (dropped with the session)."""
+
+    def check_room(self, session: int) -> None:
+        """:class:`TooManyRequests` when ``session`` took a snapshot less than
+        :data:`SNAPSHOT_EVERY_S` ago (a snapshot copies every key under the server's lock;
+        a subscriber resyncs at most once a second)."""
+        last = self._last.get(session)
+        if last is not None and self._clock() - last < SNAPSHOT_EVERY_S:
+            raise TooManyRequests(f"a session takes a snapshot at most every {SNAPSHOT_EVERY_S} s")
 
     def take(self, session: int, handle: int, seq: int, keys: list[BlockKey]) -> int:
         """Keep ``keys`` for ``session`` (its previous snapshot goes); the new id."""
         now = self._clock()
+        self._last[session] = now
         for sid, snap in list(self._taken.items()):
             if snap.session == session or snap.until < now:
                 del self._taken[sid]
@@ -62,5 +74,6 @@ class Snapshots:
         return snap
 
     def drop(self, session: int) -> None:
+        self._last.pop(session, None)
         for sid in [sid for sid, snap in self._taken.items() if snap.session == session]:
             del self._taken[sid]

@@ -217,6 +217,27 @@ def test_a_mirror_answers_misses_at_once_and_hits_with_a_pin_alone(clock: FakeCl
         assert core.lookups == 0 and len(core.pins) == 1  # the pin checked it; no lookup
 
 
+def test_an_answer_for_another_local_hit_is_asked_again(clock: FakeClock) -> None:
+    """vLLM's own prefix hit moved while the lookup ran (a request beside it filled vLLM's
+    cache): the answer was for the old one, so it is released and asked again (loading it
+    would put blocks in the wrong places)."""
+    core = _Core()
+    with _side(core, clock=clock) as side:
+        request = _request("r", 100)
+        assert side.matched(request, 0) == (None, False)
+        until(lambda: len(core.pins) == 1, "the first lookup pinned blocks 0-2")
+        assert side.matched(request, 32) == (None, False)  # vLLM holds block 0 now
+        assert core.unpinned == core.pins[:1] or _released(core, 1)
+        assert _answer(side, request, 32) == (64, False)  # blocks 1-2, asked for anew
+        side.finished(request)
+    assert core.unpinned == core.pins and len(core.pins) == 2
+
+
+def _released(core: _Core, count: int) -> bool:
+    until(lambda: len(core.unpinned) >= count, "the stale pin is released")
+    return True
+
+
 def test_vllms_own_blocks_cover_the_hit_no_store_call(clock: FakeClock) -> None:
     core = _FrozenCore()
     with _side(core, clock=clock) as side:
