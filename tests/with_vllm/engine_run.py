@@ -149,16 +149,16 @@ def _kill_after_first_steps(llm: Any, prompts: list[list[int]], params: Any, pid
 
 
 def _abort_after_first_steps(llm: Any, prompts: list[list[int]], params: Any) -> None:
-    """Add every prompt, step until the connector loaded something (a lookup is answered a
-    step after it was asked; at most 50 steps), abort them all, and step until idle."""
+    """Add every prompt, step until the connector loaded something (lookups are answered
+    on a later step, on the connector's threads; at most 30 s), abort them all, and step
+    until idle."""
     engine = llm.llm_engine
     ids = [f"abort-{i}" for i in range(len(prompts))]
     for req_id, prompt in zip(ids, prompts, strict=True):
         engine.add_request(req_id, {"prompt_token_ids": prompt}, params)
-    for _ in range(50):
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not _stats().get("tokens_loaded"):
         engine.step()
-        if _stats().get("tokens_loaded"):
-            break
     engine.abort_request(ids)
     for _ in range(200):
         if not engine.has_unfinished_requests():
