@@ -6,8 +6,11 @@ drop messages for."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -229,3 +232,32 @@ def test_a_server_without_an_events_port_says_so() -> None:
             client.subscription()
     finally:
         served.kill()
+
+
+def test_kvbridge_events_prints_json_lines_and_one_line_errors(server: ServeProcess) -> None:
+    """``kvbridge events``: a snapshot, then each message as a JSON line (keys in hex);
+    against a server without events, one line and exit status 1."""
+    args = [sys.executable, "-m", "kvbridge", "events", server.address]
+    args += ["--namespace", "events", "--block-bytes", str(BB), "--snapshot", "--count", "1"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        first = json.loads(proc.stdout.readline())  # the snapshot: subscribed by now
+        assert first["snapshot"]["keys"] == []
+        ks = keys(0, 3)
+        with _client(server) as client:
+            client.put(ks, payloads(ks, BB))
+        line = json.loads(proc.stdout.readline())
+        assert line["events"][0]["type"] == "BlockStored"
+        assert line["events"][0]["block_hashes"] == [k.hex() for k in ks]
+        assert proc.wait(30) == 0
+    finally:
+        reap(proc)
+    plain = ServeProcess(*_SMALL)
+    try:
+        args[4] = plain.address
+        done = subprocess.run(args, capture_output=True, text=True, timeout=60, check=False)
+    finally:
+        plain.kill()
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.count("\n") == 1 and "events-port" in done.stderr
