@@ -208,6 +208,10 @@ def test_a_slow_loris_inside_a_frame_is_dropped_and_frees_what_it_held(
         clock.advance(FRAME_S - 1)  # late, but inside the frame's deadline
         stream.send_payload(payload[len(drip) :])
         until(lambda: bool((target == 7).all()), "the late frame landed")
+        # Its bytes land before its hold ends: without this wait the next line could take
+        # the late frame's hold for the next frame's, and advance the clock before the next
+        # frame's deadline was set (it then never passed: a flaky failure).
+        until(lambda: there.in_use == 0, "the late frame let go of the region")
         stream.send(stream.conn.write(99, whole) + drip)
         until(lambda: there.in_use > 0, "the next frame began")
         clock.advance(FRAME_S + 1)  # this frame's deadline has passed
