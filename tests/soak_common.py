@@ -42,7 +42,7 @@ lives much longer than that holds a serving thread without a deadline."""
 
 
 def soak_seconds() -> float:
-    return float(os.environ.get("KVBRIDGE_SOAK_S", "20"))
+    return float(os.environ.get("KVBRIDGE_SOAK_S", "15"))
 
 
 # -- keys and bytes: pure functions of (namespace, conversation, block) -------------------

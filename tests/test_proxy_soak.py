@@ -1,5 +1,5 @@
 """The proxy soak: ``kvbridge proxy`` (its own process) in front of three prefill and three
-decode instances, for ``KVBRIDGE_PROXY_SOAK_S`` seconds (15 by default), under twelve
+decode instances, for ``KVBRIDGE_PROXY_SOAK_S`` seconds (12 by default), under twelve
 clients that send completions of every kind: whole streams, answers in one piece, clients
 that leave mid-stream or while decode is silent, prefills that answer something odd or
 stall past the prefill timeout, decodes that err, drop the connection before a status, or
@@ -44,7 +44,7 @@ from proxy_support import (
     whole_stream,
 )
 
-SOAK_S = float(os.environ.get("KVBRIDGE_PROXY_SOAK_S", "15"))
+SOAK_S = float(os.environ.get("KVBRIDGE_PROXY_SOAK_S", "12"))
 CLIENTS = 12
 HANG = ClientTimeout(total=30)
 """A request still unanswered after this long is a hang (a failure, not a timing)."""

@@ -1,6 +1,6 @@
 """Soak: a real ``kvbridge serve`` under churn, with clients that die and a hostile neighbour.
 
-For ``KVBRIDGE_SOAK_S`` seconds (20 by default, so that the default suite stays under 10
+For ``KVBRIDGE_SOAK_S`` seconds (15 by default, so that the default suite stays under 10
 minutes on 2 cores; set it longer for a longer soak) eight worker processes put prefixes of
 blocks and read back blocks that they or others put, in two namespaces of a server whose
 memory holds 64 blocks per namespace (eviction and slot reuse never stop) and whose leases
