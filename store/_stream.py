@@ -37,8 +37,6 @@ MAX_MESSAGE_BYTES = 256 << 10
 MEDIUM = {"device": "GPU", "host": "CPU", "disk": "STORAGE"}
 """vLLM's names of the tiers (``vllm.distributed.kv_events``)."""
 
-Change = tuple[BlockKey, str | None]
-
 
 class MalformedEvent(ValueError):
     """A message that is not an event batch of this stream's shape."""

@@ -48,10 +48,10 @@ from .._stream import (
     RENEW,
     SUBSCRIBER_ID_BYTES,
     TICKET_PREFIX,
-    Change,
     encode,
     pack,
 )
+from ..local._changes import Change
 
 _log = logging.getLogger("kvbridge.server")
 
