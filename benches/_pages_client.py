@@ -1,0 +1,101 @@
+"""One engine-shaped benchmark client: a KV cache of ``layers`` layers, each one region of
+K and V pages (``2 x blocks`` pages of ``page`` bytes), saved and loaded through a
+``StoreClient`` one page per op, or the same bytes over raw TCP.
+
+``python _pages_client.py SERVER ECHO_PORT CLIENT_ID LAYERS BLOCKS PAGE_BYTES``; prints
+``ready``, then answers each command on stdin with one line:
+- ``save``: ``put_pages`` of ``blocks`` fresh keys (unique to this client and save);
+- ``load``: ``get_pages`` of the last save's keys;
+- ``check``: every byte of the last load compared with what was saved, then cleared;
+- ``rawput`` / ``rawget``: the same bytes over two TCP connections to the echo server, one
+  ``sendall`` (or receive) of half of one contiguous buffer each.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+
+import numpy as np
+
+from kvbridge.store import StoreClient
+
+STREAMS = 2
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    while view:
+        n = sock.recv_into(view)
+        if not n:
+            raise EOFError("the echo server went away")
+        view = view[n:]
+
+
+class _Raw:
+    """Two connections to the echo server moving halves of one buffer side by side."""
+
+    def __init__(self, port: int, total: int) -> None:
+        self.buffer = np.random.default_rng(1).integers(0, 256, total, dtype=np.uint8)
+        half = total // STREAMS
+        self.halves = [memoryview(self.buffer[i * half : (i + 1) * half]) for i in range(STREAMS)]
+        self.conns = [socket.create_connection(("127.0.0.1", port)) for _ in range(STREAMS)]
+        for conn in self.conns:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def _put(self, i: int) -> None:
+        self.conns[i].sendall(b"P")
+        self.conns[i].sendall(self.halves[i])
+        _recv_exact(self.conns[i], memoryview(bytearray(1)))
+
+    def _get(self, i: int) -> None:
+        self.conns[i].sendall(b"G")
+        _recv_exact(self.conns[i], self.halves[i])
+
+    def run(self, put: bool) -> None:
+        work = self._put if put else self._get
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(1, STREAMS)]
+        for t in threads:
+            t.start()
+        work(0)
+        for t in threads:
+            t.join()
+
+
+def main() -> None:
+    server, echo_port, client_id, layers_, blocks_, page_ = sys.argv[1:7]
+    me, layers, blocks, page = int(client_id), int(layers_), int(blocks_), int(page_)
+    rng = np.random.default_rng(me)
+    saved = [rng.integers(0, 256, 2 * blocks * page, dtype=np.uint8) for _ in range(layers)]
+    loaded = [np.zeros_like(layer) for layer in saved]
+    raw = _Raw(int(echo_port), layers * 2 * blocks * page)
+    column = np.arange(blocks, dtype=np.int64) * page
+    offsets = np.stack([column + kv * blocks * page for _ in saved for kv in (0, 1)], axis=1)
+    with StoreClient(server, block_bytes=2 * layers * page, namespace=b"pages") as client:
+        sources = [region for layer in saved for region in [client.register(layer, access="r")] * 2]
+        targets = [region for layer in loaded for region in [client.register(layer)] * 2]
+        print("ready", flush=True)
+        saves = 0
+        for line in sys.stdin:
+            command = line.strip()
+            if command == "save":
+                saves += 1
+            keys = [((saves * 64 + me) * blocks + i).to_bytes(32, "little") for i in range(blocks)]
+            if command == "save":
+                if not all(client.put_pages(keys, sources, offsets)):
+                    raise SystemExit("a save was not stored whole")
+            elif command == "load":
+                client.get_pages(keys, targets, offsets)
+            elif command == "check":
+                if any(layer.any() for layer in loaded):
+                    if not all(np.array_equal(a, b) for a, b in zip(saved, loaded)):
+                        raise SystemExit("loaded pages differ from saved pages")
+                    for layer in loaded:
+                        layer[:] = 0
+            else:
+                raw.run(put=command == "rawput")
+            print("done", flush=True)
+
+
+if __name__ == "__main__":
+    main()
