@@ -38,7 +38,8 @@ class _Raw:
     def __init__(self, port: int, total: int) -> None:
         self.buffer = np.random.default_rng(1).integers(0, 256, total, dtype=np.uint8)
         half = total // STREAMS
-        self.halves = [memoryview(self.buffer[i * half : (i + 1) * half]) for i in range(STREAMS)]
+        whole = memoryview(self.buffer.data)
+        self.halves = [whole[i * half : (i + 1) * half] for i in range(STREAMS)]
         self.conns = [socket.create_connection(("127.0.0.1", port)) for _ in range(STREAMS)]
         for conn in self.conns:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -88,7 +89,7 @@ def main() -> None:
                 client.get_pages(keys, targets, offsets)
             elif command == "check":
                 if any(layer.any() for layer in loaded):
-                    if not all(np.array_equal(a, b) for a, b in zip(saved, loaded)):
+                    if not all(np.array_equal(a, b) for a, b in zip(saved, loaded, strict=True)):
                         raise SystemExit("loaded pages differ from saved pages")
                     for layer in loaded:
                         layer[:] = 0

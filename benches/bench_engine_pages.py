@@ -45,8 +45,10 @@ class _Rig:
     def __init__(self, clients: int) -> None:
         capacity = f"{max(1, 3 * clients * TOTAL >> 30) + 1}GiB"
         self.server = subprocess.Popen(
-            [sys.executable, "-m", "kvbridge", "serve", "--port", "0"]
-            + ["--host-capacity", capacity, "--max-namespaces", "1"],
+            [
+                *(sys.executable, "-m", "kvbridge", "serve", "--port", "0"),
+                *("--host-capacity", capacity, "--max-namespaces", "1"),
+            ],
             stdout=subprocess.PIPE,
             text=True,
         )
@@ -62,8 +64,10 @@ class _Rig:
         echo_port = self.echo.stdout.readline().strip()
         self.clients = [
             subprocess.Popen(
-                [sys.executable, str(HERE / "_pages_client.py"), address, echo_port, str(i)]
-                + [str(LAYERS), str(BLOCKS), str(PAGE)],
+                [
+                    *(sys.executable, str(HERE / "_pages_client.py"), address, echo_port),
+                    *(str(i), str(LAYERS), str(BLOCKS), str(PAGE)),
+                ],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 text=True,
@@ -123,7 +127,7 @@ def test_engine_pages(compare: Callable[..., Any], rig: _Rig, direction: str) ->
         f"{clients} client(s), {LAYERS * 2 * BLOCKS} x {PAGE >> 10} KiB pages, {direction}",
         rig.timed_cpu("store", direction),
         rig.timed_cpu("raw", "rawput" if direction == "save" else "rawget"),
-        baseline_name=f"raw TCP, 2 sendalls per client",
+        baseline_name="raw TCP, 2 sendalls per client",
         nbytes=clients * TOTAL,
         rounds=rounds,
         warmup=1,

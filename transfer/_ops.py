@@ -9,8 +9,9 @@ them) and packs the result into frames of at most ``frame_bytes`` and
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property, partial
 from typing import Any
 
 import numpy as np
@@ -33,12 +34,19 @@ OP_DTYPE = np.dtype(
 
 @dataclass
 class FramePlan:
-    """The ops of one frame: wire descriptors, local views, and each op's index in the batch."""
+    """The ops of one frame: wire descriptors, local views, and each op's index in the batch.
+
+    ``views`` are cut from ``cut`` when first asked for: a batch of thousands of pages has
+    its first frame on the wire while the views of the next ones are cut."""
 
     descriptors: np.ndarray
-    views: list[memoryview]
+    cut: Callable[[], list[memoryview]]
     origin: np.ndarray
     nbytes: int
+
+    @cached_property
+    def views(self) -> list[memoryview]:
+        return self.cut()
 
 
 def normalize(ops: Any) -> np.ndarray:
@@ -89,15 +97,14 @@ def check(
     bad = np.flatnonzero(ops["length"] == 0)
     if len(bad):
         raise LocalProtocolError(f"op {bad[0]}: length 0", op_index=int(bad[0]))
-    regions = []
-    for region_id in distinct(ops["local_region"]):
-        region = local.get(region_id)
+    regions = [local.get(region_id) for region_id in distinct(ops["local_region"])]
+    for region in regions:
         if access == "r" and region.readonly:
-            raise LocalProtocolError(f"read into read-only local region {region_id}")
+            raise LocalProtocolError(f"read into read-only local region {region.id}")
         if region.device and not device_ok:
-            raise LocalProtocolError(f"local region {region_id} is GPU memory: use ucx")
-        _check_bounds(ops, "local", region_id, region.length)
-        regions.append(region)
+            raise LocalProtocolError(f"local region {region.id} is GPU memory: use ucx")
+    _check_bounds(ops, "local", {r.id: r.length for r in regions})
+    sizes = {}
     for region_id in distinct(ops["remote_region"]):
         info = remote.get(region_id)
         if info is None:
@@ -107,17 +114,26 @@ def check(
             )
         if access not in info.access:
             raise LocalProtocolError(f"remote region {region_id} does not allow '{access}'")
-        _check_bounds(ops, "remote", region_id, info.length)
+        sizes[region_id] = info.length
+    _check_bounds(ops, "remote", sizes)
     return regions
 
 
-def _check_bounds(ops: np.ndarray, side: str, region_id: int, length: int) -> None:
-    mine = ops[f"{side}_region"] == region_id
-    bad = mine & outside(ops[f"{side}_offset"], ops["length"], length)
+def _check_bounds(ops: np.ndarray, side: str, sizes: Mapping[int, int]) -> None:
+    """Raise at the first op whose bytes leave its ``side`` region (``sizes``: by id)."""
+    ids = ops[f"{side}_region"]
+    if len(sizes) == 1:
+        limit: np.ndarray | int = next(iter(sizes.values()))
+    else:  # one vectorised check for every region: a KV cache names one per layer
+        known = np.array(sorted(sizes), dtype=np.uint64)
+        lengths = np.array([sizes[int(r)] for r in known], dtype=np.uint64)
+        limit = lengths[np.searchsorted(known, ids)]
+    bad = outside(ops[f"{side}_offset"], ops["length"], limit)
     if bad.any():
         index = int(np.argmax(bad))
+        region_id, size = int(ids[index]), sizes[int(ids[index])]
         raise LocalProtocolError(
-            f"op {index}: bytes outside {side} region {region_id} ({length} bytes)",
+            f"op {index}: bytes outside {side} region {region_id} ({size} bytes)",
             op_index=index,
         )
 
@@ -160,20 +176,23 @@ def plan(
         descriptors["key"] = keys[start:stop]
         descriptors["offset"] = part["remote_offset"]
         descriptors["length"] = part["length"]
-        local_views = [
-            views[r][o : o + n]
-            for r, o, n in zip(
-                part["local_region"].tolist(),
-                part["local_offset"].tolist(),
-                part["length"].tolist(),
-                strict=True,
-            )
-        ]
-        frames.append(
-            FramePlan(descriptors, local_views, origin[start:stop], int(ends[stop - 1]) - base)
-        )
+        cut = partial(_cut, views, part)
+        frames.append(FramePlan(descriptors, cut, origin[start:stop], int(ends[stop - 1]) - base))
         start = stop
     return frames
+
+
+def _cut(views: Mapping[int, memoryview], part: np.ndarray) -> list[memoryview]:
+    """The local views of a frame's ops."""
+    return [
+        views[r][o : o + n]
+        for r, o, n in zip(
+            part["local_region"].tolist(),
+            part["local_offset"].tolist(),
+            part["length"].tolist(),
+            strict=True,
+        )
+    ]
 
 
 def _coalesce(ops: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

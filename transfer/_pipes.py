@@ -33,6 +33,9 @@ _DISCARD_BYTES = 1 << 20
 class Pipe(Protocol):
     device_memory: bool
     """True when views may be GPU memory (cupy arrays) as well as memoryviews."""
+    byte_stream: bool
+    """True when a frame's payloads are one stream of bytes, however the views cut it (a
+    socket, memory); False when each payload is a message of its own (UCX)."""
 
     def recv_exact(self, n: int) -> bytes:
         """Exactly ``n`` bytes; ``EOFError`` if the other end closed first."""
@@ -70,6 +73,7 @@ class SocketPipe:
     """A connected stream socket."""
 
     device_memory = False
+    byte_stream = True
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -223,6 +227,7 @@ class MemoryPipe:
     """One end of an in-process pipe (``MemoryPipe.pair()``). Payloads are copied once."""
 
     device_memory = False
+    byte_stream = True
 
     def __init__(self, inbox: _Channel, outbox: _Channel) -> None:
         self._inbox = inbox

@@ -205,12 +205,21 @@ class RegionTable:
             self.release(use.regions)
 
     def resolve(
-        self, ops: np.ndarray, access: str, caller: Caller, *, device_ok: bool = False
+        self,
+        ops: np.ndarray,
+        access: str,
+        caller: Caller,
+        *,
+        device_ok: bool = False,
+        merge: bool = False,
     ) -> tuple[list[memoryview], Use]:
         """Check remote ops (DESCRIPTOR array) of ``caller`` against the regions and return
         the views they address, with the regions acquired and the guards' holds taken
         (give both back with :meth:`finish`). ``device_ok``: the stream can carry GPU
-        memory. Raises :class:`AccessDenied` naming the first bad op; nothing is held then.
+        memory. ``merge``: ops that continue one another in a region share one view (the
+        pipe moves one byte stream, so how views cut it does not matter; a KV cache's pages
+        of one block land in one slot). Raises :class:`AccessDenied` naming the first bad
+        op; nothing is held then.
 
         The lock covers only the lookup and the busy count: an acquired region cannot be
         unregistered and its fields do not change, so the checks (and the region's guard,
@@ -239,14 +248,7 @@ class RegionTable:
                 if region.guard is not None:
                     use.holds.append(_admit(ops, region_id, region, access, caller))
             spans: Iterable[tuple[int, int, int]] = (
-                ((r, o, n) for r, _, _, o, n in rows)
-                if rows is not None
-                else zip(
-                    ops["region"].tolist(),
-                    ops["offset"].tolist(),
-                    ops["length"].tolist(),
-                    strict=True,
-                )
+                ((r, o, n) for r, _, _, o, n in rows) if rows is not None else _spans(ops, merge)
             )
             views = [regions[r].view[o : o + n] for r, o, n in spans]
         except BaseException:
@@ -255,9 +257,25 @@ class RegionTable:
         return views, use
 
 
-def outside(offsets: np.ndarray, lengths: np.ndarray, region_length: int) -> np.ndarray:
+def _spans(ops: np.ndarray, merge: bool) -> Iterable[tuple[int, int, int]]:
+    """``(region, offset, length)`` per op, or per run of ops that continue one another in
+    one region when ``merge``."""
+    region, offset, length = ops["region"], ops["offset"], ops["length"]
+    if merge and len(ops) > 1:
+        joins = (region[1:] == region[:-1]) & (offset[1:] == offset[:-1] + length[:-1])
+        if joins.any():
+            starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+            region, offset = region[starts], offset[starts]
+            length = np.add.reduceat(length, starts)
+    return zip(region.tolist(), offset.tolist(), length.tolist(), strict=True)
+
+
+def outside(
+    offsets: np.ndarray, lengths: np.ndarray, region_length: int | np.ndarray
+) -> np.ndarray:
     """Per op, whether ``offset..offset+length`` leaves a region of ``region_length`` bytes
-    (each operand is bounded first, so the unsigned sum cannot wrap around)."""
+    (one for all, or one per op; each operand is bounded first, so the unsigned sum cannot
+    wrap around)."""
     too_far = (offsets > region_length) | (lengths > region_length)
     result: np.ndarray = too_far | (offsets + lengths > region_length)
     return result

@@ -78,7 +78,7 @@ def plan_small(
         descriptors.append((remote_id, 0, info.key, offset, length))
     views = [regions[r].view[o : o + n] for r, o, _, _, n in rows]
     nbytes = sum(row[4] for row in rows)
-    frame = FramePlan(np.array(descriptors, DESCRIPTOR), views, _ORIGINS[len(rows)], nbytes)
+    frame = FramePlan(np.array(descriptors, DESCRIPTOR), views.copy, _ORIGINS[len(rows)], nbytes)
     return sorted(regions.values(), key=lambda r: r.id), [frame]
 
 

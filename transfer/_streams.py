@@ -420,7 +420,7 @@ def _send_read(served: _Served, event: Read) -> None:
     views, use = resolved
     total = sum(v.nbytes for v in views)
     try:
-        served.pipe.send([served.conn.data(event.request_id, len(views), total), *views])
+        served.pipe.send([served.conn.data(event.request_id, len(event.ops), total), *views])
         served.pipe.flush()  # the transport no longer reads the views
     finally:
         served.regions.finish(use)
@@ -433,7 +433,11 @@ def _resolve(served: _Served, event: Write | Read, access: str) -> tuple[list[An
     conn, pipe = served.conn, served.pipe
     try:
         return served.regions.resolve(
-            event.ops, access, served.caller, device_ok=pipe.device_memory
+            event.ops,
+            access,
+            served.caller,
+            device_ok=pipe.device_memory,
+            merge=pipe.byte_stream,
         )
     except AccessDenied as exc:
         if isinstance(event, Write):

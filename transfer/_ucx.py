@@ -213,6 +213,7 @@ class UcxPipe:
     side for what it receives. Owns every request it posts: ``close`` cancels them all."""
 
     device_memory = True
+    byte_stream = False
 
     def __init__(
         self,

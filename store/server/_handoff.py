@@ -56,8 +56,12 @@ class HandoffHolds:
         """Hold the committed ``keys`` (those still present) for their first read, as
         ``principal``'s, which holds at most ``share`` of them."""
         store = self._store
-        fresh = [key for key in keys if key not in self._holds and store.contains([key])[0]]
-        if ttl <= 0 or not fresh:
+        candidates = [key for key in keys if key not in self._holds]
+        if ttl <= 0 or not candidates:
+            return
+        present = store.contains(candidates)
+        fresh = [key for key, here in zip(candidates, present, strict=True) if here]
+        if not fresh:
             return
         store.pin(fresh, ttl=ttl)
         deadline = store.clock() + ttl
@@ -65,19 +69,24 @@ class HandoffHolds:
             self._holds[key] = Hold(deadline, principal)
             self._by[principal] += 1
         mine = max(1, int(self._limit * share))
-        while self._by[principal] > mine:  # its own oldest first
-            key = next(k for k, hold in self._holds.items() if hold.principal == principal)
-            self._release(key, self._holds.pop(key))
+        released: dict[bytes, Hold] = {}
+        if self._by[principal] > mine:  # its own oldest first
+            excess = self._by[principal] - mine
+            for key in [k for k, hold in self._holds.items() if hold.principal == principal]:
+                released[key] = self._holds.pop(key)
+                excess -= 1
+                if not excess:
+                    break
         while len(self._holds) > self._limit:
             key = next(iter(self._holds))
-            self._release(key, self._holds.pop(key))
+            released[key] = self._holds.pop(key)
+        self._release(released)
 
     def take(self, keys: Sequence[bytes]) -> dict[bytes, Hold]:
         """Release the holds on ``keys`` (being read, or removed: the holds have done their
         job); return them for :meth:`restore`."""
         taken = {key: self._holds.pop(key) for key in keys if key in self._holds}
-        for key, hold in taken.items():
-            self._release(key, hold)
+        self._release(taken)
         return taken
 
     def restore(self, taken: dict[bytes, Hold]) -> None:
@@ -89,9 +98,13 @@ class HandoffHolds:
                 self._holds[key] = hold
                 self._by[hold.principal] += 1
 
-    def _release(self, key: bytes, hold: Hold) -> None:
-        self._by[hold.principal] -= 1
-        if self._by[hold.principal] <= 0:
-            del self._by[hold.principal]
-        if hold.deadline > self._store.clock():  # an expired pin is gone already
-            self._store.unpin([key])  # the pin expiring first: handoff_ttl <= lease_ttl
+    def _release(self, holds: dict[bytes, Hold]) -> None:
+        """Unpin the blocks of ``holds`` (already out of the table) in one store call."""
+        now = self._store.clock()
+        for hold in holds.values():
+            self._by[hold.principal] -= 1
+            if self._by[hold.principal] <= 0:
+                del self._by[hold.principal]
+        live = [key for key, hold in holds.items() if hold.deadline > now]
+        if live:  # an expired pin is gone already (handoff_ttl <= lease_ttl)
+            self._store.unpin(live)

@@ -127,24 +127,27 @@ class LeaseBook:
         self, session: int, first: np.ndarray, last: np.ndarray
     ) -> tuple[np.ndarray, list[bytes], list[Use]]:
         """Per slot range ``first..last``: whether every slot in it is pinned for
-        ``session`` under a lease that has not expired; the keys of those slots, and the
-        leases that pin them."""
+        ``session`` under a lease that has not expired; the keys of those slots (each
+        once), and the leases that pin them. Each distinct range is looked up once: a
+        frame of a KV cache's pages names each block's slot once per page."""
         allowed = np.zeros(len(first), dtype=bool)
         mine = self._readable.get(session)
-        if mine is None:
+        if mine is None or not len(first):
             return allowed, [], []
-        keys: list[bytes] = []
-        leases: set[Use] = set()
-        for i, (lo, hi) in enumerate(zip(first.tolist(), last.tolist(), strict=True)):
+        ranges, inverse = _distinct_ranges(first, last)
+        found: dict[int, tuple[int, bytes]] = {}
+        ok = np.zeros(len(ranges), dtype=bool)
+        for i, (lo, hi) in enumerate(ranges.tolist()):
             if not 0 <= lo <= hi:
                 continue
-            found = [self._live(mine.get(slot)) for slot in range(lo, hi + 1)]
-            if all(entry is not None for entry in found):
-                allowed[i] = True
-                for entry in found:
-                    assert entry is not None
-                    leases.add(("pin", entry[0]))
-                    keys.append(entry[1])
+            entries = {slot: self._live(mine.get(slot)) for slot in range(lo, hi + 1)}
+            live = {slot: entry for slot, entry in entries.items() if entry is not None}
+            if len(live) == len(entries):
+                ok[i] = True
+                found.update(live)
+        allowed[:] = ok[inverse.reshape(-1)]
+        keys = [key for _, key in found.values()]
+        leases = {("pin", lease_id) for lease_id, _ in found.values()}
         return allowed, keys, list(leases)
 
     def _live(self, by_lease: dict[int, bytes] | None) -> tuple[int, bytes] | None:
@@ -209,6 +212,14 @@ class LeaseBook:
     def _unhold(self, holder: _Holder) -> None:
         _take(self.held, holder.session, holder.slots)
         _take(self.held_by, holder.principal, holder.slots)
+
+
+def _distinct_ranges(first: np.ndarray, last: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct ``(first, last)`` pairs, and for each range the index of its pair."""
+    if (first == last).all():  # one slot per op: the usual frame
+        slots, inverse = np.unique(first, return_inverse=True)
+        return np.stack([slots, slots], axis=1), inverse
+    return np.unique(np.stack([first, last], axis=1), axis=0, return_inverse=True)
 
 
 def _take(counter: Counter[Any], who: Any, amount: int) -> None:
