@@ -27,6 +27,7 @@ from kvbridge.transfer._protocol import DESCRIPTOR, Connection, Role
 from kvbridge.transfer._sessions import Credentials
 from kvbridge.transfer._streams import next_event
 from kvbridge.transfer._ucx import UcxPipe
+from kvbridge.transfer._ucx import _runs as message_runs
 
 _IDS = itertools.count(1 << 40)
 
@@ -91,6 +92,15 @@ class RawStream:
             self.sock.sendall(data)
         else:
             one_message(self.pipe, data)
+
+    def send_payload(self, data: bytes, lengths: Sequence[int]) -> None:
+        """A whole payload of ops of ``lengths``, cut as the client's engine cuts it: over
+        UCX small ops travel packed in runs, a message each; over TCP one piece."""
+        start = 0
+        for first, end in message_runs(list(lengths)):
+            size = sum(lengths[first:end])
+            self.send(data[start : start + size])
+            start += size
 
     def read(self, ops: np.ndarray) -> tuple[Event, bytes]:
         """A READ; returns the answer and, for DATA, the payload."""

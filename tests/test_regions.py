@@ -35,6 +35,29 @@ def test_resolve_returns_views_and_holds_the_region_until_released() -> None:
     table.unregister(region)
 
 
+def test_ops_that_continue_one_another_share_a_view_only_when_asked() -> None:
+    """Pages of one block in order are one view for a byte-stream pipe (the bytes land in
+    the same places); a gap, a step back or another region starts a new view."""
+    table = RegionTable()
+    one, two = table.register(bytearray(range(256)), "rw"), table.register(bytearray(64), "rw")
+    pages = [(i * 8, 8) for i in range(10)]  # 0..80 in one run
+    ops = np.concatenate(
+        [_ops(one, *pages), _ops(one, (96, 8), (104, 8), (0, 8)), _ops(two, (8, 8))]
+    )
+    views, used = table.resolve(ops, "w", ME, merge=True)
+    assert [(v.obj is one.view.obj, len(v)) for v in views] == [
+        (True, 80),
+        (True, 16),
+        (True, 8),
+        (False, 8),
+    ]
+    assert bytes(views[0]) == bytes(range(80)) and bytes(views[1]) == bytes(range(96, 112))
+    table.finish(used)
+    views, used = table.resolve(ops, "w", ME)
+    assert [len(v) for v in views] == [8] * len(ops)
+    table.finish(used)
+
+
 @pytest.mark.parametrize(
     ("spans", "access", "reason"),
     [

@@ -18,6 +18,7 @@ import pytest
 import zmq
 from attack import (
     RawStream,
+    abort,
     control_request,
     credentials,
     descriptors,
@@ -135,6 +136,79 @@ def test_a_session_cannot_write_another_sessions_staged_slots(
         out = np.zeros((2, BB), np.uint8)
         victim.get(ks, out)
         np.testing.assert_array_equal(out, payloads(ks, BB))
+        stream.close()
+
+
+PAGES = 16
+"""Pages per block in the page-shaped frames below (more than a frame's scalar fast path)."""
+
+
+def _page_ops(client: StoreClient, slots: list[int]) -> np.ndarray:
+    """Descriptors of every page of the blocks at ``slots``, in order: a run of ops that
+    continue one another across a block's slot (and across neighbouring slots)."""
+    page = BB // PAGES
+    spans = [(slot * BB + i * page, page) for slot in slots for i in range(PAGES)]
+    region = raw(client).region
+    return descriptors(region, client.peer.refresh()[region].key, spans)
+
+
+def _send_pages(stream: RawStream, data: bytes) -> None:
+    stream.send_payload(data, [BB // PAGES] * (len(data) * PAGES // BB))
+
+
+def test_a_run_of_pages_into_a_neighbours_slot_is_refused_whole(
+    server: ServeProcess, transport: str
+) -> None:
+    """Pages of one's own staged slot followed by pages of the next slot, staged by another
+    session: bytes that continue one another in the region, but the frame is refused whole
+    and nothing lands in either slot."""
+    with (
+        client_of(server, transports=transport) as attacker,
+        client_of(server, transports=transport) as victim,
+    ):
+        own_lease, own = stage(attacker, keys(0, 1))
+        victim_lease, theirs = stage(victim, keys(10, 12))
+        neighbour = [s for s in theirs if abs(s - own[0]) == 1]
+        assert neighbour, "the two stagings got slots that are not neighbours"
+        run = sorted([own[0], neighbour[0]])
+        stream = RawStream(attacker)
+        stream.start_write(_page_ops(attacker, run))
+        _send_pages(stream, b"\xbb" * (2 * BB))
+        answer = stream.event()
+        assert isinstance(answer, Error) and answer.code == ErrorCode.ACCESS_DENIED
+        own_stream = RawStream(victim)
+        own_stream.start_write(_page_ops(victim, sorted(theirs)))
+        _send_pages(own_stream, payloads(keys(10, 12), BB)[np.argsort(theirs)].tobytes())
+        assert isinstance(own_stream.event(), Ack)
+        assert raw(victim).op("commit", lease=victim_lease)["stored"] == 2
+        out = np.zeros((2, BB), np.uint8)
+        victim.get(keys(10, 12), out)
+        np.testing.assert_array_equal(out, payloads(keys(10, 12), BB))
+        abort(attacker, own_lease)
+        stream.close()
+        own_stream.close()
+
+
+def test_a_read_of_pages_is_refused_whole_for_one_page_not_pinned(
+    server: ServeProcess, transport: str
+) -> None:
+    """A frame naming each pinned slot once per page, and one page of a slot the session
+    did not pin: refused whole. The pinned pages alone read back exactly."""
+    with client_of(server, transports=transport) as reader:
+        ks = keys(0, 3)
+        reader.put(ks, payloads(ks, BB))
+        pinned = raw(reader).op("pin", keys=ks[:2])
+        slots = [int(s) for s in pinned["slots"]]
+        other = raw(reader).op("pin", keys=ks[2:])  # the third block's slot, then let go
+        raw(reader).op("release", lease=other["lease"])
+        stream = RawStream(reader)
+        ops = _page_ops(reader, [*slots, int(other["slots"][0])])
+        answer, _ = stream.read(np.concatenate([ops[: 2 * PAGES], ops[-1:]]))
+        assert isinstance(answer, Error) and answer.code == ErrorCode.ACCESS_DENIED
+        answer, payload = stream.read(ops[: 2 * PAGES])
+        assert isinstance(answer, Data)
+        assert payload == payloads(ks[:2], BB).tobytes()
+        raw(reader).op("release", lease=pinned["lease"])
         stream.close()
 
 
