@@ -395,14 +395,19 @@ class Peer:
             on_error=batch.fail,
             describe=lambda i: int(origin[i]) if i is not None and 0 <= i < len(origin) else None,
         )
+        try:
+            views = frame.views  # cut now: after the batch's regions were acquired
+        except ValueError as exc:  # one was unregistered between the check and the acquire
+            batch.fail(LocalProtocolError(f"a local region of the batch is gone: {exc}"))
+            return
         if access == "w":
             message: list[bytes | memoryview] = [
                 stream.conn.write(request_id, frame.descriptors),
-                *frame.views,
+                *views,
             ]
         else:
             message = [stream.conn.read(request_id, frame.descriptors)]
-            pending.views = frame.views
+            pending.views = views
         try:
             stream.submit(request_id, message, pending, frame.nbytes)
         except TransferError as exc:

@@ -275,7 +275,8 @@ def outside(
 ) -> np.ndarray:
     """Per op, whether ``offset..offset+length`` leaves a region of ``region_length`` bytes
     (one for all, or one per op; each operand is bounded first, so the unsigned sum cannot
-    wrap around)."""
+    wrap around for a region below 2**63 bytes, as every real one is; a length a peer
+    advertises past that is checked again by the peer against its real region)."""
     too_far = (offsets > region_length) | (lengths > region_length)
     result: np.ndarray = too_far | (offsets + lengths > region_length)
     return result
