@@ -7,9 +7,11 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import pytest
+from helpers import until
 
 from kvbridge.store import CacheServer, ServerConfig, StoreClient
 from kvbridge.tools._serve_cmds import read_listening
@@ -66,6 +68,18 @@ class ServeProcess:
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.stop(signal.SIGKILL)
+
+    def freeze(self) -> None:
+        """SIGSTOP the server and wait until every thread of it has stopped: a signal takes
+        effect asynchronously, and a thread still running (on the other core) could answer a
+        request sent just after the signal."""
+        self.proc.send_signal(signal.SIGSTOP)
+        until(self._stopped, "every thread of the server stopped", timeout=10)
+
+    def _stopped(self) -> bool:
+        tasks = Path(f"/proc/{self.proc.pid}/task").glob("*/stat")
+        states = [stat.read_text().rsplit(")", 1)[1].split()[0] for stat in tasks]
+        return bool(states) and all(state in "Tt" for state in states)
 
 
 BLOCK = 64 << 10

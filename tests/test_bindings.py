@@ -435,7 +435,7 @@ def test_calls_during_the_pause_are_misses_that_neither_extend_it_nor_hide_keys(
             core.attach(kv)
             ks = core.keys(list(range(48)))
             assert core.save(ks, [0, 1, 2])
-            frozen.proc.send_signal(signal.SIGSTOP)
+            frozen.freeze()
             assert core.load_leading(ks, [3, 4, 5], partial=partial) == 0  # waits 1 s
             frozen.proc.send_signal(signal.SIGCONT)
             for _ in range(3):

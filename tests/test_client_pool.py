@@ -97,7 +97,7 @@ def test_a_caller_queued_behind_a_call_to_a_frozen_server_makes_no_call_of_its_o
     pool = _pool(timeout=2.0)
     with pool.lease(server.address):
         pass  # connected while the server answered
-    server.proc.send_signal(signal.SIGSTOP)
+    server.freeze()
     inside = threading.Event()
     outcomes: dict[str, BaseException | str] = {}
 
@@ -137,7 +137,7 @@ def test_no_zmq_error_escapes_a_client_whose_engine_closes_under_its_handshake(
     error, never a ``zmq.ZMQError`` (zmq ends every socket wait with ETERM when its context
     terminates)."""
     engine = TransferEngine()
-    server.proc.send_signal(signal.SIGSTOP)  # the handshake waits for an answer
+    server.freeze()  # the handshake waits for an answer
     raised: list[BaseException] = []
 
     def connect() -> None:
