@@ -29,6 +29,9 @@ TICKET_PREFIX = b"kvbridge-ticket:"
 RENEW = b"kvbridge-renew"
 """What a subscriber sends every :data:`RENEW_S` to keep its subscription."""
 RENEW_S = 1.0
+LAPSED = b"kvbridge-lapsed"
+"""The server's answer to a renewal of a subscription it no longer holds (not renewed in
+time: a subscriber frozen or paused past the TTL): one frame, meaning "subscribe again"."""
 SUBSCRIBER_ID_BYTES = 16
 """A subscriber's routing id: 16 random bytes it chooses (none other is served)."""
 MAX_KEYS_PER_MESSAGE = 4096

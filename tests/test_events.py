@@ -17,17 +17,20 @@ from pathlib import Path
 import pytest
 import zmq
 from attack import raw
-from helpers import keys, payloads, reap, spawn_python, until
+from helpers import FakeClock, keys, payloads, reap, spawn_python, until
 from serve import ServeProcess
 
 from kvbridge.store import (
     EVENT_TICKET_PREFIX,
     BadRequest,
     BlockKey,
+    CacheServer,
     EventSubscriber,
     KeyMirror,
     Message,
+    ServerConfig,
     StoreClient,
+    SubscriptionLost,
     UnknownNamespace,
 )
 
@@ -133,8 +136,10 @@ for line in sys.stdin:  # each line: print what the mirror holds, and how often 
 def test_a_frozen_subscriber_the_server_dropped_messages_for_resyncs() -> None:
     """The subscriber's process is stopped (SIGSTOP) while a burst of changes goes out:
     its socket fills, the server's high-water mark (1 message here) drops what follows.
-    Once it runs again it sees the gap, reads a snapshot and holds the server's keys (its
-    silence bound is 60 s: only a gap can have made it resync)."""
+    Once it runs again it sees the gap, reads a snapshot and holds the server's keys. Its
+    silence bound is 60 s, so only the gap, or the server saying its subscription lapsed
+    (a burst longer than the 5 s it may go unrenewed), can have made it resync within
+    the test's 60 s: before the lapse was answered, a slow burst cost a minute here."""
     served = ServeProcess("--events-port", "0", "--events-hwm", "1", *_SMALL)
     proc = spawn_python(_FROZEN_MIRROR, served.address)
     try:
@@ -164,6 +169,31 @@ def test_a_frozen_subscriber_the_server_dropped_messages_for_resyncs() -> None:
         os.kill(proc.pid, signal.SIGCONT)
         reap(proc)
         served.kill()
+
+
+def test_a_subscription_that_lapsed_is_told_so_at_its_next_renewal() -> None:
+    """A subscriber that renewed nothing for longer than the server's 5 s (frozen, paused)
+    is dropped; its next renewal is answered ``LAPSED`` and it learns at once that it must
+    subscribe again, instead of waiting out its silence bound. The server's clock is a
+    fake one; a second subscriber, subscribed after the lapse, hears the heartbeat that
+    follows the drop."""
+    clock, mine = FakeClock(), FakeClock()
+    config = ServerConfig(port=0, host_capacity=CAPACITY, events_port=0, handoff_ttl=0)
+    with (
+        CacheServer(config, clock=clock) as server,
+        StoreClient(server.address, block_bytes=BB, namespace="lapse", timeout=10) as client,
+        EventSubscriber(client.subscription(), mine) as lapsing,
+    ):
+        until(lambda: lapsing.receive(0.05) is not None, "subscribed: where the stream is")
+        clock.advance(6.0)  # past the subscription's 5 s: it renewed nothing meanwhile
+        with EventSubscriber(client.subscription(), FakeClock()) as witness:
+            until(lambda: witness.receive(0.05) is not None, "the witness is subscribed")
+            clock.advance(1.5)  # a heartbeat: it drops the lapsed subscriber, then goes out
+            until(lambda: witness.receive(0.05) is not None, "the witness heard a heartbeat")
+        lapsing.drain()
+        mine.advance(1.0)  # its next receive renews
+        with pytest.raises(SubscriptionLost, match="lapse"):
+            until(lambda: lapsing.receive(0.05) is None and False, "the lapse was answered")
 
 
 def test_only_a_session_that_opened_the_namespace_hears_it(server: ServeProcess) -> None:

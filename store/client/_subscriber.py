@@ -15,6 +15,7 @@ import zmq
 
 from ..._closing import Closing
 from .._stream import (
+    LAPSED,
     MAX_MESSAGE_BYTES,
     RENEW,
     RENEW_S,
@@ -29,7 +30,8 @@ RCVHWM = 256
 
 
 class SubscriptionLost(ConnectionError):
-    """The connection to the stream dropped (the server stopped, or dropped it)."""
+    """The connection to the stream dropped (the server stopped, or dropped it), or the
+    server let the subscription lapse: subscribe again."""
 
 
 class EventSubscriber(Closing):
@@ -64,7 +66,10 @@ class EventSubscriber(Closing):
             raise SubscriptionLost("the server closed the stream")
         if self._socket not in ready:
             return None
-        return decode(self._socket.recv_multipart(zmq.NOBLOCK), self._topic)
+        frames = self._socket.recv_multipart(zmq.NOBLOCK)
+        if frames == [LAPSED]:
+            raise SubscriptionLost("the server let the subscription lapse (not renewed in time)")
+        return decode(frames, self._topic)
 
     def pending(self) -> bool:
         return bool(self._socket.poll(0))

@@ -14,8 +14,9 @@ Who may listen: a subscriber (a DEALER whose routing id is 16 random bytes it ch
 sends a **ticket** the control plane gave a session that opened the namespace (the
 ``events`` op, signed like every request): good once, for 30 s, it subscribes that
 connection to that namespace's stream, and the subscriber renews it every second (a
-subscription not renewed for :data:`SUBSCRIPTION_TTL_S` ends). Nothing else a peer sends
-does anything. A publisher that chose whom to send each message to (rather than a PUB
+subscription not renewed for :data:`SUBSCRIPTION_TTL_S` ends; a renewal that comes after
+that is answered ``LAPSED``, and the subscriber subscribes again). Nothing else a peer
+sends does anything. A publisher that chose whom to send each message to (rather than a PUB
 socket that filters by prefix) is what keeps a subscription to every topic, or a forged
 one, from hearing anything: an XPUB in manual mode was tried first, and a peer sending
 messages that are not subscriptions made libzmq apply a victim's subscription to it.
@@ -44,6 +45,7 @@ import zmq
 
 from ..._closing import Closing
 from .._stream import (
+    LAPSED,
     MAX_KEYS_PER_MESSAGE,
     RENEW,
     SUBSCRIBER_ID_BYTES,
@@ -214,6 +216,9 @@ class EventPublisher(Closing):
                 held = self._subscribers.get(peer)
                 if held is not None:
                     self._subscribers[peer] = (held[0], now + SUBSCRIPTION_TTL_S)
+                else:  # it lapsed: say so, or the subscriber waits out its silence bound
+                    with contextlib.suppress(zmq.Again):
+                        self._socket.send_multipart([peer, LAPSED], zmq.NOBLOCK)
             elif body.startswith(TICKET_PREFIX):
                 self._subscribe(peer, body[len(TICKET_PREFIX) :], now)
 
