@@ -26,8 +26,7 @@ from kvbridge.transfer._pipes import Pipe, SocketPipe
 from kvbridge.transfer._protocol import DESCRIPTOR, Connection, Role
 from kvbridge.transfer._sessions import Credentials
 from kvbridge.transfer._streams import next_event
-from kvbridge.transfer._ucx import UcxPipe
-from kvbridge.transfer._ucx import _runs as message_runs
+from kvbridge.transfer._ucx import UcxPipe, message_runs
 
 _IDS = itertools.count(1 << 40)
 

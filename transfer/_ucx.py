@@ -141,7 +141,7 @@ def _unpack(staging: bytearray, views: Sequence[Any]) -> None:
         offset += view.nbytes
 
 
-def _runs(lengths: Sequence[int]) -> list[tuple[int, int]]:
+def message_runs(lengths: Sequence[int]) -> list[tuple[int, int]]:
     """Group payloads into messages: ``(start, end)``; a run of small ones is packed."""
     runs = []
     i, count = 0, len(lengths)
@@ -297,7 +297,7 @@ class UcxPipe:
         if len(first) > _HEADER_BYTES:
             messages.append(first[_HEADER_BYTES:])
         borrowed = False  # a message is a caller's view, not a packed copy
-        for start, end in _runs([v.nbytes for v in views]):
+        for start, end in message_runs([v.nbytes for v in views]):
             borrowed = borrowed or end - start == 1
             messages.append(views[start] if end - start == 1 else _pack(views[start:end]))
         seq = self._numbers(len(messages), send=True)
@@ -368,7 +368,7 @@ class UcxPipe:
     def recv_into_views(self, views: Sequence[memoryview]) -> None:
         targets: list[Any] = []
         unpack: list[tuple[bytearray, Sequence[memoryview]]] = []
-        for start, end in _runs([v.nbytes for v in views]):
+        for start, end in message_runs([v.nbytes for v in views]):
             if end - start == 1:
                 targets.append(views[start])
             else:
@@ -380,7 +380,7 @@ class UcxPipe:
             _unpack(staging, parts)
 
     def discard(self, lengths: Sequence[int]) -> None:
-        self._receive([bytearray(sum(lengths[s:e])) for s, e in _runs(list(lengths))])
+        self._receive([bytearray(sum(lengths[s:e])) for s, e in message_runs(list(lengths))])
 
     def set_timeout(self, seconds: float | None) -> None:
         self._timeout = seconds
