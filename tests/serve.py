@@ -74,9 +74,10 @@ class ServeProcess:
         effect asynchronously, and a thread still running (on the other core) could answer a
         request sent just after the signal."""
         self.proc.send_signal(signal.SIGSTOP)
-        until(self._stopped, "every thread of the server stopped", timeout=10)
+        until(self.stopped, "every thread of the server stopped", timeout=10)
 
-    def _stopped(self) -> bool:
+    def stopped(self) -> bool:
+        """Whether every thread of the server is stopped (SIGSTOP took effect)."""
         tasks = Path(f"/proc/{self.proc.pid}/task").glob("*/stat")
         states = [stat.read_text().rsplit(")", 1)[1].split()[0] for stat in tasks]
         return bool(states) and all(state in "Tt" for state in states)
