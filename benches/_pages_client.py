@@ -18,18 +18,11 @@ import sys
 import threading
 
 import numpy as np
+from _rig import recv_exact
 
 from kvbridge.store import StoreClient
 
 STREAMS = 2
-
-
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
-    while view:
-        n = sock.recv_into(view)
-        if not n:
-            raise EOFError("the echo server went away")
-        view = view[n:]
 
 
 class _Raw:
@@ -47,11 +40,11 @@ class _Raw:
     def _put(self, i: int) -> None:
         self.conns[i].sendall(b"P")
         self.conns[i].sendall(self.halves[i])
-        _recv_exact(self.conns[i], memoryview(bytearray(1)))
+        recv_exact(self.conns[i], memoryview(bytearray(1)))
 
     def _get(self, i: int) -> None:
         self.conns[i].sendall(b"G")
-        _recv_exact(self.conns[i], self.halves[i])
+        recv_exact(self.conns[i], self.halves[i])
 
     def run(self, put: bool) -> None:
         work = self._put if put else self._get

@@ -15,16 +15,9 @@ import sys
 import time
 
 import numpy as np
+from _rig import recv_exact
 
 from kvbridge.store import StoreClient
-
-
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
-    while view:
-        n = sock.recv_into(view)
-        if not n:
-            raise EOFError("the echo server went away")
-        view = view[n:]
 
 
 def main() -> None:
@@ -68,12 +61,12 @@ def main() -> None:
                     start = time.perf_counter()
                     raw.sendall(b"P")
                     raw.sendall(memoryview(data[r]).cast("B"))
-                    _recv_exact(raw, memoryview(reply)[:1])
+                    recv_exact(raw, memoryview(reply)[:1])
                     push.append(time.perf_counter() - start)
                 for _ in range(count):
                     start = time.perf_counter()
                     raw.sendall(b"G")
-                    _recv_exact(raw, memoryview(reply))
+                    recv_exact(raw, memoryview(reply))
                     pull.append(time.perf_counter() - start)
             print(json.dumps({"push": push, "pull": pull}), flush=True)
     raw.close()

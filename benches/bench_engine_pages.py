@@ -16,18 +16,14 @@ with 8 (each its own prefix) side by side on one server; the server's CPU time p
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import _rig
 import pytest
 from conftest import _EXTRA_LINES
 
-from kvbridge.tools._serve_cmds import read_listening
-
-HERE = Path(__file__).parent
 LAYERS = 32
 BLOCKS = 63
 PAGE = int(os.environ.get("KVB_PAGE_KIB", "32")) << 10
@@ -44,38 +40,14 @@ def _cpu_seconds(pid: int) -> float:
 class _Rig:
     def __init__(self, clients: int) -> None:
         capacity = f"{max(1, 3 * clients * TOTAL >> 30) + 1}GiB"
-        self.server = subprocess.Popen(
-            [
-                *(sys.executable, "-m", "kvbridge", "serve", "--port", "0"),
-                *("--host-capacity", capacity, "--max-namespaces", "1"),
-            ],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert self.server.stdout is not None
-        address, _ = read_listening(self.server.stdout)
-        self.echo = subprocess.Popen(
-            [sys.executable, str(HERE / "_echo_server.py"), str(TOTAL // 2)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert self.echo.stdout is not None
-        echo_port = self.echo.stdout.readline().strip()
+        self.server, address = _rig.serve("--host-capacity", capacity, "--max-namespaces", "1")
+        self.echo, echo_port = _rig.echo_server(TOTAL // 2)
+        shape = (str(LAYERS), str(BLOCKS), str(PAGE))
         self.clients = [
-            subprocess.Popen(
-                [
-                    *(sys.executable, str(HERE / "_pages_client.py"), address, echo_port),
-                    *(str(i), str(LAYERS), str(BLOCKS), str(PAGE)),
-                ],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-            )
+            _rig.script("_pages_client.py", address, echo_port, str(i), *shape)
             for i in range(clients)
         ]
-        for client in self.clients:
-            assert client.stdout is not None and client.stdout.readline().strip() == "ready"
+        _rig.wait_ready(self.clients)
         self.cpu = {"store": 0.0, "raw": 0.0}
 
     def all(self, command: str) -> None:
@@ -101,12 +73,7 @@ class _Rig:
         return run
 
     def close(self) -> None:
-        for proc in [*self.clients, self.echo]:
-            assert proc.stdin is not None
-            proc.stdin.close()
-            proc.wait(30)
-        self.server.terminate()
-        self.server.wait(30)
+        _rig.close(self.server, [*self.clients, self.echo])
 
 
 @pytest.fixture(scope="module", params=CLIENT_COUNTS, ids=lambda n: f"{n}clients")

@@ -14,19 +14,14 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
+import _rig
 import numpy as np
 import pytest
 from conftest import _EXTRA_LINES
 
-from kvbridge.tools._serve_cmds import read_listening
-
-HERE = Path(__file__).parent
 CLIENTS = int(os.environ.get("KVB_CLIENTS", "8"))
 REQUESTS = 16
 REQUEST_BYTES = 4 << 20
@@ -35,39 +30,17 @@ REQUEST_BYTES = 4 << 20
 class _Rig:
     def __init__(self, block_bytes: int) -> None:
         per = REQUEST_BYTES // block_bytes
-        self.server = subprocess.Popen(
-            [
-                *(sys.executable, "-m", "kvbridge", "serve", "--port", "0"),
-                *("--host-capacity", "2GiB", "--max-namespaces", "1"),
-                *("--policy", os.environ.get("KVBRIDGE_BENCH_POLICY", "reuse")),
-            ],
-            stdout=subprocess.PIPE,
-            text=True,
+        policy = os.environ.get("KVBRIDGE_BENCH_POLICY", "reuse")
+        self.server, self.address = _rig.serve(
+            *("--host-capacity", "2GiB", "--max-namespaces", "1", "--policy", policy)
         )
-        assert self.server.stdout is not None
-        self.address, _ = read_listening(self.server.stdout)
-        self.echo = subprocess.Popen(
-            [sys.executable, str(HERE / "_echo_server.py"), str(REQUEST_BYTES)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert self.echo.stdout is not None
-        echo_port = self.echo.stdout.readline().strip()
+        self.echo, echo_port = _rig.echo_server(REQUEST_BYTES)
+        shape = (str(block_bytes), str(per), str(REQUESTS))
         self.clients = [
-            subprocess.Popen(
-                [
-                    *(sys.executable, str(HERE / "_server_client.py"), self.address, echo_port),
-                    *(str(i), str(block_bytes), str(per), str(REQUESTS)),
-                ],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-            )
+            _rig.script("_server_client.py", self.address, echo_port, str(i), *shape)
             for i in range(CLIENTS)
         ]
-        for client in self.clients:
-            assert client.stdout is not None and client.stdout.readline().strip() == "ready"
+        _rig.wait_ready(self.clients)
         self.rounds = itertools.count()
         self.latency: dict[str, list[float]] = {"store": [], "raw": []}
 
@@ -83,12 +56,7 @@ class _Rig:
             self.latency[kind] += result["push"] + result["pull"]
 
     def close(self) -> None:
-        for proc in [*self.clients, self.echo]:
-            assert proc.stdin is not None
-            proc.stdin.close()
-            proc.wait(30)
-        self.server.terminate()
-        self.server.wait(30)
+        _rig.close(self.server, [*self.clients, self.echo])
 
 
 @pytest.fixture(scope="module", params=[1 << 20, 64 << 10], ids=["1MiB", "64KiB"])

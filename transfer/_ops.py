@@ -18,7 +18,7 @@ import numpy as np
 
 from ._errors import LocalProtocolError
 from ._protocol import DESCRIPTOR, MAX_OPS_PER_FRAME
-from ._regions import Region, RegionInfo, RegionTable, distinct, outside
+from ._regions import Region, RegionInfo, RegionTable, distinct, outside, run_starts
 
 OP_DTYPE = np.dtype(
     [
@@ -197,18 +197,13 @@ def _cut(views: Mapping[int, memoryview], part: np.ndarray) -> list[memoryview]:
 
 def _coalesce(ops: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Merge each op into the previous one when it continues it on both sides."""
-    if len(ops) < 2:
-        return ops, np.arange(len(ops))
-    prev, nxt = ops[:-1], ops[1:]
-    joins = (
-        (nxt["local_region"] == prev["local_region"])
-        & (nxt["remote_region"] == prev["remote_region"])
-        & (nxt["local_offset"] == prev["local_offset"] + prev["length"])
-        & (nxt["remote_offset"] == prev["remote_offset"] + prev["length"])
+    starts = run_starts(
+        ops["length"],
+        (ops["local_region"], ops["local_offset"]),
+        (ops["remote_region"], ops["remote_offset"]),
     )
-    if not joins.any():
+    if starts is None:
         return ops, np.arange(len(ops))
-    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
     merged = ops[starts].copy()
     merged["length"] = np.add.reduceat(ops["length"], starts)
     return merged, starts

@@ -261,13 +261,25 @@ def _spans(ops: np.ndarray, merge: bool) -> Iterable[tuple[int, int, int]]:
     """``(region, offset, length)`` per op, or per run of ops that continue one another in
     one region when ``merge``."""
     region, offset, length = ops["region"], ops["offset"], ops["length"]
-    if merge and len(ops) > 1:
-        joins = (region[1:] == region[:-1]) & (offset[1:] == offset[:-1] + length[:-1])
-        if joins.any():
-            starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-            region, offset = region[starts], offset[starts]
-            length = np.add.reduceat(length, starts)
+    starts = run_starts(length, (region, offset)) if merge else None
+    if starts is not None:
+        region, offset = region[starts], offset[starts]
+        length = np.add.reduceat(length, starts)
     return zip(region.tolist(), offset.tolist(), length.tolist(), strict=True)
+
+
+def run_starts(length: np.ndarray, *sides: tuple[np.ndarray, np.ndarray]) -> np.ndarray | None:
+    """Where each run of ops begins, a run being ops that each continue the one before in
+    the same region on every side (``(region, offset)`` arrays); ``None`` when no op
+    continues another."""
+    if len(length) < 2:
+        return None
+    joins = np.ones(len(length) - 1, dtype=bool)
+    for region, offset in sides:
+        joins &= (region[1:] == region[:-1]) & (offset[1:] == offset[:-1] + length[:-1])
+    if not joins.any():
+        return None
+    return np.flatnonzero(np.concatenate(([True], ~joins)))
 
 
 def outside(

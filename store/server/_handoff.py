@@ -69,14 +69,11 @@ class HandoffHolds:
             self._holds[key] = Hold(deadline, principal)
             self._by[principal] += 1
         mine = max(1, int(self._limit * share))
+        excess = self._by[principal] - mine
         released: dict[bytes, Hold] = {}
-        if self._by[principal] > mine:  # its own oldest first
-            excess = self._by[principal] - mine
-            for key in [k for k, hold in self._holds.items() if hold.principal == principal]:
-                released[key] = self._holds.pop(key)
-                excess -= 1
-                if not excess:
-                    break
+        if excess > 0:  # its own oldest first
+            own = [k for k, hold in self._holds.items() if hold.principal == principal]
+            released = {key: self._holds.pop(key) for key in own[:excess]}
         while len(self._holds) > self._limit:
             key = next(iter(self._holds))
             released[key] = self._holds.pop(key)
