@@ -348,6 +348,20 @@ class ConnectorCore(Closing):
             return True
         return self._saver.flush(requests)
 
+    def wait_ready(self, timeout: float) -> bool:
+        """Whether, within ``timeout`` seconds, the store is connected and (where the
+        connector keeps one) the mirror of its keys is in step. For readiness probes and
+        tests: nothing else waits for it (a lookup before then asks the server, or answers
+        a miss while the server is unreachable)."""
+        deadline = time.monotonic() + timeout
+        with self._connecting:
+            reaching, mirror = list(self._reaching), self._mirror
+        for reach in reaching:
+            reach.join(max(0.0, deadline - time.monotonic()))
+        if self._backend is None and not self._up():
+            return False
+        return mirror is None or mirror.wait_ready(max(0.0, deadline - time.monotonic()))
+
     def close(self) -> None:
         """Stop: queued saves run first; later calls answer misses without the store."""
         if self._saver is not None:

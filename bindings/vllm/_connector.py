@@ -163,6 +163,13 @@ class KVBridgeConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._scheduler.close()
         self._core.close()
 
+    def wait_ready(self, timeout: float) -> bool:
+        """Whether, within ``timeout`` seconds, this side reached its cache server and (on
+        the scheduler's side, with an event stream) holds the namespace's keys in step:
+        for a readiness probe (an instance whose first requests should hit), and for
+        tests. Requests never wait for it."""
+        return self._core.wait_ready(timeout)
+
     @property
     def stats(self) -> dict[str, Any]:
         """This side's counters since it started (``kvbridge.bindings.ConnectorStats``)."""

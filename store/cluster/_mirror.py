@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable, Container, Sequence
 
 from ..._closing import Closing
@@ -63,6 +64,20 @@ class ClusterMirror(Closing):
             if not any(key in view for view in views):
                 return i
         return len(keys)
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Whether, within ``timeout`` seconds, a member is known and every member's
+        mirror is in step (as :meth:`leading` then answers)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            mirrors = list(self._mirrors.values())
+            if mirrors and all(m.wait_ready(deadline - time.monotonic()) for m in mirrors):
+                if list(self._mirrors.values()) == mirrors:  # no member joined meanwhile
+                    return True
+            elif time.monotonic() >= deadline or self._stop.wait(
+                min(self._refresh, max(0.0, deadline - time.monotonic()))
+            ):
+                return False
 
     def close(self) -> None:
         self._stop.set()

@@ -2,7 +2,9 @@
 one JSON line: ``python engine_run.py SPEC_JSON``. The tests start it as a subprocess, so
 that every engine is a fresh process (as a restarted or second instance is).
 
-SPEC: model, prompts (lists of token ids), rounds, max_tokens, batched (max_num_batched_tokens),
+SPEC: model, prompts (lists of token ids), ready (seconds to wait, before the first round,
+for the scheduler's connector to reach its server and hold its keys in step; the result's
+``ready`` says whether it did), rounds, max_tokens, batched (max_num_batched_tokens),
 prefix_caching, blocks (num_gpu_blocks_override), connector (extra config, or null for
 none), role, failure_policy, abort (abort every request once a load ran), engine
 (more arguments of ``LLM``: ``hf_overrides``, ``served_model_name``, ...), kill_after_round
@@ -71,10 +73,15 @@ def _stats() -> dict[str, Any]:
     return dict(get_kv_transfer_group().stats) if has_kv_transfer_group() else {}
 
 
+def _scheduler_connector(llm: Any) -> Any:
+    """The scheduler side's connector, where the engine runs in this process (or None)."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    return getattr(getattr(core, "scheduler", None), "connector", None)
+
+
 def _scheduler_stats(llm: Any) -> dict[str, Any]:
     """The scheduler side's counters (lookups), where the engine runs in this process."""
-    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
-    connector = getattr(getattr(core, "scheduler", None), "connector", None)
+    connector = _scheduler_connector(llm)
     return dict(connector.stats) if connector is not None else {}
 
 
@@ -83,6 +90,9 @@ def main() -> None:
     started = time.monotonic()
     llm = _engine(spec)
     startup = time.monotonic() - started
+    ready = None
+    if spec.get("ready") is not None:  # the scheduler's mirror in step before the first prompt
+        ready = _scheduler_connector(llm).wait_ready(spec["ready"])
     params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0, detokenize=False)
     rounds: list[list[dict[str, Any]]] = []
     seconds: list[float] = []
@@ -108,6 +118,7 @@ def main() -> None:
         "rounds": rounds,
         "seconds": seconds,
         "startup": startup,
+        "ready": ready,
         "stats": _stats(),
         "scheduler": _scheduler_stats(llm),
     }
