@@ -4,6 +4,7 @@ the transports every trust and fault test runs over; waiting on a condition."""
 
 from __future__ import annotations
 
+import resource
 import signal
 import subprocess
 import sys
@@ -38,13 +39,15 @@ class ServeProcess:
     """A running ``kvbridge serve``; ``address`` (and the whole ``line``) is read from its
     first line. ``--port 0`` unless the arguments name a port."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, open_files: tuple[int, int] | None = None) -> None:
+        """``open_files``: the server's open-files limits (soft, hard) as it starts."""
         port = () if "--port" in args else ("--port", "0")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvbridge", "serve", *port, *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            preexec_fn=None if open_files is None else lambda: _limit_files(open_files),
         )
         assert self.proc.stdout is not None
         try:
@@ -76,6 +79,13 @@ class ServeProcess:
         self.proc.send_signal(signal.SIGSTOP)
         until(self.stopped, "every thread of the server stopped", timeout=10)
 
+    def open_files(self) -> int:
+        """The server's soft open-files limit now (from ``/proc``)."""
+        for line in Path(f"/proc/{self.proc.pid}/limits").read_text().splitlines():
+            if line.startswith("Max open files"):
+                return int(line.split()[3])
+        raise AssertionError("no open-files limit in /proc")
+
     def stopped(self) -> bool:
         """Whether every thread of the server is stopped (SIGSTOP took effect)."""
         tasks = Path(f"/proc/{self.proc.pid}/task").glob("*/stat")
@@ -86,6 +96,10 @@ class ServeProcess:
 BLOCK = 64 << 10
 SLOTS = 8
 """The small server of the trust tests: ``SLOTS`` memory slots per namespace, 2 namespaces."""
+
+
+def _limit_files(limits: tuple[int, int]) -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, limits)
 
 
 def small_server(transport: str = "tcp") -> ServeProcess:

@@ -19,7 +19,7 @@ from kvbridge.store import (
     StoreError,
     load_config,
 )
-from kvbridge.transfer import TransferEngine, TransferError
+from kvbridge.transfer import TransferEngine, TransferError, raise_open_files
 
 from ._fail import fail
 
@@ -56,7 +56,15 @@ def add_parsers(commands: Any) -> None:
     serve.add_argument(
         "--events-hwm",
         type=int,
-        help="messages queued per event subscriber before its messages are dropped (1000)",
+        help="messages queued per event subscriber at most (1000; its bytes bound them first)",
+    )
+    serve.add_argument(
+        "--events-queue-bytes",
+        help="bytes queued per event subscriber before it is dropped, e.g. 2MiB (2MiB)",
+    )
+    serve.add_argument(
+        "--events-memory",
+        help="bytes every event subscriber together may hold, e.g. 256MiB (256MiB)",
     )
     serve.add_argument("--max-namespaces", type=int, help="namespaces at once (default 4)")
     serve.add_argument("--lease-ttl", type=float, help="seconds a lease lasts (default 60)")
@@ -124,6 +132,7 @@ def add_parsers(commands: Any) -> None:
 def _serve(args: argparse.Namespace) -> int:
     names = [
         *("host", "port", "data_port", "metrics_port", "events_port", "events_hwm"),
+        *("events_queue_bytes", "events_memory"),
         *("host_capacity", "disk_path", "disk_capacity"),
         *("max_namespaces", "lease_ttl", "transports", "secret_file", "insecure", "policy"),
         *("tenants_file", "handoff_ttl", "max_leases_per_client", "keepalive"),
@@ -137,6 +146,7 @@ def _serve(args: argparse.Namespace) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    raise_open_files()  # every connection is a descriptor: the hard limit, not 1,024
     try:
         server = CacheServer(config)
     except _START_ERRORS as exc:

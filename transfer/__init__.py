@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from .._lazy import lazy
 from ._address import BadAddress, parse_address
+from ._descriptors import raise_open_files
 from ._device import is_device
 from ._errors import (
     AccessDenied,
@@ -104,5 +105,6 @@ __all__ = [
     "TransferSettings",
     "is_device",
     "parse_address",
+    "raise_open_files",
     "ucx_available",
 ]

@@ -47,7 +47,9 @@ import zmq
 
 from .._bounded_log import BoundedLog
 from ._calls import CallPool
+from ._descriptors import MAX_STRANGERS, trusted_connections
 from ._errors import AuthenticationError, LocalProtocolError, RemoteProtocolError
+from ._gate import ConnectionGate
 from ._keyring import DEFAULT_PRINCIPAL, Keyring, check_principal
 from ._sessions import Caller, SessionsFull, SessionTable, mac, session_key
 
@@ -129,6 +131,14 @@ class ControlServer:
             self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)
             self._socket.bind(endpoint)
             self.endpoint: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._gate = ConnectionGate(
+                self._socket,
+                strangers=MAX_STRANGERS,
+                trusted=trusted_connections(),
+                name="control",
+                refusals=refusals,
+            )
+            sockets.append(self._gate.monitor)
             waker = f"inproc://kvbridge-control-{secrets.token_hex(8)}"
             self._wake_rx = context.socket(zmq.PAIR)
             sockets.append(self._wake_rx)
@@ -162,6 +172,7 @@ class ControlServer:
         poller.register(self._socket, zmq.POLLIN)
         poller.register(self._answers, zmq.POLLIN)
         poller.register(self._wake_rx, zmq.POLLIN)
+        poller.register(self._gate.monitor, zmq.POLLIN)
         swept = time.monotonic()
         try:
             while True:
@@ -176,22 +187,28 @@ class ControlServer:
                         self._socket.send_multipart(self._answers.recv_multipart())
                 if self._socket in ready:
                     self._serve_one()
+                if self._gate.monitor in ready:  # after the requests: who spoke is known
+                    self._gate.events()
         finally:
             self._calls.close()  # joined before the sockets they answer through close
+            self._gate.close()
             self._socket.close()
             self._wake_rx.close()
             self._answers.close()
 
     def _serve_one(self) -> None:
-        frames = self._socket.recv_multipart()
-        if len(frames) != 3 or frames[1] != b"":
+        frames = self._socket.recv_multipart(copy=False)
+        fd = self._gate.heard(frames[-1])
+        if len(frames) != 3 or frames[1].bytes != b"":
             return  # not a DEALER request envelope: drop it
-        identity, _, body = frames
+        identity, body = frames[0].bytes, frames[2].bytes
         rid = None
         try:
             message = unpack(body)
             rid = message.get("rid")
             answer = self._answer(message, identity, rid)
+            if message.get("op") != "hello":  # a handshake completed, or a signed request
+                self._gate.trust(fd)
             if answer is None:
                 return  # a call: queued, answered by the pool
         except Exception as exc:  # every bad request gets an answer; the loop goes on
