@@ -4,7 +4,6 @@ the transports every trust and fault test runs over; waiting on a condition."""
 
 from __future__ import annotations
 
-import resource
 import signal
 import subprocess
 import sys
@@ -42,12 +41,11 @@ class ServeProcess:
     def __init__(self, *args: str, open_files: tuple[int, int] | None = None) -> None:
         """``open_files``: the server's open-files limits (soft, hard) as it starts."""
         port = () if "--port" in args else ("--port", "0")
+        command = [sys.executable, "-m", "kvbridge", "serve", *port, *args]
+        if open_files is not None:  # set in the child before it runs the server (no preexec_fn)
+            command = [sys.executable, "-c", _LIMITED, *map(str, open_files), *command]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvbridge", "serve", *port, *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            preexec_fn=None if open_files is None else lambda: _limit_files(open_files),
+            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
         assert self.proc.stdout is not None
         try:
@@ -98,8 +96,12 @@ SLOTS = 8
 """The small server of the trust tests: ``SLOTS`` memory slots per namespace, 2 namespaces."""
 
 
-def _limit_files(limits: tuple[int, int]) -> None:
-    resource.setrlimit(resource.RLIMIT_NOFILE, limits)
+_LIMITED = (
+    "import os, resource, sys; "
+    "resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), int(sys.argv[2]))); "
+    "os.execv(sys.argv[3], sys.argv[3:])"
+)
+"""Sets the open-files limits given first, then becomes the command that follows."""
 
 
 def small_server(transport: str = "tcp") -> ServeProcess:

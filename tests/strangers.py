@@ -1,10 +1,11 @@
 """Strangers holding connections: a process that keeps ``count`` TCP connections open to a
 port, opening a new one for each the server closes (at most :data:`REOPEN_PER_S` a
-second), as an attacker without any secret would (``StrangerFlood``). Over ZMQ ports (``zmtp=True``) each connection completes ZMQ's
-own greeting (ZMTP 3.0, NULL mechanism, a DEALER), so libzmq holds it as a peer: that is
-all a stranger can do there without a secret or a ticket. Run as a script, it is that
-process: ``python strangers.py PORT COUNT ZMTP``; it prints ``held`` once every connection
-was open at least once and, on standard input's end, ``opened N``."""
+second), as an attacker without any secret would (``StrangerFlood``). Over ZMQ ports
+(``zmtp=True``) each connection completes ZMQ's own greeting (ZMTP 3.0, NULL mechanism,
+a DEALER), so libzmq holds it as a peer: that is all a stranger can do there without a
+secret or a ticket. Run as a script, it is that process: ``python strangers.py PORT COUNT
+ZMTP``; it prints ``held`` once it asked for every connection and, on standard input's
+end, ``opened N``."""
 
 from __future__ import annotations
 
@@ -21,8 +22,10 @@ from pathlib import Path
 _SIGNATURE = b"\xff" + b"\x00" * 8 + b"\x7f"
 _READY = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
 GREETING = (
-    _SIGNATURE + bytes([3, 0]) + b"NULL".ljust(20, b"\x00") + b"\x00" * 32
-) + bytes([0x04, len(_READY)]) + _READY
+    (_SIGNATURE + bytes([3, 0]) + b"NULL".ljust(20, b"\x00") + b"\x00" * 32)
+    + bytes([0x04, len(_READY)])
+    + _READY
+)
 """A ZMTP 3.0 greeting (NULL mechanism, as a client) and its READY command (a DEALER)."""
 REOPEN_PER_S = 1000
 """How fast closed connections come back: a holding flood, not a connect-rate flood (which
