@@ -137,9 +137,14 @@ def _refused(engine: TransferEngine) -> int:
 def test_a_connection_flood_is_capped_and_leaves_room_afterwards(
     pair: tuple[TransferEngine, TransferEngine], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Streams that began a greeting (over TCP a silent connection is held apart: see
+    the next test) are served up to the cap; those past it are closed at once."""
     a, b = pair
     monkeypatch.setattr(served_module, "MAX_SERVED_STREAMS", 8)
     flood = [_RawStream(b, a) for _ in range(40)]
+    for s in flood:
+        if isinstance(s.pipe, SocketPipe):
+            s.send(_HELLO[:1])
     until(lambda: _served(b) + _refused(b) >= 40, "every stream served or refused")
     assert _served(b) <= 8
     closed = sum(s.closed_within(0.1) for s in flood)
@@ -148,6 +153,24 @@ def test_a_connection_flood_is_capped_and_leaves_room_afterwards(
         s.close()
     until(lambda: not _served(b), "the rest time out (no greeting)")
     _write_once(a, b)
+
+
+def test_connections_that_say_nothing_cost_no_stream_and_are_capped() -> None:
+    """Over TCP a connection is served (a thread, a place among the streams) only once
+    its first bytes came: 100 silent ones are held apart, at most 64 (the oldest closed),
+    none of them served, and a real write goes through beside them."""
+    with (
+        TransferEngine("a", connect_timeout=5.0, timeout=5.0) as a,
+        TransferEngine("b", connect_timeout=5.0, timeout=5.0) as b,
+    ):
+        silent = [_RawStream(b, a) for _ in range(100)]
+        until(lambda: sum(s.closed_within(0) for s in silent) >= 36, "the oldest 36 closed")
+        assert all(s.closed_within(0) for s in silent[:36])
+        assert _served(b) == 0
+        _write_once(a, b)
+        assert not any(s.closed_within(0) for s in silent[-10:])  # newer than the write's
+        for s in silent:
+            s.close()
 
 
 def test_a_slow_loris_before_its_greeting_is_dropped(
@@ -172,6 +195,9 @@ def test_a_slow_loris_before_its_greeting_is_dropped(
     assert sent < 20  # closed while the bytes still came: the greeting's whole time was up
     stream.close()
 
+
+_HELLO = Connection(Role.INITIATOR).hello(bytes(64), 0)
+"""A stream's greeting (its session credentials made up: refused once it is whole)."""
 
 FRAME_S = 30.0
 """The frame deadline of the fake-clock tests: far beyond the test's real duration, so that

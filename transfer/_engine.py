@@ -155,6 +155,7 @@ class TransferEngine(Closing):
                 self.settings.data_port,
                 self._served.accept,
                 socket_buffer=self.settings.socket_buffer,
+                silent_timeout=self.settings.connect_timeout,
             )
         if transport == "ucx":
             if not ucx_available():

@@ -9,9 +9,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
+import selectors
 import socket
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -25,6 +27,16 @@ _failures = BoundedLog(_log)
 reset at once) must not write a line each."""
 _ACCEPT_BACKOFF_S = 0.05
 """Pause after a failed accept (no file descriptor left): a retry at once would spin."""
+_BACKLOG = 1024
+"""Connections the kernel queues for accept (capped by ``net.core.somaxconn``): a burst of
+strangers must not leave a real peer's connect to time out in a full queue."""
+_ACCEPTS_PER_PASS = 256
+"""Accepts between two looks at the silent connections (one of them may have spoken)."""
+MAX_SILENT = 64
+"""Connections of a data port that sent nothing yet, held at once; past it the oldest is
+closed. A peer greets in its first bytes, within a round trip of connecting."""
+DEFAULT_SILENT_TIMEOUT_S = 10.0
+"""A connection that sent nothing for this long is closed (the engine's connect timeout)."""
 
 Accept = Callable[[Pipe], None]
 """Called with each pipe a peer opens; the engine serves it on a thread it owns."""
@@ -48,18 +60,40 @@ class Transport(Protocol):
 
 
 class TcpTransport:
-    """TCP streams: zero-copy ``sendmsg``/``recvmsg_into`` on each connection."""
+    """TCP streams: zero-copy ``sendmsg``/``recvmsg_into`` on each connection.
+
+    A connection is handed to the engine (a thread each) only once its first bytes came:
+    until then the accept thread holds it in a selector, at most :data:`MAX_SILENT` of
+    them (the oldest closed past that) and each for at most ``silent_timeout`` seconds. A
+    peer opens a stream and greets at once, so connections that sit silent (strangers
+    holding descriptors) cost neither a thread nor a place among the served streams."""
 
     name = "tcp"
     frame_bytes = 0
     device_memory = False
 
-    def __init__(self, host: str, port: int, accept: Accept, *, socket_buffer: int) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        accept: Accept,
+        *,
+        socket_buffer: int,
+        silent_timeout: float = DEFAULT_SILENT_TIMEOUT_S,
+    ) -> None:
         self._accept = accept
         self._socket_buffer = socket_buffer
-        self._listener = socket.create_server((host, port), backlog=128)
+        self._silent_timeout = silent_timeout
+        self._listener = socket.create_server((host, port), backlog=_BACKLOG)
+        self._listener.setblocking(False)
         self._host = host
         self._port = self._listener.getsockname()[1]
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ)
+        self._silent: OrderedDict[socket.socket, float] = OrderedDict()
+        """Connections that sent nothing yet, by when they were accepted (oldest first)."""
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
         self._thread = threading.Thread(target=self._run, name="kvbridge-tcp-accept", daemon=True)
         self._closed = False
         self._thread.start()
@@ -86,33 +120,80 @@ class TcpTransport:
         """Accept until closed. A failure to accept (out of file descriptors) or to serve
         one connection is logged and the loop goes on: one bad moment must not stop every
         later put and get."""
-        while True:
+        try:
+            while not self._closed:
+                for key, _ in self._selector.select(self._next_timeout()):
+                    if key.fileobj is self._listener:
+                        self._accept_waiting()
+                    elif key.fileobj is not self._wake_r:
+                        self._spoke(self._silent_socket(key.fileobj))
+                self._expire()
+        finally:
+            for sock in self._silent:
+                sock.close()
+            self._silent.clear()
+
+    def _accept_waiting(self) -> None:
+        """Take every connection waiting in the backlog (a few hundred at most a pass)."""
+        for _ in range(_ACCEPTS_PER_PASS):
             try:
                 sock, _ = self._listener.accept()
-            except OSError as exc:
-                if self._closed:
-                    return
-                _failures.refused("accept", logging.ERROR, "tcp: accept failed: %s", exc)
-                time.sleep(_ACCEPT_BACKOFF_S)
-                continue
-            if self._closed:
-                sock.close()
+            except BlockingIOError:
                 return
-            try:
-                self._tune(sock)
-                self._accept(SocketPipe(sock))
-            except Exception as exc:  # a peer that reset at once, say: one line per interval
-                _failures.refused(
-                    "serve", logging.ERROR, "tcp: a connection could not be served: %r", exc
-                )
-                sock.close()
+            except OSError as exc:
+                if not self._closed:
+                    _failures.refused("accept", logging.ERROR, "tcp: accept failed: %s", exc)
+                    time.sleep(_ACCEPT_BACKOFF_S)
+                return
+            self._silent[sock] = time.monotonic()
+            self._selector.register(sock, selectors.EVENT_READ)
+            if len(self._silent) > MAX_SILENT:
+                self._drop(next(iter(self._silent)), "silent")
+
+    def _spoke(self, sock: socket.socket) -> None:
+        """Its first bytes came: the engine serves it from here on."""
+        self._selector.unregister(sock)
+        del self._silent[sock]
+        try:
+            sock.setblocking(True)
+            self._tune(sock)
+            self._accept(SocketPipe(sock))
+        except Exception as exc:  # a peer that reset at once, say: one line per interval
+            _failures.refused(
+                "serve", logging.ERROR, "tcp: a connection could not be served: %r", exc
+            )
+            sock.close()
+
+    def _silent_socket(self, fileobj: Any) -> socket.socket:
+        assert isinstance(fileobj, socket.socket)
+        return fileobj
+
+    def _expire(self) -> None:
+        deadline = time.monotonic() - self._silent_timeout
+        while self._silent and next(iter(self._silent.values())) < deadline:
+            self._drop(next(iter(self._silent)), "silent_timeout")
+
+    def _next_timeout(self) -> float | None:
+        if not self._silent:
+            return None
+        oldest = next(iter(self._silent.values()))
+        return max(0.0, oldest + self._silent_timeout - time.monotonic())
+
+    def _drop(self, sock: socket.socket, why: str) -> None:
+        self._selector.unregister(sock)
+        del self._silent[sock]
+        sock.close()
+        _failures.refused(why, logging.INFO, "tcp: a connection that sent nothing closed (%s)", why)
 
     def close(self) -> None:
         self._closed = True
         with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)
-        self._listener.close()
+            self._wake_w.send(b"!")
         self._thread.join()
+        self._selector.close()
+        self._listener.close()
+        self._wake_r.close()
+        self._wake_w.close()
 
 
 _MEMORY_ENDPOINTS: dict[str, Accept] = {}
