@@ -129,8 +129,6 @@ class ControlServer:
             sockets.append(self._socket)
             self._socket.setsockopt(zmq.LINGER, 0)
             self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE)
-            self._socket.bind(endpoint)
-            self.endpoint: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
             self._gate = ConnectionGate(
                 self._socket,
                 strangers=MAX_STRANGERS,
@@ -139,6 +137,8 @@ class ControlServer:
                 refusals=refusals,
             )
             sockets.append(self._gate.monitor)
+            self._socket.bind(endpoint)
+            self.endpoint: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
             waker = f"inproc://kvbridge-control-{secrets.token_hex(8)}"
             self._wake_rx = context.socket(zmq.PAIR)
             sockets.append(self._wake_rx)

@@ -18,7 +18,8 @@ connections, by descriptor:
 What it learns comes from the socket's monitor (``ACCEPTED``, ``DISCONNECTED``, ``CLOSED``,
 each with the descriptor) and from each message's source descriptor (``zmq.SRCFD``). A
 connection is closed by ``shutdown(2)`` on its descriptor: libzmq then sees the end of the
-stream, closes the descriptor itself and says so on the monitor. Only a descriptor the
+stream, closes the descriptor itself and says so on the monitor. Make the gate before the
+socket binds: it sets the listen backlog (:data:`BACKLOG`). Only a descriptor the
 monitor reported as accepted, and whose two addresses are still the ones it had then, is
 ever shut down: a descriptor number libzmq closed and the process reused (for a data
 stream, a file) is never touched. The gate belongs to the thread that owns the socket: it
@@ -38,6 +39,10 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from .._bounded_log import BoundedLog
+
+BACKLOG = 1024
+"""Connections the kernel queues for libzmq to accept (its default is 100): a burst of
+strangers must not leave a real peer's connect to wait out a SYN retransmit (1 s)."""
 
 _WATCHED = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
 
@@ -72,6 +77,7 @@ class ConnectionGate:
         """Descriptors heard from (True: trusted) before the monitor's ACCEPTED was read."""
         self._socket = sock
         self.monitor = _monitor(sock)
+        sock.setsockopt(zmq.BACKLOG, BACKLOG)  # for the binds that follow: make it first
 
     def counts(self) -> tuple[int, int]:
         """Connections held now: (strangers, trusted)."""
