@@ -128,6 +128,14 @@ def _case(tmp: Path) -> dict[str, tuple[dict[str, str], Check]]:
         "metrics_port": ({"KVBRIDGE_METRICS_PORT": str(metrics)}, on_metrics),
         "events_port": ({"KVBRIDGE_EVENTS_PORT": str(events)}, on_events),
         "events_hwm": ({"KVBRIDGE_EVENTS_HWM": "7"}, _logged("events_hwm=7")),
+        "events_queue_bytes": (
+            {"KVBRIDGE_EVENTS_QUEUE_BYTES": "1MiB"},
+            _logged(f"events_queue_bytes={1 << 20}"),
+        ),
+        "events_memory": (
+            {"KVBRIDGE_EVENTS_MEMORY": "64MiB"},
+            _logged(f"events_memory={64 << 20}"),
+        ),
         "max_namespaces": ({"KVBRIDGE_MAX_NAMESPACES": "3"}, _logged("max_namespaces=3")),
         "lease_ttl": ({"KVBRIDGE_LEASE_TTL": "7.5"}, _logged("lease_ttl=7.5")),
         "max_leases_per_client": (
@@ -158,7 +166,7 @@ def test_every_setting_has_an_environment_case(tmp_path: Path) -> None:
 
 _SETTINGS = (
     *("host", "port", "data_port", "host_capacity", "disk_path", "metrics_port", "max_namespaces"),
-    *("events_port", "events_hwm"),
+    *("events_port", "events_hwm", "events_queue_bytes", "events_memory"),
     *("lease_ttl", "max_leases_per_client", "handoff_ttl", "policy", "transports", "keepalive"),
     *("insecure", "secret_file", "tenants_file"),
 )

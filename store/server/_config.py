@@ -12,7 +12,9 @@ TOML (``kvbridge serve --config server.toml``), every key optional, top level or
     disk_capacity = "100GiB"
     metrics_port = 9400
     events_port = 7602        # the namespaces' event streams (docs/EVENTS.md)
-    events_hwm = 1000         # messages queued per subscriber before they are dropped
+    events_hwm = 1000         # messages queued per subscriber at most (bytes bound them first)
+    events_queue_bytes = "2MiB"   # what one subscriber's queue holds before it is dropped
+    events_memory = "256MiB"  # every subscriber together (126 of 2 MiB each)
     max_namespaces = 4
     lease_ttl = 60.0
     handoff_ttl = 5.0
@@ -53,6 +55,7 @@ from ..settings import (
     parse_settings,
     read_secret,
 )
+from ._event_bounds import MESSAGES_CAP, QUEUE_BYTES, SERVER_BYTES, EventBounds
 from ._tenants import Tenant, TenantError, load_tenants
 
 if sys.version_info >= (3, 11):
@@ -102,9 +105,16 @@ class ServerConfig:
     events_port: int | None = None
     """The namespaces' event streams (ZMQ ROUTER on ``host``: ``docs/EVENTS.md``); ``None``
     for none, 0 for any free port."""
-    events_hwm: int = 1000
-    """Messages (up to 140 KiB each) queued for one subscriber beyond what its connection
-    holds; past it the server drops the subscriber's messages and it resyncs."""
+    events_hwm: int = MESSAGES_CAP
+    """Messages queued for one subscriber at most (``events_queue_bytes`` usually makes it
+    fewer); a subscriber whose queue is full is dropped, and resyncs."""
+    events_queue_bytes: int = QUEUE_BYTES
+    """Bytes one subscriber's queue holds on the server (``docs/EVENTS.md``, "Bounds"): its
+    messages (at most 41 KiB each), so ``events_hwm`` at most ``events_queue_bytes`` /
+    41 KiB - 1; its connection and kernel buffer come on top."""
+    events_memory: int = SERVER_BYTES
+    """Bytes every subscriber together holds: the server's subscribers (and tickets that
+    may become one) are this over one subscriber's bound, shared among the tenants."""
     max_namespaces: int = 4
     """Namespaces served at once; each gets ``1/max_namespaces`` of each capacity."""
     lease_ttl: float = 60.0
@@ -139,6 +149,7 @@ class ServerConfig:
                 kind.check(name, value)
         _check_network(self)
         _check_capacities(self)
+        _check_events(self)
         _check_disk_path(self.disk_path)
         if 0 < self.keepalive < MIN_KEEPALIVE_S:
             raise ConfigError(
@@ -160,6 +171,8 @@ _KINDS: dict[str, Kind] = {
     "metrics_port": _PORT,
     "events_port": _PORT,
     "events_hwm": Whole(1),
+    "events_queue_bytes": Size(1),
+    "events_memory": Size(1),
     "host_capacity": Size(1),
     "disk_path": Text(),
     "disk_capacity": Size(0),
@@ -225,6 +238,23 @@ def _check_capacities(cfg: ServerConfig) -> None:
                 f"{disk // namespaces} bytes, which hold no block beside LMDB's records",
                 setting="disk_capacity",
             )
+
+
+def _check_events(cfg: ServerConfig) -> None:
+    problem = event_bounds(cfg).problem()
+    if problem is not None:
+        raise ConfigError(problem[1], setting=problem[0])
+
+
+def event_bounds(cfg: ServerConfig | Mapping[str, Any]) -> EventBounds:
+    """What the event streams' subscribers may hold under these settings (a config, or the
+    settings merged so far: those not given are the defaults)."""
+    given = cfg if isinstance(cfg, Mapping) else vars(cfg)
+    return EventBounds(
+        queue_bytes=given.get("events_queue_bytes", QUEUE_BYTES),
+        server_bytes=given.get("events_memory", SERVER_BYTES),
+        messages=given.get("events_hwm", MESSAGES_CAP),
+    )
 
 
 def _physical_memory() -> int | None:
@@ -341,7 +371,8 @@ def _read_tenants(
     if path is None:
         return None
     try:
-        return load_tenants(path, merged.get("max_namespaces", ServerConfig.max_namespaces))
+        namespaces = merged.get("max_namespaces", ServerConfig.max_namespaces)
+        return load_tenants(path, namespaces, event_bounds(merged).subscribers)
     except TenantError as exc:
         raise ConfigError(
             f"{origin['tenants_file']}: tenants_file: {exc}", setting="tenants"

@@ -21,12 +21,23 @@ socket that filters by prefix) is what keeps a subscription to every topic, or a
 one, from hearing anything: an XPUB in manual mode was tried first, and a peer sending
 messages that are not subscriptions made libzmq apply a victim's subscription to it.
 
-A subscriber that misses a sequence number (the socket drops what a slow subscriber
-cannot take: ``SNDHWM``) reads a snapshot of the namespace's keys (the ``keys`` op) and
-applies the messages numbered after it. Changes are reported by the store after each
-operation (``TieredStore.watch``) and handed to the publisher's thread, which alone touches
-the socket; when more wait than it may hold, the excess is dropped and the stream's
-sequence number skips one, so that every subscriber resynchronises.
+What a subscriber may cost is bounded in bytes (``_event_bounds``): a message holds at most
+:data:`~._event_bounds.MESSAGE_BATCH_BYTES`, a subscriber's queue at most ``hwm`` of them
+(``SNDHWM``, from ``events_queue_bytes``) and its kernel buffer is fixed (``SNDBUF``). The
+socket is ``ROUTER_MANDATORY``: a send to a full queue raises ``zmq.Again`` and the
+subscriber is **dropped** (it hears nothing more; ``on_drop`` names it, for whoever can
+close its connection), and a send to a peer gone raises ``EHOSTUNREACH``. Who holds how
+many tickets and subscribers is the ledger's (``_event_ledger``): a subscriber counts
+against its session and tenant until its connection is gone, which the publisher learns by
+sending ``LAPSED`` every second to each one that hears nothing (subscribe again: a dropped
+subscriber that reads again learns it so, or at its next renewal).
+
+A subscriber that misses a sequence number reads a snapshot of the namespace's keys (the
+``keys`` op) and applies the messages numbered after it. Changes are reported by the store
+after each operation (``TieredStore.watch``) and handed to the publisher's thread, which
+alone touches the socket, and sends each stream's waiting changes in as few messages as
+fit; when more wait than it may hold, the excess is dropped and the stream's sequence
+number skips one, so that every subscriber resynchronises.
 """
 
 from __future__ import annotations
@@ -38,35 +49,34 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import zmq
 
+from ..._bounded_log import BoundedLog
 from ..._closing import Closing
-from .._stream import (
-    LAPSED,
-    MAX_KEYS_PER_MESSAGE,
-    RENEW,
-    SUBSCRIBER_ID_BYTES,
-    TICKET_PREFIX,
-    encode,
-    pack,
-)
+from .._stream import LAPSED, RENEW, SUBSCRIBER_ID_BYTES, TICKET_PREFIX, encode, pack
 from ..local._changes import Change
+from ._event_bounds import (
+    KERNEL_SNDBUF,
+    KEYS_PER_MESSAGE,
+    MESSAGE_BATCH_BYTES,
+    SESSION_SUBSCRIBERS,
+    SESSION_TICKETS,
+    EventBounds,
+)
+from ._event_ledger import EventLedger, Holder, Quota
 
 _log = logging.getLogger("kvbridge.server")
 
 TICKET_TTL_S = 30.0
 HEARTBEAT_S = 1.0
-MAX_WAITING_KEYS = 1 << 20
-"""Changes waiting for the publisher's thread at most; past it a stream skips a number."""
-MAX_TICKETS = 4096
-MAX_SUBSCRIBERS = 4096
+MAX_WAITING_KEYS = 1 << 18
+"""Changes waiting for the publisher's thread at most (about 150 bytes each, a 32-byte key
+with its tuple and list slot: 38 MiB); past it a stream skips a number."""
 SUBSCRIPTION_TTL_S = 5.0
 """A subscription its subscriber has not renewed for this long ends (a renewal a second)."""
-SNDHWM = 1000
-"""Messages queued per subscriber before the socket drops (the subscriber resyncs)."""
 
 
 class EventStream:
@@ -86,9 +96,10 @@ class EventStream:
         """The store's watcher (called under the store's lock: only queues)."""
         self._publisher.queue(self, changes)
 
-    def ticket(self) -> bytes:
-        """A one-time subscription to this stream (for a session that opened it)."""
-        return self._publisher.ticket(self)
+    def ticket(self, holder: Holder, tenant: Quota) -> bytes:
+        """A one-time subscription to this stream for ``holder`` (a session that opened
+        it), within its session's and its tenant's caps (``TooManyRequests`` past one)."""
+        return self._publisher.ticket(self, holder, tenant)
 
     def close(self) -> None:
         """The namespace left the server: subscribers hear ``AllBlocksCleared``."""
@@ -104,15 +115,25 @@ class EventPublisher(Closing):
         port: int,
         clock: Callable[[], float] = time.monotonic,
         *,
-        hwm: int = SNDHWM,
+        bounds: EventBounds | None = None,
+        on_drop: Callable[[bytes], None] | None = None,
     ) -> None:
-        """``hwm``: messages queued per subscriber (beyond its connection's buffers) before
-        the socket drops the subscriber's messages."""
+        """``bounds``: what subscribers may hold (``_event_bounds``). ``on_drop``: called
+        on the publisher's thread (the one that uses the socket) with the routing id of
+        each subscriber dropped for a full queue, which otherwise keeps what its pipe holds
+        until the peer leaves: the place to close that connection."""
+        self.bounds = bounds or EventBounds()
         self._clock = clock
+        self._on_drop = on_drop
+        self.dropped = 0
+        """Subscribers dropped for a full queue since the start."""
+        self._drops = BoundedLog(_log)  # anyone with a ticket can be dropped, and again
         context: zmq.Context[Any] = zmq.Context.instance()
         self._socket: zmq.Socket[bytes] = context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.SNDHWM, hwm)
+        self._socket.setsockopt(zmq.SNDHWM, self.bounds.hwm)
+        self._socket.setsockopt(zmq.SNDBUF, KERNEL_SNDBUF)
+        self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full or gone peer raises
         self._socket.setsockopt(zmq.MAXMSGSIZE, 256)  # a ticket or a renewal, nothing more
         try:
             self.port = _bind(self._socket, host, port)
@@ -123,12 +144,14 @@ class EventPublisher(Closing):
             collections.deque()
         )
         self._waiting_keys = 0
-        self._lock = threading.Lock()  # the waiting count, the tickets, the streams
-        self._tickets: dict[bytes, tuple[EventStream, float]] = {}
+        self._lock = threading.Lock()  # the waiting count, the streams
         self._streams: list[EventStream] = []
-        self._subscribers: dict[bytes, tuple[EventStream, float]] = {}
-        """Each subscriber's routing id: its stream and when its subscription ends (only
-        the publisher's thread touches it)."""
+        self._ledger: EventLedger[EventStream] = EventLedger(
+            self.bounds.subscribers,
+            Quota(SESSION_TICKETS, SESSION_SUBSCRIBERS),
+            ticket_ttl=TICKET_TTL_S,
+            ttl=SUBSCRIPTION_TTL_S,
+        )
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._stopped = False
@@ -141,16 +164,10 @@ class EventPublisher(Closing):
             self._streams.append(stream)
         return stream
 
-    def ticket(self, stream: EventStream) -> bytes:
-        ticket = secrets.token_bytes(16)
-        now = self._clock()
-        with self._lock:
-            if len(self._tickets) >= MAX_TICKETS:
-                self._expire(now)
-            if len(self._tickets) >= MAX_TICKETS:  # all fresh: the oldest goes
-                del self._tickets[next(iter(self._tickets))]
-            self._tickets[ticket] = (stream, now + TICKET_TTL_S)
-        return ticket
+    def ticket(self, stream: EventStream, holder: Holder, tenant: Quota) -> bytes:
+        """A ticket to ``stream`` (``_event_ledger``: refused past a cap, never given by
+        pushing out another's)."""
+        return self._ledger.issue(stream, holder, tenant, self._clock())
 
     def queue(self, stream: EventStream, changes: list[Change] | None) -> None:
         with self._lock:
@@ -213,78 +230,100 @@ class EventPublisher(Closing):
             peer, body = frames
             now = self._clock()
             if body == RENEW:
-                held = self._subscribers.get(peer)
-                if held is not None:
-                    self._subscribers[peer] = (held[0], now + SUBSCRIPTION_TTL_S)
-                else:  # it lapsed: say so, or the subscriber waits out its silence bound
-                    with contextlib.suppress(zmq.Again):
-                        self._socket.send_multipart([peer, LAPSED], zmq.NOBLOCK)
+                if not self._ledger.renew(peer, now):
+                    self._lapsed(peer)  # say so, or the subscriber waits out its silence
             elif body.startswith(TICKET_PREFIX):
                 self._subscribe(peer, body[len(TICKET_PREFIX) :], now)
 
     def _subscribe(self, peer: bytes, ticket: bytes, now: float) -> None:
-        with self._lock:
-            entry = self._tickets.pop(ticket, None)
-        if entry is None or entry[1] < now or entry[0].closed:
+        stream = self._ledger.redeem(ticket, peer, now)
+        if stream is None:
             return
-        if peer not in self._subscribers and len(self._subscribers) >= MAX_SUBSCRIBERS:
-            del self._subscribers[next(iter(self._subscribers))]  # the oldest goes
-        stream = entry[0]
-        self._subscribers[peer] = (stream, now + SUBSCRIPTION_TTL_S)
-        self._send(stream, [], to=[peer])  # it hears where the stream is at once
+        if stream.closed:  # its namespace left meanwhile: it is told at the next heartbeat
+            self._ledger.stop(peer)
+            return
+        self._send(stream, pack([], time.time()), to=[peer])  # where the stream is, at once
 
     def _send_waiting(self) -> None:
         with self._lock:
             waiting, self._waiting = self._waiting, collections.deque()
             self._waiting_keys = 0
-        for stream, changes in waiting:
+        for stream, changes in _by_stream(waiting):
             if stream.closed:
                 continue
             if changes is None:
-                stream.closed = True
-                self._send(stream, [{"type": "AllBlocksCleared"}], advance=True)
-                with self._lock:
-                    self._streams.remove(stream)
-                for peer in self._listening(stream):
-                    del self._subscribers[peer]
+                self._end(stream)
                 continue
-            for start in range(0, len(changes), MAX_KEYS_PER_MESSAGE):
-                part = changes[start : start + MAX_KEYS_PER_MESSAGE]
-                self._send(stream, encode(part), advance=True)
+            for batch in batches(changes):
+                self._send(stream, batch, advance=True)
+
+    def _end(self, stream: EventStream) -> None:
+        """The stream's last word, to its subscribers; then they hear nothing more."""
+        stream.closed = True
+        self._send(stream, pack([{"type": "AllBlocksCleared"}], time.time()), advance=True)
+        with self._lock:
+            self._streams.remove(stream)
+        self._ledger.end(stream)
 
     def _heartbeats(self) -> None:
-        now = self._clock()
         with self._lock:
             streams = list(self._streams)
-            self._expire(now)
-        for peer in [p for p, (_, until) in self._subscribers.items() if until < now]:
-            del self._subscribers[peer]
+        for peer in self._ledger.sweep(self._clock()):
+            self._lapsed(peer)  # gone, or told to subscribe again (once it reads)
+        heartbeat = pack([], time.time())
         for stream in streams:
-            self._send(stream, [])  # a number skipped shows here too
+            self._send(stream, heartbeat)  # a number skipped shows here too
 
     def _send(
         self,
         stream: EventStream,
-        events: list[dict[str, object]],
+        batch: bytes,
         *,
         advance: bool = False,
         to: list[bytes] | None = None,
     ) -> None:
         """Number (``advance``) and send a message of ``stream`` to its subscribers (or
-        ``to`` those)."""
+        ``to`` those). The batch is one buffer, which every subscriber's queue shares."""
         if advance or stream.skip:
             stream.seq += self._skipped(stream) + (1 if advance else 0)
-        peers = to if to is not None else self._listening(stream)
+        peers = to if to is not None else self._ledger.listening(stream)
         if not peers:
             return
-        frames = [stream.topic, stream.seq.to_bytes(8, "big"), pack(events, time.time())]
+        shared = zmq.Frame(batch, copy=True)  # one buffer for every queue (libzmq counts them)
+        frames: list[bytes | zmq.Frame] = [stream.topic, stream.seq.to_bytes(8, "big"), shared]
         for peer in peers:
-            # ROUTER drops what a peer's queue cannot take, or a peer gone: it resyncs
-            with contextlib.suppress(zmq.Again):
-                self._socket.send_multipart([peer, *frames], zmq.NOBLOCK)
+            try:
+                self._socket.send_multipart([peer, *frames], zmq.NOBLOCK, copy=False)
+            except zmq.Again:  # its queue holds its bound: it hears nothing more
+                self._drop(peer)
+            except zmq.ZMQError as exc:
+                self._unroutable(peer, exc)
 
-    def _listening(self, stream: EventStream) -> list[bytes]:
-        return [peer for peer, (heard, _) in self._subscribers.items() if heard is stream]
+    def _drop(self, peer: bytes) -> None:
+        self._ledger.stop(peer)
+        self.dropped += 1
+        message = "event subscriber %s dropped: its queue holds its %d messages"
+        self._drops.refused("dropped", logging.INFO, message, peer.hex(), self.bounds.hwm)
+        if self._on_drop is None:
+            return
+        try:
+            self._on_drop(peer)
+        except Exception:  # the hook's failure costs this peer's connection, not the streams
+            _log.exception("on_drop failed for event subscriber %s", peer.hex())
+
+    def _lapsed(self, peer: bytes) -> None:
+        """Tell ``peer`` it hears nothing (subscribe again); learn whether it is gone."""
+        try:
+            self._socket.send_multipart([peer, LAPSED], zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # its queue is still full: it counts on
+        except zmq.ZMQError as exc:
+            self._unroutable(peer, exc)
+
+    def _unroutable(self, peer: bytes, exc: zmq.ZMQError) -> None:
+        if exc.errno != zmq.EHOSTUNREACH:
+            raise exc
+        self._ledger.gone(peer)  # its connection is gone, and with it what it held
 
     def _skip_all(self) -> None:
         with self._lock:
@@ -298,9 +337,36 @@ class EventPublisher(Closing):
             skipped, stream.skip = stream.skip, False
         return int(skipped)
 
-    def _expire(self, now: float) -> None:
-        for ticket in [t for t, (_, until) in self._tickets.items() if until < now]:
-            del self._tickets[ticket]
+
+def batches(changes: list[Change]) -> Iterator[bytes]:
+    """``changes`` as message batches in order, each of at most ``MESSAGE_BATCH_BYTES``:
+    :data:`KEYS_PER_MESSAGE` keys at a time, a batch too large cut in two."""
+    parts = [changes[i : i + KEYS_PER_MESSAGE] for i in range(0, len(changes), KEYS_PER_MESSAGE)]
+    parts.reverse()  # a stack: the first part on top
+    while parts:
+        part = parts.pop()
+        batch = pack(encode(part), time.time())
+        if len(batch) <= MESSAGE_BATCH_BYTES or len(part) == 1:  # one key: about 140 bytes
+            yield batch
+        else:
+            half = len(part) // 2
+            parts += [part[half:], part[:half]]
+
+
+def _by_stream(
+    waiting: Iterable[tuple[EventStream, list[Change] | None]],
+) -> list[tuple[EventStream, list[Change] | None]]:
+    """What waits, each stream's changes joined in their order (fewer, fuller messages),
+    a stream's end after them."""
+    joined: dict[EventStream, list[Change]] = {}
+    ends: list[EventStream] = []
+    for stream, changes in waiting:
+        if changes is None:
+            ends.append(stream)
+        elif stream not in ends:  # nothing follows a stream's end
+            joined.setdefault(stream, []).extend(changes)
+    out: list[tuple[EventStream, list[Change] | None]] = list(joined.items())
+    return out + [(stream, None) for stream in ends]
 
 
 def _bind(socket: zmq.Socket[bytes], host: str, port: int) -> int:

@@ -56,7 +56,8 @@ from .._wire import (
 )
 from .._wire import field as message_field
 from ..local._placement import Prefetched
-from ._config import ServerConfig
+from ._config import ServerConfig, event_bounds
+from ._event_ledger import Holder, Quota
 from ._events import EventPublisher
 from ._metrics import ServerMetrics, metrics_token
 from ._namespace_table import NamespaceTable
@@ -107,7 +108,8 @@ class CacheServer:
                 token = None if cfg.secret is None else metrics_token(cfg.secret)
                 self.metrics_port = self.metrics.serve(cfg.host, cfg.metrics_port, token=token)
             if cfg.events_port is not None:
-                self._events = EventPublisher(cfg.host, cfg.events_port, clock, hwm=cfg.events_hwm)
+                bounds = event_bounds(cfg)
+                self._events = EventPublisher(cfg.host, cfg.events_port, clock, bounds=bounds)
         except BaseException:
             self.metrics.close()
             self.engine.close()
@@ -433,12 +435,17 @@ class CacheServer:
 
     def _subscribe(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
         """A ticket to the namespace's event stream (``_events``): only a session that
-        opened the namespace gets one, and it subscribes one connection, once."""
+        opened the namespace gets one, and it subscribes one connection, once. It counts
+        against the session's and its tenant's caps (``_event_ledger``), until the
+        subscriber it became is gone: ``TooManyRequests`` past one."""
         ns = self._namespace(caller, body)
         if self._events is None:
             raise BadRequest("this server publishes no events (kvbridge serve --events-port)")
         stream = ns.events(self._events)
-        return {"port": self._events.port, "topic": stream.topic, "ticket": stream.ticket()}
+        tenant = self._tenant(caller)
+        holder = Holder(caller.session, tenant.name)
+        ticket = stream.ticket(holder, Quota(tenant.max_tickets, tenant.max_subscribers))
+        return {"port": self._events.port, "topic": stream.topic, "ticket": ticket}
 
     def _keys(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
         """A page of a snapshot of the namespace's keys (``_snapshots``): without

@@ -9,8 +9,9 @@ tenant it proved, never from what it asks for:
   operator gave both tenants the same prefix on purpose: a shared prefix cache);
 - a ``read-only`` tenant looks up and reads, and never stages, commits, removes or clears;
 - the tenant's sessions together hold at most ``slots`` of each namespace's memory slots,
-  ``max_leases`` open leases, ``max_namespaces`` open namespaces and ``max_sessions``
-  sessions: opening more sessions gains a tenant nothing.
+  ``max_leases`` open leases, ``max_namespaces`` open namespaces, ``max_sessions``
+  sessions, ``max_tickets`` unused event tickets and ``max_subscribers`` event
+  subscribers (``_event_ledger``): opening more sessions gains a tenant nothing.
 
 Without a tenants file there is one tenant, the default (the engine's default principal):
 the server's shared secret (or none, on loopback), every namespace, read-write, and the
@@ -29,6 +30,8 @@ The tenants file is TOML (``kvbridge serve --tenants FILE``)::
     max_sessions = 64
     max_streams = 256                  # default: 1,024 served streams / tenants
     max_leases = 256
+    max_tickets = 63                   # unused event tickets; default: 126 subscribers / tenants
+    max_subscribers = 63               # event tickets and subscribers together (the same)
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from ...transfer import DEFAULT_PRINCIPAL, LocalProtocolError, Principal
+from ._event_bounds import EventBounds
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -59,12 +63,17 @@ SERVED_STREAMS = 1024
 """Data streams the server serves at once (``transfer/_served.py``): a tenant of a file gets
 an equal part unless its entry says otherwise, so that one tenant's streams never leave
 another none."""
+SERVER_SUBSCRIBERS = EventBounds().subscribers
+"""Event subscribers a server holds with the default settings (126): a tenant of a file
+gets an equal part of the server's (and as many tickets) unless its entry says otherwise,
+so that one tenant's subscribers never leave another none."""
 MAX_TENANTS = 1024
 """Tenants one file may name (each costs a principal and a line of accounting)."""
 
 _KEYS = frozenset(
     {"name", "secret", "secret_file", "namespaces", "access", "slots"}
     | {"max_namespaces", "max_sessions", "max_streams", "max_leases"}
+    | {"max_tickets", "max_subscribers"}
 )
 _ACCESS = ("read-write", "read-only")
 
@@ -91,6 +100,11 @@ class Tenant:
     """Data streams of its sessions together; ``None``: as many as the server serves."""
     max_leases: int | None = None
     """``None``: no bound beyond each session's (``max_leases_per_client``)."""
+    max_tickets: int | None = None
+    """Unused event tickets of its sessions together; ``None``: the server's bound."""
+    max_subscribers: int | None = None
+    """Event subscribers of its sessions together, the tickets that may become one
+    included; ``None``: the server's bound."""
 
     @property
     def label(self) -> str:
@@ -110,8 +124,12 @@ def default_tenant(secret: bytes | None) -> Tenant:
     return Tenant(DEFAULT_PRINCIPAL, secret, max_sessions=None)
 
 
-def load_tenants(path: str | Path, server_namespaces: int) -> tuple[Tenant, ...]:
-    """The tenants of a TOML file; :class:`TenantError` naming the file and the entry."""
+def load_tenants(
+    path: str | Path, server_namespaces: int, server_subscribers: int = SERVER_SUBSCRIBERS
+) -> tuple[Tenant, ...]:
+    """The tenants of a TOML file; :class:`TenantError` naming the file and the entry.
+    The defaults of the shares are equal parts of ``server_namespaces`` and of
+    ``server_subscribers`` (``EventBounds.subscribers``)."""
     file = Path(path)
     try:
         data = tomllib.loads(file.read_bytes().decode("utf-8"))
@@ -125,9 +143,12 @@ def load_tenants(path: str | Path, server_namespaces: int) -> tuple[Tenant, ...]
         raise TenantError(f"{file}: expected [[tenant]] tables only (found {outside or 'none'})")
     if len(entries) > MAX_TENANTS:
         raise TenantError(f"{file}: {len(entries)} tenants; at most {MAX_TENANTS}")
-    share = max(1, server_namespaces // len(entries))
-    streams = max(1, SERVED_STREAMS // len(entries))
-    tenants = [_tenant(file, entry, share, streams) for entry in entries]
+    shares = _Shares(
+        namespaces=max(1, server_namespaces // len(entries)),
+        streams=max(1, SERVED_STREAMS // len(entries)),
+        subscribers=max(1, server_subscribers // len(entries)),
+    )
+    tenants = [_tenant(file, entry, shares) for entry in entries]
     names = [t.name for t in tenants]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
@@ -135,7 +156,16 @@ def load_tenants(path: str | Path, server_namespaces: int) -> tuple[Tenant, ...]
     return tuple(tenants)
 
 
-def _tenant(file: Path, entry: object, namespaces_share: int, streams_share: int) -> Tenant:
+@dataclass(frozen=True)
+class _Shares:
+    """A tenant's part of what the server holds, where its entry does not say."""
+
+    namespaces: int
+    streams: int
+    subscribers: int
+
+
+def _tenant(file: Path, entry: object, shares: _Shares) -> Tenant:
     if not isinstance(entry, dict):
         raise TenantError(f"{file}: a [[tenant]] entry must be a table")
     where = f"{file}: tenant {entry.get('name', '?')!r}"
@@ -150,10 +180,14 @@ def _tenant(file: Path, entry: object, namespaces_share: int, streams_share: int
             namespaces=_prefixes(entry.get("namespaces", [f"{name}/"])),
             read_only=_access(entry.get("access", "read-write")),
             slots=_share(entry.get("slots", TENANT_SLOT_SHARE)),
-            max_namespaces=_whole("max_namespaces", entry.get("max_namespaces", namespaces_share)),
+            max_namespaces=_whole("max_namespaces", entry.get("max_namespaces", shares.namespaces)),
             max_sessions=_whole("max_sessions", entry.get("max_sessions", TENANT_SESSIONS)),
-            max_streams=_whole("max_streams", entry.get("max_streams", streams_share)),
+            max_streams=_whole("max_streams", entry.get("max_streams", shares.streams)),
             max_leases=_whole("max_leases", entry.get("max_leases", TENANT_LEASES)),
+            max_tickets=_whole("max_tickets", entry.get("max_tickets", shares.subscribers)),
+            max_subscribers=_whole(
+                "max_subscribers", entry.get("max_subscribers", shares.subscribers)
+            ),
         )
     except (TypeError, ValueError, LocalProtocolError) as exc:
         raise TenantError(f"{where}: {exc}") from None
