@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from .._lazy import lazy
 from ._address import BadAddress, parse_address
-from ._descriptors import raise_open_files
+from ._descriptors import MAX_STRANGERS, raise_open_files, trusted_connections
 from ._device import is_device
 from ._errors import (
     AccessDenied,
@@ -41,6 +41,7 @@ from ._settings import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_STREAMS
 
 if TYPE_CHECKING:
     from ._engine import TRANSPORTS, Notification, TransferEngine
+    from ._gate import ConnectionGate
     from ._handle import TransferHandle
     from ._keyring import DEFAULT_PRINCIPAL, Principal
     from ._ops import OP_DTYPE
@@ -55,6 +56,7 @@ _LAZY = {
     "TRANSPORTS": "._engine",
     "Notification": "._engine",
     "TransferEngine": "._engine",
+    "ConnectionGate": "._gate",
     "TransferHandle": "._handle",
     "DEFAULT_PRINCIPAL": "._keyring",
     "Principal": "._keyring",
@@ -80,6 +82,7 @@ __all__ = [
     "DEFAULT_CONNECT_TIMEOUT_S",
     "DEFAULT_PRINCIPAL",
     "DEFAULT_STREAMS",
+    "MAX_STRANGERS",
     "OP_DTYPE",
     "TRANSPORTS",
     "AccessDenied",
@@ -87,6 +90,7 @@ __all__ = [
     "AuthenticationError",
     "BadAddress",
     "Caller",
+    "ConnectionGate",
     "EngineClosed",
     "LocalProtocolError",
     "Notification",
@@ -106,5 +110,6 @@ __all__ = [
     "is_device",
     "parse_address",
     "raise_open_files",
+    "trusted_connections",
     "ucx_available",
 ]

@@ -127,6 +127,16 @@ class ConnectionGate:
         else:
             self._early[fd] = True
 
+    def disconnect(self, fd: int) -> None:
+        """Close the connection of descriptor ``fd`` (a peer its owner gave up on: an
+        events subscriber that stopped reading), if the gate holds it."""
+        for table in (self._trusted, self._spoken, self._silent):
+            ends = table.pop(fd, None)
+            if ends is not None:
+                if _ends(fd) == ends:
+                    _shutdown(fd)
+                return
+
     def close(self) -> None:
         """Stop monitoring (the owner closes the socket itself)."""
         with contextlib.suppress(zmq.ZMQError):

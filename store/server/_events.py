@@ -25,8 +25,10 @@ What a subscriber may cost is bounded in bytes (``_event_bounds``): a message ho
 :data:`~._event_bounds.MESSAGE_BATCH_BYTES`, a subscriber's queue at most ``hwm`` of them
 (``SNDHWM``, from ``events_queue_bytes``) and its kernel buffer is fixed (``SNDBUF``). The
 socket is ``ROUTER_MANDATORY``: a send to a full queue raises ``zmq.Again`` and the
-subscriber is **dropped** (it hears nothing more; ``on_drop`` names it, for whoever can
-close its connection), and a send to a peer gone raises ``EHOSTUNREACH``. Who holds how
+subscriber is **dropped** (it hears nothing more, its connection is closed, and
+``on_drop`` names it), and a send to a peer gone raises ``EHOSTUNREACH``. Connections are
+capped as on every ZMQ port (``kvbridge.transfer.ConnectionGate``): at most
+``MAX_STRANGERS`` that brought no valid ticket yet. Who holds how
 many tickets and subscribers is the ledger's (``_event_ledger``): a subscriber counts
 against its session and tenant until its connection is gone, which the publisher learns by
 sending ``LAPSED`` every second to each one that hears nothing (subscribe again: a dropped
@@ -56,6 +58,7 @@ import zmq
 
 from ..._bounded_log import BoundedLog
 from ..._closing import Closing
+from ...transfer import MAX_STRANGERS, ConnectionGate, trusted_connections
 from .._stream import LAPSED, RENEW, SUBSCRIBER_ID_BYTES, TICKET_PREFIX, encode, pack
 from ..local._changes import Change
 from ._event_bounds import (
@@ -136,10 +139,24 @@ class EventPublisher(Closing):
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full or gone peer raises
         self._socket.setsockopt(zmq.MAXMSGSIZE, 256)  # a ticket or a renewal, nothing more
         try:
-            self.port = _bind(self._socket, host, port)
+            self._gate = ConnectionGate(
+                self._socket,
+                strangers=MAX_STRANGERS,
+                trusted=trusted_connections(),
+                name="events",
+                refusals=self._drops,
+            )
         except BaseException:
             self._socket.close()
             raise
+        try:
+            self.port = _bind(self._socket, host, port)
+        except BaseException:
+            self._gate.close()
+            self._socket.close()
+            raise
+        self._connections: dict[bytes, int] = {}
+        """Each subscriber's connection (its descriptor, for the gate), while it counts."""
         self._waiting: collections.deque[tuple[EventStream, list[Change] | None]] = (
             collections.deque()
         )
@@ -186,6 +203,7 @@ class EventPublisher(Closing):
         with contextlib.suppress(BlockingIOError):
             os.write(self._wake_w, b"!")
         self._thread.join()
+        self._gate.close()
         self._socket.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
@@ -196,6 +214,7 @@ class EventPublisher(Closing):
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self._gate.monitor, zmq.POLLIN)
         beat = self._clock() + HEARTBEAT_S
         while not self._stopped:
             timeout = max(0.0, beat - self._clock())
@@ -203,6 +222,8 @@ class EventPublisher(Closing):
             try:
                 if self._socket in ready:
                     self._subscriptions()
+                if self._gate.monitor in ready:  # after the messages: who spoke is known
+                    self._gate.events()
                 if self._wake_r in ready:
                     os.read(self._wake_r, 4096)
                 self._send_waiting()
@@ -222,23 +243,26 @@ class EventPublisher(Closing):
         anything else (see the module's docstring)."""
         while True:
             try:
-                frames = self._socket.recv_multipart(zmq.NOBLOCK)
+                frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            fd = self._gate.heard(frames[-1])
             if len(frames) != 2 or len(frames[0]) != SUBSCRIBER_ID_BYTES:
                 continue  # not [its 16-byte id, one frame]: an id ROUTER gave is guessable
-            peer, body = frames
+            peer, body = frames[0].bytes, frames[1].bytes
             now = self._clock()
             if body == RENEW:
                 if not self._ledger.renew(peer, now):
                     self._lapsed(peer)  # say so, or the subscriber waits out its silence
             elif body.startswith(TICKET_PREFIX):
-                self._subscribe(peer, body[len(TICKET_PREFIX) :], now)
+                self._subscribe(peer, body[len(TICKET_PREFIX) :], now, fd)
 
-    def _subscribe(self, peer: bytes, ticket: bytes, now: float) -> None:
+    def _subscribe(self, peer: bytes, ticket: bytes, now: float, fd: int) -> None:
         stream = self._ledger.redeem(ticket, peer, now)
         if stream is None:
             return
+        self._gate.trust(fd)  # a valid ticket: a stranger no more
+        self._connections[peer] = fd
         if stream.closed:  # its namespace left meanwhile: it is told at the next heartbeat
             self._ledger.stop(peer)
             return
@@ -300,10 +324,15 @@ class EventPublisher(Closing):
                 self._unroutable(peer, exc)
 
     def _drop(self, peer: bytes) -> None:
+        """``peer``'s queue holds its bound: it hears nothing more, and its connection is
+        closed (the queue goes with it; it counts until the next ``LAPSED`` finds it gone)."""
         self._ledger.stop(peer)
         self.dropped += 1
         message = "event subscriber %s dropped: its queue holds its %d messages"
         self._drops.refused("dropped", logging.INFO, message, peer.hex(), self.bounds.hwm)
+        fd = self._connections.get(peer)
+        if fd is not None:
+            self._gate.disconnect(fd)
         if self._on_drop is None:
             return
         try:
@@ -324,6 +353,7 @@ class EventPublisher(Closing):
         if exc.errno != zmq.EHOSTUNREACH:
             raise exc
         self._ledger.gone(peer)  # its connection is gone, and with it what it held
+        self._connections.pop(peer, None)
 
     def _skip_all(self) -> None:
         with self._lock:
