@@ -187,8 +187,7 @@ class ControlServer:
                         self._socket.send_multipart(self._answers.recv_multipart())
                 if self._socket in ready:
                     self._serve_one()
-                if self._gate.monitor in ready:  # after the requests: who spoke is known
-                    self._gate.events()
+                self._gate.events()  # after the requests (who spoke is known); at least 1/s
         finally:
             self._calls.close()  # joined before the sockets they answer through close
             self._gate.close()

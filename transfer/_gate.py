@@ -32,6 +32,7 @@ import contextlib
 import logging
 import secrets
 import socket
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -43,6 +44,12 @@ from .._bounded_log import BoundedLog
 BACKLOG = 1024
 """Connections the kernel queues for libzmq to accept (its default is 100): a burst of
 strangers must not leave a real peer's connect to wait out a SYN retransmit (1 s)."""
+
+GRACE_S = 0.25
+"""A connection this young that has not spoken yet may be on its way (its first message is
+a round trip behind its accept): it is closed for being silent only past the hard cap."""
+HARD_FACTOR = 4
+"""Strangers at most, counting the young silent ones: this many times the cap."""
 
 _WATCHED = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
 
@@ -68,8 +75,9 @@ class ConnectionGate:
         self._max_trusted = trusted
         self._name = name
         self._refusals = refusals
-        self._silent: OrderedDict[int, _Ends] = OrderedDict()
-        """Descriptor -> addresses of strangers that sent nothing yet, oldest first."""
+        self._silent: OrderedDict[int, tuple[_Ends, float]] = OrderedDict()
+        """Descriptor -> addresses and time accepted of strangers that sent nothing yet,
+        oldest first."""
         self._spoken: OrderedDict[int, _Ends] = OrderedDict()
         """Strangers that sent a message, heard from the longest ago first."""
         self._trusted: OrderedDict[int, _Ends] = OrderedDict()
@@ -84,9 +92,10 @@ class ConnectionGate:
         return len(self._silent) + len(self._spoken), len(self._trusted)
 
     def events(self) -> None:
-        """Apply what the monitor reported, then close the connections past the caps
-        (call when :attr:`monitor` is readable; read the socket's messages first, so that
-        a peer that spoke is not taken for a silent one)."""
+        """Apply what the monitor reported, then close the connections past the caps. Call
+        it when :attr:`monitor` is readable and at least once a second (a young silent
+        connection spared for its grace is closed once it is old); read the socket's
+        messages first, so that a peer that spoke is not taken for a silent one."""
         while True:
             try:
                 frames = self.monitor.recv_multipart(zmq.NOBLOCK)
@@ -105,9 +114,9 @@ class ConnectionGate:
         """A message came: its connection is the one heard from last. Returns the
         connection's descriptor (-1 when unknown)."""
         fd = _source(message)
-        ends = self._silent.pop(fd, None)
-        if ends is not None:
-            self._spoken[fd] = ends
+        silent = self._silent.pop(fd, None)
+        if silent is not None:
+            self._spoken[fd] = silent[0]
         elif fd in self._spoken:
             self._spoken.move_to_end(fd)
         elif fd in self._trusted:
@@ -118,7 +127,8 @@ class ConnectionGate:
 
     def trust(self, fd: int) -> None:
         """The connection of descriptor ``fd`` proved a secret: it leaves the strangers."""
-        ends = self._spoken.pop(fd, None) or self._silent.pop(fd, None)
+        silent = self._silent.pop(fd, None)
+        ends = self._spoken.pop(fd, None) or (None if silent is None else silent[0])
         if ends is not None:
             self._trusted[fd] = ends
             self._enforce()
@@ -130,12 +140,11 @@ class ConnectionGate:
     def disconnect(self, fd: int) -> None:
         """Close the connection of descriptor ``fd`` (a peer its owner gave up on: an
         events subscriber that stopped reading), if the gate holds it."""
-        for table in (self._trusted, self._spoken, self._silent):
-            ends = table.pop(fd, None)
-            if ends is not None:
-                if _ends(fd) == ends:
-                    _shutdown(fd)
-                return
+        silent = self._silent.pop(fd, None)
+        ends = self._trusted.pop(fd, None) or self._spoken.pop(fd, None)
+        ends = ends or (None if silent is None else silent[0])
+        if ends is not None and _ends(fd) == ends:
+            _shutdown(fd)
 
     def close(self) -> None:
         """Stop monitoring (the owner closes the socket itself)."""
@@ -148,19 +157,38 @@ class ConnectionGate:
         if ends is None:
             return  # gone already: its DISCONNECTED follows
         early = self._early.get(fd)
-        table = self._silent if early is None else self._trusted if early else self._spoken
-        table[fd] = ends
+        if early is None:
+            self._silent[fd] = (ends, time.monotonic())
+        else:
+            (self._trusted if early else self._spoken)[fd] = ends
 
     def _enforce(self) -> None:
-        """Close the connections past the caps: silent strangers first, oldest first; then
-        the strangers heard from the longest ago; trusted ones past their own cap."""
-        while len(self._silent) + len(self._spoken) > self._max_strangers:
-            self._close(self._silent or self._spoken, "strangers", self._max_strangers)
+        """Close the connections past the caps (see :meth:`_quietest_stranger`), and the
+        trusted ones heard from the longest ago past their own cap."""
+        while (held := len(self._silent) + len(self._spoken)) > self._max_strangers:
+            quietest = self._quietest_stranger(held)
+            if quietest is None:
+                break  # only young silent ones, within the hard cap: they may speak yet
+            self._close(*quietest, "strangers", self._max_strangers)
         while len(self._trusted) > self._max_trusted:
-            self._close(self._trusted, "trusted", self._max_trusted)
+            self._close(*self._trusted.popitem(last=False), "trusted", self._max_trusted)
 
-    def _close(self, table: OrderedDict[int, _Ends], kind: str, cap: int) -> None:
-        fd, ends = table.popitem(last=False)
+    def _quietest_stranger(self, held: int) -> tuple[int, _Ends] | None:
+        """The stranger to close first: the oldest silent one, unless it is younger than
+        :data:`GRACE_S` (then only past :data:`HARD_FACTOR` times the cap); else, only
+        while more than the cap spoke, the one heard from the longest ago (a peer that
+        spoke is never closed to make room for silent ones)."""
+        if self._silent:
+            fd, (ends, accepted) = next(iter(self._silent.items()))
+            young = accepted > time.monotonic() - GRACE_S
+            if not young or held > self._max_strangers * HARD_FACTOR:
+                del self._silent[fd]
+                return fd, ends
+        if len(self._spoken) > self._max_strangers:
+            return self._spoken.popitem(last=False)
+        return None
+
+    def _close(self, fd: int, ends: _Ends, kind: str, cap: int) -> None:
         if _ends(fd) == ends:  # still the connection the monitor reported
             _shutdown(fd)
         self._refusals.refused(
