@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -297,10 +298,29 @@ def completion(decode: str = "ok", prefill: str = "ok", **fields: Any) -> dict[s
     return {**body, **fields, "x_fake": {"prefill": prefill, "decode": decode}}
 
 
-class ProxyProcess:
-    """``kvbridge proxy`` as an operator runs it: its own process, its log in a file."""
+_WITH_FILES = (
+    "import os, resource, sys; "
+    "resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), int(sys.argv[2]))); "
+    "os.execv(sys.argv[3], sys.argv[3:])"
+)
+"""Run a command (``argv[3:]``) under the open-files limits ``argv[1]`` (soft) and
+``argv[2]`` (hard)."""
 
-    def __init__(self, prefill: list[str], decode: list[str], log: Path, *flags: str) -> None:
+
+class ProxyProcess:
+    """``kvbridge proxy`` as an operator runs it: its own process, its log in a file (its
+    stderr on ``stderr`` instead, a descriptor, when given); ``files``: its soft and hard
+    open-files limits, as a host sets them (``ulimit -Sn``, ``-Hn``)."""
+
+    def __init__(
+        self,
+        prefill: list[str],
+        decode: list[str],
+        log: Path,
+        *flags: str,
+        files: tuple[int, int] | None = None,
+        stderr: int | None = None,
+    ) -> None:
         from helpers import free_port  # noqa: PLC0415
 
         self.port = free_port()
@@ -311,16 +331,27 @@ class ProxyProcess:
             *flags,
         ]
         self._log_path = log
+        self._files = files
+        self._stderr = stderr
         self._proc: asyncio.subprocess.Process | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self._proc is not None
+        return self._proc.pid
 
     async def start(self) -> str:
         """Start it and wait until it serves (its ``/health`` says 200)."""
+        command = [sys.executable, "-m", "kvbridge", "proxy", "--port", str(self.port)]
+        if self._files is not None:
+            limits = (str(limit) for limit in self._files)
+            command = [sys.executable, "-c", _WITH_FILES, *limits, *command]
         with self._log_path.open("wb") as log:
             self._proc = await asyncio.create_subprocess_exec(
-                *(sys.executable, "-m", "kvbridge", "proxy", "--port", str(self.port)),
+                *command,
                 *self._args,
                 stdout=log,
-                stderr=log,
+                stderr=log if self._stderr is None else self._stderr,
                 cwd=ROOT,
             )
         await until_async(self._serves, f"the proxy serves ({self.log()})", timeout=30)
@@ -352,6 +383,60 @@ class ProxyProcess:
 
     def log(self) -> str:
         return self._log_path.read_text(errors="replace")
+
+
+HALF_HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+"""What a slowloris sends: a request line and a header, and never the end of the head."""
+
+
+async def hold_half_heads(port: int, count: int, within: float = 30.0) -> list[socket.socket]:
+    """The attacker: ``count`` connections to ``port`` on 127.0.0.1, all opened at once,
+    each sent ``HALF_HEAD`` and then nothing. The ones open within ``within`` s come back,
+    to hold (and close) as the caller likes."""
+    loop = asyncio.get_running_loop()
+    held: list[socket.socket] = []
+
+    async def one() -> None:
+        sock = socket.socket()
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, ("127.0.0.1", port))
+            await loop.sock_sendall(sock, HALF_HEAD)
+        except (OSError, asyncio.CancelledError):
+            sock.close()
+            raise
+        held.append(sock)
+
+    tries = [asyncio.create_task(one()) for _ in range(count)]
+    _, late = await asyncio.wait(tries, timeout=within)
+    for task in late:
+        task.cancel()
+    await asyncio.gather(*tries, return_exceptions=True)
+    return held
+
+
+async def raw_exchange(port: int, request: bytes) -> bytes:
+    """Send ``request`` (a whole one, ``Connection: close``) on a connection of its own and
+    read until the proxy closes it: the proxy has forgotten the connection by then."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request)
+        return await asyncio.wait_for(reader.read(), 15)
+    finally:
+        writer.close()
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the other end closed ``sock`` (a non-blocking one): EOF or a reset, after
+    what bytes came before it (read and dropped). Never waits."""
+    try:
+        while sock.recv(1 << 16):
+            pass
+    except BlockingIOError:
+        return False
+    except ConnectionError:
+        return True
+    return True
 
 
 class UpstreamProcess:

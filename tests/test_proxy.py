@@ -133,9 +133,11 @@ def test_a_body_that_is_not_a_json_object_is_a_400_and_reaches_nobody(body: byte
     assert not up.prefill_bodies and not up.decode_bodies
 
 
-def test_the_request_id_and_credentials_pass_through_and_prefill_skips_extras() -> None:
-    """X-Request-Id (the client's) and Authorization (vLLM's --api-key) reach both
-    instances and the answer; a one-token prefill is not asked for logprobs or n."""
+def test_credentials_pass_through_the_request_id_is_the_proxys_and_prefill_skips_extras() -> None:
+    """Authorization (vLLM's --api-key) reaches both instances; both see the proxy's own
+    request id (one, the same at both), and the client's comes back in the answer only
+    (test_proxy_hostile.py tries to get one through); a one-token prefill is not asked for
+    logprobs or n."""
 
     async def scenario() -> None:
         async with Deployment() as d, ClientSession() as session:
@@ -145,14 +147,15 @@ def test_the_request_id_and_credentials_pass_through_and_prefill_skips_extras() 
                 f"{d.url}/v1/completions", json=body, headers=headers
             ) as answer:
                 assert answer.status == 200 and answer.headers["X-Request-Id"] == "req-17"
+                own = answer.headers["X-Kvbridge-Request-Id"]
                 assert whole_stream(await answer.read())
             (prefill,), (decode,) = d.prefills, d.decodes
-            assert prefill.request_ids == decode.request_ids == ["req-17"]
+            assert prefill.request_ids == decode.request_ids == [own]
             assert prefill.authorizations == decode.authorizations == ["Bearer k"]
             first, second = prefill.bodies[0], decode.bodies[0]
             assert not {"logprobs", "prompt_logprobs", "n", "min_tokens"} & first.keys()
             assert second["logprobs"] == 2 and second["min_tokens"] == 4
-            assert second["kv_transfer_params"] == {"prefill": prefill.port, "rid": "req-17"}
+            assert second["kv_transfer_params"] == {"prefill": prefill.port, "rid": own}
 
     asyncio.run(scenario())
 
@@ -170,6 +173,9 @@ BAD_FLAGS = {
     "connections": (["--connections-per-instance", "0"], "--connections-per-instance"),
     "health timeout": (["--health-timeout", "-1"], "--health-timeout"),
     "prefill timeout": (["--prefill-timeout", "nan"], "--prefill-timeout"),
+    "head timeout": (["--head-timeout", "0"], "--head-timeout"),
+    "idle timeout": (["--idle-timeout", "inf"], "--idle-timeout"),
+    "client connections": (["--max-client-connections", "-3"], "--max-client-connections"),
 }
 
 

@@ -11,7 +11,9 @@ With several instances per role, each request goes to the least-loaded healthy o
 instance leaves the rotation while it fails its health check (``GET /health``). The proxy
 answers ``/v1/models``, ``/health`` and ``/metrics`` too. The parts: ``_proxy_settings``
 (flags' limits), ``_proxy_upstreams`` + ``_proxy_health`` (instances, routing, health),
-``_proxy_forward`` (the two hops), ``_proxy_metrics``, ``_proxy_app`` (routes, server).
+``_proxy_forward`` (the two hops), ``_proxy_metrics``, ``_proxy_clients`` (client
+connections: deadlines and a cap), ``_proxy_log`` (a log bounded in rate that never
+blocks), ``_proxy_app`` (routes, server).
 HTTP: aiohttp (client and server, streaming), the ``proxy`` extra; this module imports it
 only to run, so the ``kvbridge`` command works without it.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -27,12 +30,17 @@ from typing import TYPE_CHECKING, Any
 from ._fail import fail
 from ._proxy_settings import (
     DEFAULT_CONNECTIONS_PER_INSTANCE,
+    DEFAULT_HEAD_TIMEOUT,
     DEFAULT_HEALTH_INTERVAL,
     DEFAULT_HEALTH_TIMEOUT,
+    DEFAULT_IDLE_TIMEOUT,
     DEFAULT_MAX_BODY,
     DEFAULT_PREFILL_TIMEOUT,
     ProxySettings,
     SettingError,
+    client_room,
+    files_reserve,
+    soft_open_files,
     upstream_urls,
 )
 
@@ -48,9 +56,13 @@ _FLAGS = {
     "prefill_timeout": "--prefill-timeout",
     "health_interval": "--health-interval",
     "health_timeout": "--health-timeout",
+    "head_timeout": "--head-timeout",
+    "idle_timeout": "--idle-timeout",
+    "max_clients": "--max-client-connections",
 }
-_SPARE_FILES = 4096
-"""Open files the proxy wants besides its upstream connections: clients, health checks."""
+_CLIENT_FILES = 4096
+"""Client connections the proxy makes room for when it raises its open-files limit (beyond
+``files_reserve``: upstream connections, health checks, its own)."""
 
 
 def add_parser(commands: Any) -> None:
@@ -92,10 +104,28 @@ def _add_limits(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="upstream connections to one instance at most (default %(default)s)",
     )
+    parser.add_argument(
+        "--max-client-connections",
+        type=int,
+        default=None,
+        metavar="N",
+        help="client connections at most; past it the quietest waiting one is closed "
+        "(default: what the open-files limit leaves after the upstream connections)",
+    )
     seconds: list[tuple[str, float, str]] = [
         ("--prefill-timeout", DEFAULT_PREFILL_TIMEOUT, "a prefill longer than this falls back"),
         ("--health-interval", DEFAULT_HEALTH_INTERVAL, "between health checks of an instance"),
         ("--health-timeout", DEFAULT_HEALTH_TIMEOUT, "a health check longer than this fails"),
+        (
+            "--head-timeout",
+            DEFAULT_HEAD_TIMEOUT,
+            "a client's request head must be whole within this, and its body never pause longer",
+        ),
+        (
+            "--idle-timeout",
+            DEFAULT_IDLE_TIMEOUT,
+            "an idle keep-alive client connection is closed after this long",
+        ),
     ]
     for flag, default, text in seconds:
         parser.add_argument(
@@ -112,16 +142,32 @@ def run(args: argparse.Namespace) -> int:
         from ._proxy_app import make_app, serve  # noqa: PLC0415  (aiohttp: the optional extra)
     except ImportError:
         return fail(_PREFIX, "needs aiohttp: pip install 'kvbridge[proxy]'")
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    _raise_open_files((len(prefill) + len(decode)) * settings.connections_per_instance)
-    app = make_app(prefill, decode, settings)
-    try:
-        asyncio.run(serve(app, args.host, args.port, _announce))
-    except OSError as exc:
-        return fail(_PREFIX, f"cannot listen on {args.host}:{args.port}: {exc}")
+    from ._proxy_log import ProxyLog  # noqa: PLC0415
+
+    with ProxyLog(getattr(logging, args.log_level.upper())):
+        settings = _fitted(settings, len(prefill) + len(decode))
+        app = make_app(prefill, decode, settings)
+        try:
+            asyncio.run(serve(app, args.host, args.port, _announce))
+        except OSError as exc:
+            return fail(_PREFIX, f"cannot listen on {args.host}:{args.port}: {exc}")
     return 0
+
+
+def _fitted(settings: ProxySettings, instances: int) -> ProxySettings:
+    """``settings`` with the client connections cap the open-files limit (raised first)
+    leaves room for; a ``--max-client-connections`` that does not fit is lowered, saying so."""
+    upstream = instances * settings.connections_per_instance
+    files = _raise_open_files(files_reserve(upstream, instances) + _CLIENT_FILES, upstream)
+    room = client_room(files, upstream, instances)
+    if settings.max_clients is not None and settings.max_clients > room:
+        _log.warning(
+            "--max-client-connections %d does not fit in the open-files limit: %d instead",
+            settings.max_clients,
+            room,
+        )
+    cap = room if settings.max_clients is None else min(room, settings.max_clients)
+    return dataclasses.replace(settings, max_clients=cap)
 
 
 def make_app(
@@ -150,6 +196,9 @@ def _checked(args: argparse.Namespace) -> tuple[ProxySettings, list[str], list[s
             prefill_timeout=args.prefill_timeout,
             health_interval=args.health_interval,
             health_timeout=args.health_timeout,
+            head_timeout=args.head_timeout,
+            idle_timeout=args.idle_timeout,
+            max_clients=args.max_client_connections,
         )
     except SettingError as exc:
         raise ValueError(f"{_FLAGS[exc.name]} {exc.problem}") from None
@@ -160,26 +209,27 @@ def _announce(url: str) -> None:
     print(f"kvbridge proxy listening on {url}", flush=True)
 
 
-def _raise_open_files(connections: int) -> None:
-    """Raise the soft open-files limit to fit every upstream connection (as vLLM raises
-    its own); warn when the hard limit is lower."""
+def _raise_open_files(wanted: int, connections: int) -> int:
+    """Raise the soft open-files limit to ``wanted`` (room for every upstream connection,
+    as vLLM raises its own, and for clients); warn when the hard limit is lower. The soft
+    limit, as it is now."""
     try:
         import resource  # noqa: PLC0415  (POSIX only)
     except ImportError:
-        return
-    wanted = connections + _SPARE_FILES
+        return soft_open_files()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or soft >= wanted:
-        return
+        return soft_open_files()
     target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
     try:
         resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
     except (ValueError, OSError) as exc:
         _log.warning("cannot raise the open-files limit to %d: %s", target, exc)
-        return
+        return soft_open_files()
     if target < wanted:
         _log.warning(
             "open files are limited to %d; %d upstream connections and clients may not fit",
             target,
             connections,
         )
+    return target

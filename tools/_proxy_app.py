@@ -7,8 +7,14 @@ while some decode instance is healthy, body ``status`` ``ok`` or ``degraded`` wh
 instance is out; 503 ``unavailable`` when no decode instance is); ``GET /metrics``
 (Prometheus text: ``_proxy_metrics``).
 
+The proxy owns a request's id and its ``kv_transfer_params``: it makes an id for each
+request (the instances see it as ``X-Request-Id``; a client's comes back in the answer
+only) and drops a client's ``PROXY_FIELDS``.
+
 The app owns its parts: ``Upstreams`` (connection pools and the health checker task) starts
-with the app and is closed, its task cancelled and awaited, on cleanup. A client that goes
+with the app and is closed, its task cancelled and awaited, on cleanup; ``ClientConnections``
+(``app[CLIENTS]``: the client connections' deadlines and cap), which ``ProxyServer`` feeds
+and the handlers tell when a request starts, is read and ends. A client that goes
 away is counted, logged at debug level, and ends its request: serve the app with
 ``handler_cancellation=True`` (``ProxyServer`` does, as does aiohttp's ``TestServer``) so
 that a client gone while an upstream is silent cancels the upstream request too.
@@ -26,9 +32,17 @@ from typing import Any
 
 from aiohttp import hdrs, web
 
+from ._proxy_clients import ClientConnections, GuardedSite
 from ._proxy_forward import ClientGone, Forwarder, error_response, from_json, to_json
 from ._proxy_metrics import CONTENT_TYPE, ProxyMetrics
-from ._proxy_settings import ProxySettings, upstream_urls
+from ._proxy_settings import (
+    ACCEPTS_PER_TURN,
+    LISTEN_BACKLOG,
+    ProxySettings,
+    client_room,
+    soft_open_files,
+    upstream_urls,
+)
 from ._proxy_upstreams import Upstreams
 
 _log = logging.getLogger("kvbridge.proxy")
@@ -38,15 +52,21 @@ CLIENT_GONE = 499
 """The status counted for a request whose client went away first (nginx's convention)."""
 
 _REQUEST_ID: ContextVar[str] = ContextVar("kvbridge_proxy_request_id")
-"""The request's id (the client's X-Request-Id, or one made for it), set by ``observe``:
-aiohttp runs each request in a task of its own, so each sees its own."""
+"""The id the proxy made for the request (the upstreams see it, never the client's), set
+by ``observe``: aiohttp runs each request in a task of its own, so each sees its own."""
+
+PROXY_FIELDS = ("kv_transfer_params", "request_id")
+"""Body fields the proxy owns; a client's are dropped. ``kv_transfer_params`` from a client
+could make decode wait ``pd_wait`` for blocks nobody saved (the proxy sets decode's from
+the prefill's answer); ``request_id`` is vLLM's id for a request that comes without an
+``X-Request-Id`` header (the proxy always sends its own header, and drops the field too so
+that a client's id never names a request upstream)."""
+
+CLIENTS: web.AppKey[ClientConnections] = web.AppKey("kvbridge_proxy_clients", ClientConnections)
+"""The app's client connections ledger, which ``ProxyServer`` feeds."""
 
 SHUTDOWN_GRACE_S = 30.0
 """On stop, answers in flight get this long to end before they are cut."""
-
-LISTEN_BACKLOG = 1024
-"""Connections the kernel queues before the proxy accepts them (capped by the kernel's
-somaxconn): a burst of clients is queued, not refused (aiohttp's default is 128)."""
 
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -60,10 +80,15 @@ def make_app(
     upstreams = Upstreams(
         upstream_urls("prefill", list(prefill)), upstream_urls("decode", list(decode)), settings
     )
-    proxy = _Proxy(upstreams, settings)
+    clients = ClientConnections(
+        _client_cap(settings, upstreams), settings.head_timeout, settings.idle_timeout
+    )
+    proxy = _Proxy(upstreams, clients, settings)
     app = web.Application(client_max_size=settings.max_body, middlewares=[proxy.observe])
+    app[CLIENTS] = clients
     app.cleanup_ctx.append(proxy.lifetime)
     app.on_shutdown.append(proxy.shutting_down)
+    app.on_response_prepare.append(_tag)
     for route in ROUTES:
         app.router.add_post(route, proxy.completions)
     app.router.add_get("/v1/models", proxy.models)
@@ -72,15 +97,28 @@ def make_app(
     return app
 
 
+def _client_cap(settings: ProxySettings, upstreams: Upstreams) -> int:
+    """``settings.max_clients``, or as many as this process's open-files limit leaves room
+    for (``kvbridge proxy`` raises the limit first, and caps the flag by it)."""
+    if settings.max_clients is not None:
+        return settings.max_clients
+    instances = len(upstreams.instances())
+    upstream = instances * settings.connections_per_instance
+    return client_room(soft_open_files(), upstream, instances)
+
+
 class _Proxy:
     """The handlers, and the state they share."""
 
-    def __init__(self, upstreams: Upstreams, settings: ProxySettings) -> None:
+    def __init__(
+        self, upstreams: Upstreams, clients: ClientConnections, settings: ProxySettings
+    ) -> None:
         self.upstreams = upstreams
+        self.clients = clients
         self.settings = settings
         self.in_progress = 0
         self.closing = False
-        self.metrics = ProxyMetrics(upstreams, lambda: self.in_progress)
+        self.metrics = ProxyMetrics(upstreams, clients, lambda: self.in_progress)
         self.forward = Forwarder(upstreams, self.metrics, settings)
 
     async def lifetime(self, app: web.Application) -> AsyncIterator[None]:
@@ -88,6 +126,7 @@ class _Proxy:
         try:
             yield
         finally:
+            self.clients.close()
             await self.upstreams.close()
 
     async def shutting_down(self, app: web.Application) -> None:
@@ -98,7 +137,8 @@ class _Proxy:
         """Count every request by route and status; end a request whose client left."""
         route = _route(request)
         status = 500
-        _REQUEST_ID.set(request.headers.get("X-Request-Id") or uuid.uuid4().hex)
+        _REQUEST_ID.set(uuid.uuid4().hex)
+        self.clients.started(request.transport, body=request.body_exists)
         self.in_progress += 1
         try:
             response = await handler(request)
@@ -119,6 +159,7 @@ class _Proxy:
         finally:
             self.in_progress -= 1
             self.metrics.request(route, status)
+            self.clients.ended(request.transport)
 
     def _gone(self, request: web.Request) -> None:
         self.metrics.client_disconnect()
@@ -129,16 +170,18 @@ class _Proxy:
         raw = await self._read(request)
         if isinstance(raw, web.StreamResponse):
             return raw
-        body = await _json_object(raw)
-        if isinstance(body, web.StreamResponse):
-            return body
+        self.clients.answering(request.transport)
+        parsed = await _json_object(raw)
+        if isinstance(parsed, web.StreamResponse):
+            return parsed
         if not self.upstreams.decode.healthy():
             return self._unavailable()
+        body = {k: v for k, v in parsed.items() if k not in PROXY_FIELDS}
         headers = _upstream_headers(request)
         size = len(raw)
         params = await self.forward.prefill(request.path, body, headers, size)
         if params is not None:
-            body = {**body, "kv_transfer_params": params}
+            body["kv_transfer_params"] = params
         data = await to_json(body, size)
         return await self.forward.decode(request, request.path, data, headers)
 
@@ -206,9 +249,19 @@ def _route(request: web.Request) -> str:
     return resource.canonical if resource is not None else "unmatched"
 
 
+async def _tag(request: web.BaseRequest, response: web.StreamResponse) -> None:
+    """Name the request in its answer: ``X-Request-Id`` is the client's when it sent one
+    (else the proxy's), ``X-Kvbridge-Request-Id`` the proxy's (the one its log and the
+    instances know)."""
+    own = _REQUEST_ID.get(None)  # set by ``observe``, in the task that prepares the answer
+    if own is not None:
+        response.headers["X-Request-Id"] = request.headers.get("X-Request-Id") or own
+        response.headers["X-Kvbridge-Request-Id"] = own
+
+
 def _upstream_headers(request: web.Request) -> dict[str, str]:
-    """What an instance is sent besides the body: the request id (made when the client
-    gave none), the client's credentials (vLLM's ``--api-key``), the content type."""
+    """What an instance is sent besides the body: the proxy's id for the request (never
+    the client's), the client's credentials (vLLM's ``--api-key``), the content type."""
     headers = {
         "X-Request-Id": _REQUEST_ID.get(),
         hdrs.CONTENT_TYPE: "application/json",
@@ -221,7 +274,8 @@ def _upstream_headers(request: web.Request) -> dict[str, str]:
 class ProxyServer:
     """Serves a proxy app on ``host:port`` (port 0: a free one; ``url`` says which) the way
     ``kvbridge proxy`` does: a client that goes away cancels its handler, and so the
-    upstream requests it made (aiohttp's ``run_app`` default would leave them running)."""
+    upstream requests it made (aiohttp's ``run_app`` default would leave them running);
+    every client connection is in the app's ``ClientConnections``."""
 
     def __init__(
         self,
@@ -244,7 +298,15 @@ class ProxyServer:
         sock = _listen(self._host, self._port)
         try:
             await self._runner.setup()
-            await web.SockSite(self._runner, sock).start()
+            clients = self._runner.app[CLIENTS]
+            site = GuardedSite(
+                self._runner,
+                sock,
+                clients,
+                accepts_per_turn=ACCEPTS_PER_TURN,
+                backlog=LISTEN_BACKLOG,
+            )
+            await site.start()
         except BaseException:
             sock.close()
             await self._runner.cleanup()
@@ -279,4 +341,5 @@ async def serve(app: web.Application, host: str, port: int, announce: Callable[[
         loop.add_signal_handler(sig, stop.set)
     async with ProxyServer(app, host, port) as server:
         announce(server.url)
+        _log.info("client connections at most: %d", app[CLIENTS].cap)
         await stop.wait()

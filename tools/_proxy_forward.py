@@ -287,7 +287,6 @@ class Forwarder:
         content_type = answer.headers.get(hdrs.CONTENT_TYPE)
         if content_type:
             response.headers[hdrs.CONTENT_TYPE] = content_type
-        response.headers["X-Request-Id"] = rid
         await _to_client(response, response.prepare(request))
         while True:
             try:

@@ -9,7 +9,10 @@ Gauges, read when scraped: ``kvbridge_proxy_outstanding_requests{role,instance}`
 ``kvbridge_proxy_instance_healthy{role,instance}`` (1 in the rotation, 0 out),
 ``kvbridge_proxy_requests_in_progress`` (requests being handled, the scrape's own included),
 ``kvbridge_proxy_tasks`` (asyncio tasks alive in the proxy's event loop, the scrape's
-included: once idle, it is back to its count at start).
+included: once idle, it is back to its count at start), ``kvbridge_proxy_client_connections``
+(open, the scrape's own included) and ``kvbridge_proxy_client_connections_max`` (the cap);
+read from the client connections ledger too: ``kvbridge_proxy_client_connections_closed_total
+{reason}`` (``head_timeout``, ``body_timeout``, ``idle_timeout``, ``over_cap``).
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ import asyncio
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
+from ._proxy_clients import ClientConnections
 from ._proxy_upstreams import Upstreams
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -31,7 +35,9 @@ PREFILL_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120
 
 
 class ProxyMetrics:
-    def __init__(self, upstreams: Upstreams, in_progress: Callable[[], int]) -> None:
+    def __init__(
+        self, upstreams: Upstreams, clients: ClientConnections, in_progress: Callable[[], int]
+    ) -> None:
         self.registry = CollectorRegistry()
         self._requests = Counter(
             "kvbridge_proxy_requests",
@@ -63,6 +69,7 @@ class ProxyMetrics:
             registry=self.registry,
         )
         self.registry.register(_Gauges(upstreams, in_progress))
+        self.registry.register(_Clients(clients))
 
     def request(self, route: str, status: int) -> None:
         self._requests.labels(route=route, status=str(status)).inc()
@@ -124,3 +131,30 @@ def _tasks() -> set[asyncio.Task[object]]:
         return asyncio.all_tasks()
     except RuntimeError:  # scraped outside the loop (a test reading the registry)
         return set()
+
+
+class _Clients(Collector):
+    """The client connections ledger's numbers, read at each scrape."""
+
+    def __init__(self, clients: ClientConnections) -> None:
+        self._clients = clients
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "kvbridge_proxy_client_connections",
+            "Client connections open (the scrape's own included)",
+            value=len(self._clients),
+        )
+        yield GaugeMetricFamily(
+            "kvbridge_proxy_client_connections_max",
+            "Client connections at most: past it the quietest waiting one is closed",
+            value=self._clients.cap,
+        )
+        closed = CounterMetricFamily(
+            "kvbridge_proxy_client_connections_closed",
+            "Client connections the proxy closed, by reason (a deadline passed; over the cap)",
+            labels=["reason"],
+        )
+        for reason, count in sorted(self._clients.closed.items()):
+            closed.add_metric([reason], count)
+        yield closed

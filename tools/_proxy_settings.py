@@ -1,6 +1,6 @@
-"""``kvbridge proxy``'s settings: every limit, with the reason for its default, and the check
-of an upstream URL. Pure: no aiohttp here, so the command line checks its flags before it
-imports anything."""
+"""``kvbridge proxy``'s settings: every limit, with the reason for its default, the check of
+an upstream URL, and how many client connections the open-files limit has room for. No
+aiohttp here, so the command line checks its flags before it imports anything."""
 
 from __future__ import annotations
 
@@ -42,6 +42,45 @@ PREFILL_ANSWER_MAX = 8 << 20
 """A one-token prefill answer is a few kB; anything longer is not one (the proxy keeps only
 its ``kv_transfer_params``), so it is dropped and decode computes the prompt."""
 
+DEFAULT_HEAD_TIMEOUT = 10.0
+"""A client sends a request head (its line and headers, a few kB) in one round trip; 10 s is
+a client on a very poor link, and past it the connection is someone holding a socket open
+with half a head (slowloris). A body that stops for this long is cut too."""
+
+DEFAULT_IDLE_TIMEOUT = 60.0
+"""An idle keep-alive connection is closed after this long. Clients close theirs sooner
+(httpx, the OpenAI SDK's client: 5 s; aiohttp: 15 s), so the proxy seldom closes one a
+client is about to send on; a client that keeps one longer opens a new one."""
+
+LISTEN_BACKLOG = 1024
+"""Connections the kernel queues before the proxy accepts them (capped by the kernel's
+somaxconn): a burst of clients is queued, not refused (aiohttp's default is 128)."""
+
+ACCEPTS_PER_TURN = 128
+"""Connections the event loop accepts in one turn (asyncio accepts as many as the backlog
+it listens with; the proxy sets the kernel's queue to ``LISTEN_BACKLOG`` after). Well below
+the cap, so that a client accepted in a burst is read before the strangers accepted behind
+it push it out as the quietest: with 1,024 a turn and a cap of 958, a real client's
+connection was closed under a flood that reopened 1,000 connections a second."""
+
+ACCEPT_TURNS = 3
+"""Turns of the event loop from an accept to the release of the descriptor of the
+connection it pushes out over the cap (the new connection's task, its protocol, then the
+close): under a flood, up to this many turns' accepts are open beyond the cap. Measured:
+8,000 half heads on 127.0.0.1 against a cap of 3,006 peaked at 750-3,080 descriptors over
+it with 1,024 accepts a turn, 775 with 256."""
+
+UNLIMITED_FILES = 1 << 20
+"""What an unlimited open-files limit counts as: Linux's own ceiling (``fs.nr_open``)."""
+
+OWN_FILES = 64
+"""Descriptors the proxy's process holds besides its connections: the listening socket,
+the event loop's, standard streams, the log's writer, imported extension modules."""
+
+MIN_CLIENTS = 64
+"""The fewest client connections the proxy serves, however few descriptors it has: fewer
+would refuse ordinary traffic, and the open-files warning at start says why."""
+
 ATTEMPTS = 2
 """Tries per request and role: a request that got no response status (the connection was
 refused, or dropped before an answer) is tried once more, never after a byte came back."""
@@ -65,16 +104,47 @@ class ProxySettings:
     prefill_timeout: float = DEFAULT_PREFILL_TIMEOUT
     health_interval: float = DEFAULT_HEALTH_INTERVAL
     health_timeout: float = DEFAULT_HEALTH_TIMEOUT
+    head_timeout: float = DEFAULT_HEAD_TIMEOUT
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT
+    max_clients: int | None = None
+    """Client connections at most (past it the quietest are closed); ``None``: as many as
+    the open-files limit leaves room for (``client_room``)."""
 
     def __post_init__(self) -> None:
-        for name in ("max_body", "connections_per_instance"):
+        counts = ("max_body", "connections_per_instance")
+        for name in (*counts, *(() if self.max_clients is None else ("max_clients",))):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise SettingError(name, f"must be a positive whole number, got {value!r}")
-        for name in ("prefill_timeout", "health_interval", "health_timeout"):
+        seconds = ("prefill_timeout", "health_interval", "health_timeout")
+        for name in (*seconds, "head_timeout", "idle_timeout"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
                 raise SettingError(name, f"must be a positive number of seconds, got {value!r}")
+
+
+def files_reserve(upstream: int, instances: int) -> int:
+    """Descriptors kept from client connections: the ``upstream`` connections to
+    ``instances`` instances (and a health check each), the connections accepted beyond the
+    cap before it pushes others out (``ACCEPT_TURNS`` x ``ACCEPTS_PER_TURN``), and the
+    process's own (``OWN_FILES``)."""
+    return upstream + instances + ACCEPT_TURNS * ACCEPTS_PER_TURN + OWN_FILES
+
+
+def soft_open_files() -> int:
+    """This process's soft open-files limit (``UNLIMITED_FILES`` when unlimited or unknown)."""
+    try:
+        import resource  # noqa: PLC0415  (POSIX only)
+    except ImportError:
+        return UNLIMITED_FILES
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return UNLIMITED_FILES if soft == resource.RLIM_INFINITY else soft
+
+
+def client_room(open_files: int, upstream: int, instances: int) -> int:
+    """The client connections that fit in ``open_files`` descriptors after
+    ``files_reserve``; ``MIN_CLIENTS`` at least."""
+    return max(MIN_CLIENTS, open_files - files_reserve(upstream, instances))
 
 
 def upstream_url(url: str) -> str:
