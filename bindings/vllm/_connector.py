@@ -143,6 +143,16 @@ class KVBridgeConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return self._work().stats() if self._worker is not None else None
 
     @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """No, for every role (vLLM 0.33's hook, whose default is yes; vLLM 0.32 never
+        asks): sleep mode frees the KV cache's memory and maps it again on wake, and this
+        connector neither drains its loads and saves first (its threads could touch the
+        unmapped memory) nor registers the cache again after (``unregister_kv_caches``,
+        ``restore_kv_caches``: a UCX registration would point at stale memory). vLLM then
+        refuses ``--enable-sleep-mode`` with this connector, at start."""
+        return False
+
+    @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVBridgeStats:
         return KVBridgeStats(data=dict(data or {}))
 
