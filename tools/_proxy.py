@@ -27,6 +27,8 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvbridge.transfer import raise_open_files
+
 from ._fail import fail
 from ._proxy_settings import (
     DEFAULT_CONNECTIONS_PER_INSTANCE,
@@ -213,23 +215,13 @@ def _raise_open_files(wanted: int, connections: int) -> int:
     """Raise the soft open-files limit to ``wanted`` (room for every upstream connection,
     as vLLM raises its own, and for clients); warn when the hard limit is lower. The soft
     limit, as it is now."""
-    try:
-        import resource  # noqa: PLC0415  (POSIX only)
-    except ImportError:
+    limit = raise_open_files(wanted)
+    if limit is None:
         return soft_open_files()
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY or soft >= wanted:
-        return soft_open_files()
-    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-    except (ValueError, OSError) as exc:
-        _log.warning("cannot raise the open-files limit to %d: %s", target, exc)
-        return soft_open_files()
-    if target < wanted:
+    if limit < wanted:
         _log.warning(
             "open files are limited to %d; %d upstream connections and clients may not fit",
-            target,
+            limit,
             connections,
         )
-    return target
+    return limit

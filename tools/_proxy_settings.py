@@ -8,6 +8,8 @@ import dataclasses
 import math
 from urllib.parse import urlsplit
 
+from kvbridge.transfer import open_files_limit
+
 DEFAULT_MAX_BODY = 64 << 20
 """vLLM's server sets no limit on a request body; 64 MiB holds a prompt of millions of token
 ids or a chat request with several large base64 images, and still refuses a runaway upload
@@ -133,12 +135,8 @@ def files_reserve(upstream: int, instances: int) -> int:
 
 def soft_open_files() -> int:
     """This process's soft open-files limit (``UNLIMITED_FILES`` when unlimited or unknown)."""
-    try:
-        import resource  # noqa: PLC0415  (POSIX only)
-    except ImportError:
-        return UNLIMITED_FILES
-    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    return UNLIMITED_FILES if soft == resource.RLIM_INFINITY else soft
+    limit = open_files_limit()
+    return UNLIMITED_FILES if limit is None else limit
 
 
 def client_room(open_files: int, upstream: int, instances: int) -> int:

@@ -23,6 +23,8 @@ from kvbridge.transfer import TransferEngine, TransferError, raise_open_files
 
 from ._fail import fail
 
+_log = logging.getLogger("kvbridge.server")
+
 if TYPE_CHECKING:
     from kvbridge.store.cluster import Registrar
 
@@ -146,11 +148,12 @@ def _serve(args: argparse.Namespace) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    raise_open_files()  # every connection is a descriptor: the hard limit, not 1,024
+    files = raise_open_files()  # every connection is a descriptor: the hard limit, not 1,024
     try:
         server = CacheServer(config)
     except _START_ERRORS as exc:
         return fail("kvbridge serve", f"cannot start: {type(exc).__name__}: {exc}")
+    _log.info("open files: %s", "unlimited" if files is None else files)
     try:
         membership = _join(args, server.address, config.host_capacity)
     except (ValueError, OSError) as exc:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from .._lazy import lazy
 from ._address import BadAddress, parse_address
-from ._descriptors import MAX_STRANGERS, raise_open_files, trusted_connections
+from ._descriptors import MAX_STRANGERS, open_files_limit, raise_open_files, trusted_connections
 from ._device import is_device
 from ._errors import (
     AccessDenied,
@@ -108,6 +108,7 @@ __all__ = [
     "TransferHandle",
     "TransferSettings",
     "is_device",
+    "open_files_limit",
     "parse_address",
     "raise_open_files",
     "trusted_connections",

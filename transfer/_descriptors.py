@@ -36,8 +36,8 @@ def open_files_limit() -> int | None:
 
 def raise_open_files(wanted: int | None = None) -> int | None:
     """Raise the soft open-files limit to ``wanted`` (``None``: the hard limit), never
-    above the hard limit and never down; log the limit in force. Returns it (``None``:
-    unlimited, or not a POSIX system)."""
+    above the hard limit and never down; warn when it cannot. Returns the limit in force
+    (``None``: unlimited, or not a POSIX system) for the caller to log."""
     try:
         import resource  # noqa: PLC0415  (POSIX only)
     except ImportError:
@@ -46,16 +46,12 @@ def raise_open_files(wanted: int | None = None) -> int | None:
     target = hard if wanted is None else wanted
     if hard != resource.RLIM_INFINITY:
         target = min(target, hard)
-    if soft == resource.RLIM_INFINITY or soft >= target:
-        _log.info("open files: %s", "unlimited" if soft == resource.RLIM_INFINITY else soft)
-        return open_files_limit()
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-    except (ValueError, OSError) as exc:
-        _log.warning("cannot raise the open-files limit from %d to %d: %s", soft, target, exc)
-    limit = open_files_limit()
-    _log.info("open files: %s (hard limit %s)", limit, hard)
-    return limit
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as exc:
+            _log.warning("cannot raise the open-files limit from %d to %d: %s", soft, target, exc)
+    return open_files_limit()
 
 
 def trusted_connections() -> int:
