@@ -21,7 +21,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -50,7 +50,7 @@ def proxy_port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
         loop.close()
 
 
-async def _front(log: Path) -> AsyncIterator[int]:
+async def _front(log: Path) -> AsyncGenerator[int, None]:
     from proxy_support import ProxyProcess, UpstreamProcess  # noqa: PLC0415
 
     prefill, decode = UpstreamProcess("prefill"), UpstreamProcess("decode")

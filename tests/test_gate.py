@@ -79,7 +79,7 @@ def _closed(sock: socket.socket) -> bool:
 
 
 def _dealer(context: zmq.Context[Any], port: int, say: bytes) -> zmq.Socket[Any]:
-    dealer = context.socket(zmq.DEALER)
+    dealer: zmq.Socket[Any] = context.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.setsockopt(zmq.RECONNECT_IVL, -1)  # a closed connection stays closed
     dealer.connect(f"tcp://127.0.0.1:{port}")
@@ -93,7 +93,7 @@ def _pumped(owner: _Owner, check: Any) -> bool:
 
 
 def test_silent_strangers_go_first_and_a_peer_that_spoke_stays(owner: _Owner) -> None:
-    context = zmq.Context.instance()
+    context: zmq.Context[Any] = zmq.Context.instance()
     dealer = _dealer(context, owner.port, b"hello")
     until(lambda: _pumped(owner, lambda: b"hello" in owner.heard), "the peer spoke")
     silent = _silent(owner.port, 3 * CAP)
@@ -122,7 +122,7 @@ def test_the_hard_cap_holds_during_the_grace(owner: _Owner) -> None:
 
 
 def test_trusted_connections_leave_the_strangers_cap(owner: _Owner) -> None:
-    context = zmq.Context.instance()
+    context: zmq.Context[Any] = zmq.Context.instance()
     dealer = _dealer(context, owner.port, b"proof")
     until(lambda: _pumped(owner, lambda: b"proof" in owner.heard), "the peer spoke")
     owner.gate.trust(owner.heard[b"proof"])
