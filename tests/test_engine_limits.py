@@ -10,6 +10,7 @@ makes: the listener drops anything else, see ``test_ucx_faults``).
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -18,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 from attack import credentials, data_pipe, descriptors, one_message
-from helpers import FakeClock, until
+from helpers import FakeClock, free_port, until
 
 from kvbridge.transfer import TransferEngine, TransferError, ucx_available
 from kvbridge.transfer import _served as served_module
@@ -338,3 +339,22 @@ def test_a_stream_pushed_out_before_its_greeting_is_opened_again(
     ):
         _write_once(a, b)
     assert len(dropped) == 2
+
+
+def test_a_burst_of_one_byte_connections_leaves_the_data_port_accepting() -> None:
+    """1,000 connections that each send one byte: the accept thread closes the oldest
+    silent ones while others in the same pass became readable (it died there once, and the
+    data port accepted nothing more); a real write goes through after the burst."""
+    port = free_port()
+    with (
+        TransferEngine("a", connect_timeout=5.0, timeout=5.0) as a,
+        TransferEngine("b", connect_timeout=5.0, timeout=5.0, data_port=port) as b,
+    ):
+        burst = []
+        for _ in range(1000):
+            sock = socket.create_connection(("127.0.0.1", port))
+            sock.send(b"\x01")
+            burst.append(sock)
+        for sock in burst:
+            sock.close()
+        _write_once(a, b)

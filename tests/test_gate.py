@@ -17,7 +17,7 @@ from helpers import until
 from strangers import GREETING
 
 from kvbridge._bounded_log import BoundedLog
-from kvbridge.transfer import ConnectionGate
+from kvbridge.transfer import Connection, ConnectionGate
 from kvbridge.transfer._gate import HARD_FACTOR
 
 CAP = 8
@@ -92,22 +92,40 @@ def _pumped(owner: _Owner, check: Any) -> bool:
     return bool(check())
 
 
-def test_silent_strangers_go_first_and_a_peer_that_spoke_stays(owner: _Owner) -> None:
-    context: zmq.Context[Any] = zmq.Context.instance()
-    dealer = _dealer(context, owner.port, b"hello")
-    until(lambda: _pumped(owner, lambda: b"hello" in owner.heard), "the peer spoke")
+def test_old_silent_strangers_go_first_and_a_newcomer_that_speaks_stays(owner: _Owner) -> None:
     silent = _silent(owner.port, 3 * CAP)
+    until(lambda: _pumped(owner, lambda: owner.gate.counts()[0] >= 2 * CAP), "accepted")
+    context: zmq.Context[Any] = zmq.Context.instance()
+    dealer = _dealer(context, owner.port, b"hello")  # the newest: an honest peer on its way
     until(
-        lambda: _pumped(owner, lambda: owner.gate.counts()[0] <= CAP),
+        lambda: _pumped(owner, lambda: sum(map(_closed, silent)) >= 2 * CAP + 1),
         "the silent ones past the cap closed once their grace ended",
     )
+    assert owner.gate.counts()[0] <= CAP
     closed = [_closed(s) for s in silent]
-    assert closed[: 2 * CAP + 1] == [True] * (2 * CAP + 1)  # the oldest silent ones
+    assert closed == [True] * (2 * CAP + 1) + [False] * (CAP - 1)  # the oldest silent ones
     dealer.send(b"still here")
     until(lambda: _pumped(owner, lambda: b"still here" in owner.heard), "the peer still heard")
     for sock in silent:
         sock.close()
     dealer.close()
+
+
+def test_a_talker_is_held_and_silent_strangers_go_before_it(owner: _Owner) -> None:
+    """Talking needs no secret (a ``hello``), and a talker closed reconnects and talks
+    again: within the hard cap a stranger that spoke is held, and the silent ones past
+    their grace go first, oldest first."""
+    context: zmq.Context[Any] = zmq.Context.instance()
+    talker = _dealer(context, owner.port, b"hello")
+    until(lambda: _pumped(owner, lambda: b"hello" in owner.heard), "the talker spoke")
+    silent = _silent(owner.port, CAP + 1)  # two too many with the talker
+    until(lambda: _pumped(owner, lambda: sum(map(_closed, silent)) >= 2), "two closed")
+    assert [_closed(s) for s in silent] == [True, True] + [False] * (CAP - 1)
+    talker.send(b"talking")
+    until(lambda: _pumped(owner, lambda: b"talking" in owner.heard), "the talker held")
+    for sock in silent:
+        sock.close()
+    talker.close()
 
 
 def test_the_hard_cap_holds_during_the_grace(owner: _Owner) -> None:
@@ -128,7 +146,11 @@ def test_trusted_connections_leave_the_strangers_cap(owner: _Owner) -> None:
     owner.gate.trust(owner.heard[b"proof"])
     assert owner.gate.counts() == (0, 1)
     silent = _silent(owner.port, 3 * CAP)
-    until(lambda: _pumped(owner, lambda: owner.gate.counts()[0] <= CAP), "strangers capped")
+    until(
+        lambda: _pumped(owner, lambda: sum(map(_closed, silent)) >= 2 * CAP),
+        "strangers capped",
+    )
+    assert owner.gate.counts() == (CAP, 1)
     dealer.send(b"again")
     until(lambda: _pumped(owner, lambda: b"again" in owner.heard), "the trusted peer heard")
     for sock in silent:
@@ -138,8 +160,28 @@ def test_trusted_connections_leave_the_strangers_cap(owner: _Owner) -> None:
 
 def test_a_descriptor_the_gate_does_not_hold_is_never_touched(owner: _Owner) -> None:
     left, right = socket.socketpair()
-    owner.gate.disconnect(left.fileno())
+    owner.gate.disconnect(Connection(left.fileno(), (left.getsockname(), left.getpeername())))
     left.sendall(b"x")
     assert right.recv(1) == b"x"
     left.close()
     right.close()
+
+
+def test_past_the_trusted_cap_the_owner_holding_the_most_loses_one(owner: _Owner) -> None:
+    """The trusted cap (2 here) never pushes out one owner's connection while another
+    owner holds more: a tenant with many connections loses its own quietest."""
+    context: zmq.Context[Any] = zmq.Context.instance()
+    beta = _dealer(context, owner.port, b"beta")
+    until(lambda: _pumped(owner, lambda: b"beta" in owner.heard), "beta spoke")
+    owner.gate.trust(owner.heard[b"beta"], "beta")
+    alphas = []
+    for i in range(3):
+        said = f"alpha-{i}".encode()
+        alphas.append(_dealer(context, owner.port, said))
+        until(lambda said=said: _pumped(owner, lambda: said in owner.heard), "alpha spoke")
+        owner.gate.trust(owner.heard[said], "alpha")
+    assert owner.gate.counts() == (0, 2)
+    beta.send(b"beta again")
+    until(lambda: _pumped(owner, lambda: b"beta again" in owner.heard), "beta still heard")
+    for dealer in (beta, *alphas):
+        dealer.close()

@@ -41,7 +41,7 @@ from ._settings import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_STREAMS
 
 if TYPE_CHECKING:
     from ._engine import TRANSPORTS, Notification, TransferEngine
-    from ._gate import ConnectionGate
+    from ._gate import Connection, ConnectionGate
     from ._handle import TransferHandle
     from ._keyring import DEFAULT_PRINCIPAL, Principal
     from ._ops import OP_DTYPE
@@ -56,6 +56,7 @@ _LAZY = {
     "TRANSPORTS": "._engine",
     "Notification": "._engine",
     "TransferEngine": "._engine",
+    "Connection": "._gate",
     "ConnectionGate": "._gate",
     "TransferHandle": "._handle",
     "DEFAULT_PRINCIPAL": "._keyring",
@@ -90,6 +91,7 @@ __all__ = [
     "AuthenticationError",
     "BadAddress",
     "Caller",
+    "Connection",
     "ConnectionGate",
     "EngineClosed",
     "LocalProtocolError",

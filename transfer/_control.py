@@ -205,21 +205,26 @@ class ControlServer:
         try:
             message = unpack(body)
             rid = message.get("rid")
-            answer = self._answer(message, identity, rid)
-            if message.get("op") != "hello":  # a handshake completed, or a signed request
-                self._gate.trust(fd)
+            answer, proved = self._answer(message, identity, rid)
+            if proved is not None:  # a handshake completed, or a signed request
+                self._gate.trust(fd, proved)
             if answer is None:
                 return  # a call: queued, answered by the pool
         except Exception as exc:  # every bad request gets an answer; the loop goes on
             answer = _refusal(exc, self._refusals)
         self._socket.send_multipart(_frames(identity, rid, answer))
 
-    def _answer(self, message: dict[str, Any], identity: bytes, rid: Any) -> dict[str, Any] | None:
+    def _answer(
+        self, message: dict[str, Any], identity: bytes, rid: Any
+    ) -> tuple[dict[str, Any] | None, str | None]:
+        """The answer (``None``: the call pool answers) and the principal the request
+        proved it speaks for (``None``: a ``hello`` proves nothing)."""
         op = message.get("op")
         if op == "hello":
-            return self._hello(message)
+            return self._hello(message), None
         if op == "auth":
-            return self._auth(message)
+            answer = self._auth(message)
+            return answer, _principal(message.get("principal"))
         if op in ("call", "metadata", "bye"):
             caller = self.sessions.verify_call(
                 check_bytes(message.get("session"), 16),
@@ -228,20 +233,26 @@ class ControlServer:
                 check_blob(message.get("body")),
                 check_bytes(message.get("mac"), 32),
             )
-            if op == "metadata":
-                return {"ok": True, "metadata": self._metadata()}
-            if op == "bye":
-                self.sessions.end(message["session"])
-                return {"ok": True}
-            body = message["body"]
-            session = message["session"]
-            if self.quick is not None and not self._calls.busy(session):
-                answer = self._quick(self.quick, caller, body)
-                if answer is not None:
-                    return answer
-            self._calls.submit(session, lambda: _frames(identity, rid, self._call(caller, body)))
-            return None
+            return self._signed(op, message, caller, identity, rid), caller.principal
         raise RemoteProtocolError(f"unknown control op {op!r}")
+
+    def _signed(
+        self, op: str, message: dict[str, Any], caller: Caller, identity: bytes, rid: Any
+    ) -> dict[str, Any] | None:
+        """A verified request of a session: its answer, or ``None`` for the call pool."""
+        if op == "metadata":
+            return {"ok": True, "metadata": self._metadata()}
+        if op == "bye":
+            self.sessions.end(message["session"])
+            return {"ok": True}
+        body = message["body"]
+        session = message["session"]
+        if self.quick is not None and not self._calls.busy(session):
+            answer = self._quick(self.quick, caller, body)
+            if answer is not None:
+                return answer
+        self._calls.submit(session, lambda: _frames(identity, rid, self._call(caller, body)))
+        return None
 
     def _hello(self, message: dict[str, Any]) -> dict[str, Any]:
         if message.get("v") != CONTROL_VERSION:

@@ -7,23 +7,30 @@ a control or events port could therefore hold every descriptor of the process (a
 client then timed out). :class:`ConnectionGate` keeps two tables of the socket's
 connections, by descriptor:
 
-- **strangers**: accepted, not (yet) trusted. At most ``strangers`` of them; past that
-  the oldest that never sent a message is closed, or, when every one spoke, the one
-  heard from the longest ago (an honest peer speaks within a round trip of connecting, so
-  connections that sit silent go first, whatever their number);
+- **strangers**: accepted, not (yet) trusted, in the order they came. Past ``strangers``
+  of them the oldest that never sent a message is closed, once it is older than
+  :data:`GRACE_S` (an honest peer speaks within a round trip of connecting); past
+  :data:`HARD_FACTOR` times that, the oldest stranger, however young and whether it spoke
+  or not. Strangers that talk (a ``hello`` needs no secret) are closed only then:
+  closing a talker makes it reconnect and talk again, which costs more than holding it;
 - **trusted**: connections on which the socket's owner saw proof of a secret (a completed
-  handshake, a signed request, a valid ticket: :meth:`trust`). At most ``trusted``; past
-  that the quietest trusted connection is closed (a live ZMQ peer reconnects).
+  handshake, a signed request, a valid ticket: :meth:`trust`), each with its owner (a
+  principal, a tenant). At most ``trusted``; past that the quietest connection of the owner
+  that holds the most is closed (a live ZMQ peer reconnects): one tenant's connections
+  never push out another's while it holds more.
 
 What it learns comes from the socket's monitor (``ACCEPTED``, ``DISCONNECTED``, ``CLOSED``,
-each with the descriptor) and from each message's source descriptor (``zmq.SRCFD``). A
-connection is closed by ``shutdown(2)`` on its descriptor: libzmq then sees the end of the
-stream, closes the descriptor itself and says so on the monitor. Make the gate before the
-socket binds: it sets the listen backlog (:data:`BACKLOG`). Only a descriptor the
-monitor reported as accepted, and whose two addresses are still the ones it had then, is
-ever shut down: a descriptor number libzmq closed and the process reused (for a data
-stream, a file) is never touched. The gate belongs to the thread that owns the socket: it
-is not thread-safe, and :attr:`monitor` goes into that thread's poller.
+each with the descriptor), read before each message is credited (so a descriptor number
+libzmq closed and gave a new connection is never taken for the old one), and from each
+message's source descriptor (``zmq.SRCFD``). A connection is closed by ``shutdown(2)`` on
+its descriptor: libzmq then sees the end of the stream, closes the descriptor itself and
+says so on the monitor. Only a descriptor the monitor reported as accepted, and whose two
+addresses are still the ones it had then, is ever shut down, and a :class:`Connection` its
+owner kept names both: a number reused (for a data stream, a file, another peer) is never
+touched. Make the gate before the socket binds: it sets the listen backlog
+(:data:`BACKLOG`) and the messages a connection may queue (:data:`RCVHWM`). The gate
+belongs to the thread that owns the socket: it is not thread-safe, and :attr:`monitor`
+goes into that thread's poller.
 """
 
 from __future__ import annotations
@@ -33,7 +40,8 @@ import logging
 import secrets
 import socket
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -44,17 +52,48 @@ from .._bounded_log import BoundedLog
 BACKLOG = 1024
 """Connections the kernel queues for libzmq to accept (its default is 100): a burst of
 strangers must not leave a real peer's connect to wait out a SYN retransmit (1 s)."""
+RCVHWM = 64
+"""Messages queued per connection before libzmq stops reading it (its default is 1,000):
+a peer that sends faster than the socket's thread reads (or one closed with messages still
+queued) holds at most this many (a client sends a request and waits for its answer)."""
 
 GRACE_S = 0.25
-"""A connection this young that has not spoken yet may be on its way (its first message is
-a round trip behind its accept): it is closed for being silent only past the hard cap."""
+"""A stranger this young may be an honest peer on its way through its handshake: it is
+closed for the cap only past the hard cap."""
 HARD_FACTOR = 4
-"""Strangers at most, counting the young silent ones: this many times the cap."""
+"""Strangers at most, counting the young ones: this many times the cap."""
 
 _WATCHED = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
 
 _Ends = tuple[Any, Any]
 """A connection's local and peer address, as they were when it was accepted."""
+
+
+@dataclass(frozen=True)
+class Connection:
+    """One connection as the gate knew it: its descriptor and its two addresses (what its
+    owner keeps to name it later, :meth:`ConnectionGate.disconnect`)."""
+
+    fd: int
+    ends: _Ends
+
+
+@dataclass
+class _Stranger:
+    ends: _Ends
+    accepted: float
+    said: int = 0
+    """Messages heard from it."""
+
+    @property
+    def spoke(self) -> bool:
+        return self.said > 0
+
+
+@dataclass(frozen=True)
+class _Trusted:
+    ends: _Ends
+    owner: str
 
 
 class ConnectionGate:
@@ -75,76 +114,68 @@ class ConnectionGate:
         self._max_trusted = trusted
         self._name = name
         self._refusals = refusals
-        self._silent: OrderedDict[int, tuple[_Ends, float]] = OrderedDict()
-        """Descriptor -> addresses and time accepted of strangers that sent nothing yet,
-        oldest first."""
-        self._spoken: OrderedDict[int, _Ends] = OrderedDict()
-        """Strangers that sent a message, heard from the longest ago first."""
-        self._trusted: OrderedDict[int, _Ends] = OrderedDict()
+        self._strangers: OrderedDict[int, _Stranger] = OrderedDict()
+        """By descriptor, in the order they were accepted."""
+        self._trusted: OrderedDict[int, _Trusted] = OrderedDict()
+        """By descriptor, heard from the longest ago first."""
         self._early: dict[int, bool] = {}
         """Descriptors heard from (True: trusted) before the monitor's ACCEPTED was read."""
         self._socket = sock
         self.monitor = _monitor(sock)
         sock.setsockopt(zmq.BACKLOG, BACKLOG)  # for the binds that follow: make it first
+        sock.setsockopt(zmq.RCVHWM, RCVHWM)
 
     def counts(self) -> tuple[int, int]:
         """Connections held now: (strangers, trusted)."""
-        return len(self._silent) + len(self._spoken), len(self._trusted)
+        return len(self._strangers), len(self._trusted)
 
     def events(self) -> None:
         """Apply what the monitor reported, then close the connections past the caps. Call
-        it when :attr:`monitor` is readable and at least once a second (a young silent
-        connection spared for its grace is closed once it is old); read the socket's
-        messages first, so that a peer that spoke is not taken for a silent one."""
-        while True:
-            try:
-                frames = self.monitor.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            event = parse_monitor_message(frames)
-            fd = int(event["value"])
-            for table in (self._silent, self._spoken, self._trusted):
-                table.pop(fd, None)  # gone, or a number libzmq closed and reused
-            if event["event"] == zmq.EVENT_ACCEPTED:
-                self._accepted(fd)
+        it when :attr:`monitor` is readable and at least once a second (a young stranger
+        spared for its grace is closed once it is old); read the socket's messages first,
+        so that a peer that spoke is not taken for a silent one."""
+        self._apply()
         self._early.clear()
         self._enforce()
 
     def heard(self, message: zmq.Frame) -> int:
-        """A message came: its connection is the one heard from last. Returns the
-        connection's descriptor (-1 when unknown)."""
+        """A message came: credit its connection (after the monitor's news, so that a
+        descriptor is the connection it names now). Returns the descriptor (-1: unknown)."""
+        self._apply()
         fd = _source(message)
-        silent = self._silent.pop(fd, None)
-        if silent is not None:
-            self._spoken[fd] = silent[0]
-        elif fd in self._spoken:
-            self._spoken.move_to_end(fd)
+        stranger = self._strangers.get(fd)
+        if stranger is not None:
+            stranger.said += 1
         elif fd in self._trusted:
             self._trusted.move_to_end(fd)
         else:
             self._early.setdefault(fd, False)
         return fd
 
-    def trust(self, fd: int) -> None:
-        """The connection of descriptor ``fd`` proved a secret: it leaves the strangers."""
-        silent = self._silent.pop(fd, None)
-        ends = self._spoken.pop(fd, None) or (None if silent is None else silent[0])
-        if ends is not None:
-            self._trusted[fd] = ends
-            self._enforce()
-        elif fd in self._trusted:
-            self._trusted.move_to_end(fd)
-        else:
+    def trust(self, fd: int, owner: str = "") -> Connection | None:
+        """The connection of descriptor ``fd`` proved ``owner``'s secret: it leaves the
+        strangers. Returns it (``None``: the gate does not hold it)."""
+        stranger = self._strangers.pop(fd, None)
+        held = self._trusted.pop(fd, None)
+        ends = stranger.ends if stranger is not None else held.ends if held else None
+        if ends is None:
             self._early[fd] = True
+            return None
+        self._trusted[fd] = _Trusted(ends, owner)
+        self._enforce()
+        return Connection(fd, ends)
 
-    def disconnect(self, fd: int) -> None:
-        """Close the connection of descriptor ``fd`` (a peer its owner gave up on: an
-        events subscriber that stopped reading), if the gate holds it."""
-        silent = self._silent.pop(fd, None)
-        ends = self._trusted.pop(fd, None) or self._spoken.pop(fd, None)
-        ends = ends or (None if silent is None else silent[0])
-        if ends is not None and _ends(fd) == ends:
-            _shutdown(fd)
+    def disconnect(self, connection: Connection) -> None:
+        """Close ``connection`` (a peer its owner gave up on: an events subscriber that
+        stopped reading), if it is still the one the gate holds under its descriptor."""
+        self._apply()
+        fd = connection.fd
+        held = self._trusted.get(fd) or self._strangers.get(fd)
+        if held is not None and held.ends == connection.ends:
+            self._trusted.pop(fd, None)
+            self._strangers.pop(fd, None)
+            if _ends(fd) == connection.ends:
+                _shutdown(fd)
 
     def close(self) -> None:
         """Stop monitoring (the owner closes the socket itself)."""
@@ -152,40 +183,55 @@ class ConnectionGate:
             self._socket.disable_monitor()
         self.monitor.close(linger=0)
 
+    def _apply(self) -> None:
+        """What the monitor reported so far, in its order."""
+        while True:
+            try:
+                frames = self.monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            event = parse_monitor_message(frames)
+            fd = int(event["value"])
+            self._strangers.pop(fd, None)  # gone, or a number libzmq closed and reused
+            self._trusted.pop(fd, None)
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                self._accepted(fd)
+
     def _accepted(self, fd: int) -> None:
         ends = _ends(fd)
         if ends is None:
             return  # gone already: its DISCONNECTED follows
-        early = self._early.get(fd)
-        if early is None:
-            self._silent[fd] = (ends, time.monotonic())
+        early = self._early.pop(fd, None)
+        if early:
+            self._trusted[fd] = _Trusted(ends, "")
         else:
-            (self._trusted if early else self._spoken)[fd] = ends
+            self._strangers[fd] = _Stranger(ends, time.monotonic(), said=int(early is False))
 
     def _enforce(self) -> None:
-        """Close the connections past the caps (see :meth:`_quietest_stranger`), and the
-        trusted ones heard from the longest ago past their own cap."""
-        while (held := len(self._silent) + len(self._spoken)) > self._max_strangers:
-            quietest = self._quietest_stranger(held)
-            if quietest is None:
-                break  # only young silent ones, within the hard cap: they may speak yet
-            self._close(*quietest, "strangers", self._max_strangers)
+        """Close the connections past the caps (see the module's docstring)."""
+        while len(self._strangers) > self._max_strangers:
+            fd = self._stranger_to_close()
+            if fd is None:
+                break  # only young ones, within the hard cap: they may be on their way
+            self._close(fd, self._strangers.pop(fd).ends, "strangers", self._max_strangers)
         while len(self._trusted) > self._max_trusted:
-            self._close(*self._trusted.popitem(last=False), "trusted", self._max_trusted)
+            most = Counter(held.owner for held in self._trusted.values()).most_common(1)[0][0]
+            fd = next(fd for fd, held in self._trusted.items() if held.owner == most)
+            self._close(fd, self._trusted.pop(fd).ends, "trusted", self._max_trusted)
 
-    def _quietest_stranger(self, held: int) -> tuple[int, _Ends] | None:
-        """The stranger to close first: the oldest silent one, unless it is younger than
-        :data:`GRACE_S` (then only past :data:`HARD_FACTOR` times the cap); else, only
-        while more than the cap spoke, the one heard from the longest ago (a peer that
-        spoke is never closed to make room for silent ones)."""
-        if self._silent:
-            fd, (ends, accepted) = next(iter(self._silent.items()))
-            young = accepted > time.monotonic() - GRACE_S
-            if not young or held > self._max_strangers * HARD_FACTOR:
-                del self._silent[fd]
-                return fd, ends
-        if len(self._spoken) > self._max_strangers:
-            return self._spoken.popitem(last=False)
+    def _stranger_to_close(self) -> int | None:
+        """The oldest silent stranger past its grace; past the hard cap, the oldest
+        stranger, however young and whether it spoke or not (an honest peer is the newest
+        one). Strangers that spoke are closed only then: closing one that talks makes it
+        reconnect and talk again."""
+        old = time.monotonic() - GRACE_S
+        for fd, stranger in self._strangers.items():
+            if stranger.accepted > old:
+                break  # in the order they came: every later one is younger
+            if not stranger.spoke:
+                return fd
+        if len(self._strangers) > self._max_strangers * HARD_FACTOR:
+            return next(iter(self._strangers))
         return None
 
     def _close(self, fd: int, ends: _Ends, kind: str, cap: int) -> None:
@@ -194,7 +240,7 @@ class ConnectionGate:
         self._refusals.refused(
             f"{self._name}_{kind}",
             logging.WARNING,
-            "%s: more than %d %s connections: the quietest closed",
+            "%s: more than %d %s connections: one closed",
             self._name,
             cap,
             "unproven" if kind == "strangers" else "trusted",

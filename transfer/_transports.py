@@ -123,10 +123,12 @@ class TcpTransport:
         try:
             while not self._closed:
                 for key, _ in self._selector.select(self._next_timeout()):
-                    if key.fileobj is self._listener:
-                        self._accept_waiting()
-                    elif key.fileobj is not self._wake_r:
-                        self._spoke(self._silent_socket(key.fileobj))
+                    try:
+                        self._ready(key.fileobj)
+                    except Exception as exc:  # one connection's trouble never ends the loop
+                        _failures.refused(
+                            "serve", logging.ERROR, "tcp: a connection failed: %r", exc
+                        )
                 self._expire()
         finally:
             for sock in self._silent:
@@ -164,9 +166,13 @@ class TcpTransport:
             )
             sock.close()
 
-    def _silent_socket(self, fileobj: Any) -> socket.socket:
-        assert isinstance(fileobj, socket.socket)
-        return fileobj
+    def _ready(self, fileobj: Any) -> None:
+        """One readable socket of this pass: the listener, or a silent connection that
+        spoke (unless the accepts before it in the same pass closed it already)."""
+        if fileobj is self._listener:
+            self._accept_waiting()
+        elif fileobj in self._silent:
+            self._spoke(fileobj)
 
     def _expire(self) -> None:
         deadline = time.monotonic() - self._silent_timeout

@@ -133,6 +133,12 @@ class EventLedger(Generic[S]):
             self._subscriber_counts.add(entry.holder)
             return entry.stream
 
+    def holder(self, peer: bytes) -> Holder | None:
+        """Who took the ticket ``peer`` subscribed with (``None``: not a subscriber)."""
+        with self._lock:
+            held = self._subscribers.get(peer)
+            return None if held is None else held.holder
+
     def renew(self, peer: bytes, now: float) -> bool:
         """Whether ``peer`` is a live subscriber (its subscription now lasts ``ttl``)."""
         with self._lock:

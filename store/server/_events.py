@@ -58,7 +58,7 @@ import zmq
 
 from ..._bounded_log import BoundedLog
 from ..._closing import Closing
-from ...transfer import MAX_STRANGERS, ConnectionGate, trusted_connections
+from ...transfer import MAX_STRANGERS, Connection, ConnectionGate, trusted_connections
 from .._stream import LAPSED, RENEW, SUBSCRIBER_ID_BYTES, TICKET_PREFIX, encode, pack
 from ..local._changes import Change
 from ._event_bounds import (
@@ -155,8 +155,8 @@ class EventPublisher(Closing):
             self._gate.close()
             self._socket.close()
             raise
-        self._connections: dict[bytes, int] = {}
-        """Each subscriber's connection (its descriptor, for the gate), while it counts."""
+        self._connections: dict[bytes, Connection] = {}
+        """Each subscriber's connection as the gate knew it, while it counts."""
         self._waiting: collections.deque[tuple[EventStream, list[Change] | None]] = (
             collections.deque()
         )
@@ -260,8 +260,13 @@ class EventPublisher(Closing):
         stream = self._ledger.redeem(ticket, peer, now)
         if stream is None:
             return
-        self._gate.trust(fd)  # a valid ticket: a stranger no more
-        self._connections[peer] = fd
+        holder = self._ledger.holder(peer)
+        owner = "" if holder is None else holder.tenant
+        connection = self._gate.trust(fd, owner)  # a valid ticket: a stranger no more
+        if connection is not None:
+            self._connections[peer] = connection
+        else:
+            self._connections.pop(peer, None)
         if stream.closed:  # its namespace left meanwhile: it is told at the next heartbeat
             self._ledger.stop(peer)
             return
@@ -329,9 +334,9 @@ class EventPublisher(Closing):
         self.dropped += 1
         message = "event subscriber %s dropped: its queue holds its %d messages"
         self._drops.refused("dropped", logging.INFO, message, peer.hex(), self.bounds.hwm)
-        fd = self._connections.get(peer)
-        if fd is not None:
-            self._gate.disconnect(fd)
+        connection = self._connections.get(peer)
+        if connection is not None:  # only that very connection, whatever its number is now
+            self._gate.disconnect(connection)
         if self._on_drop is None:
             return
         try:
