@@ -14,10 +14,16 @@ blocks live in a cache server inside each rank's process (``host_capacity``, opt
 ``disk_path``). Settings: :class:`kvbridge.bindings.ConnectorConfig`; ``timeout`` defaults
 to 5 s here. What it decided and why: ``docs/SGLANG.md``.
 
+Every model's pools come through SGLang 0.5.23's v2 registration too (``kv`` for a
+plain model; a hybrid model's Mamba state and SWA side pools besides): ``_hybrid`` keeps
+each pool's pages in a namespace of its own and answers ``batch_exists_v2``,
+``batch_get_v2`` and ``batch_set_v2``.
+
 Faults stay local: a store that is down, slow or refuses makes a call a miss (``False``,
 ``None``, 0 hits) and a warning, never an exception into SGLang's cache controller.
 Malformed arguments (host indices that are not whole pages of the pool, a tensor of the
-wrong size) raise :class:`~kvbridge.bindings.LayoutError` and move nothing.
+wrong size, a pool never registered) raise :class:`~kvbridge.bindings.LayoutError` and
+move nothing.
 """
 
 from __future__ import annotations
@@ -27,13 +33,18 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    PoolTransfer,
+    PoolTransferResult,
+)
 
 from ...store import ConfigError
 from ..core._core import ConnectorCore
 from ..core._pages import LayoutError
 from ._config import backend_config, identity
-from ._pool import HostPages, flat_bytes
+from ._hybrid import KV, StoredPool, close_pools, hit_query, open_side_pool, registered
+from ._pool import HostPages, check_page_bytes, flat_bytes
 
 __all__ = ["KVBridgeHiCache"]
 
@@ -52,8 +63,15 @@ class KVBridgeHiCache(HiCacheStorage):  # type: ignore[misc]
         host pool, which says what a page's bytes are."""
         self.storage_config = storage_config
         self.config, self.zero_copy = backend_config(storage_config)
-        self._core: ConnectorCore | None = None
+        self._pools: dict[str, StoredPool] = {}
+        """SGLang's host pools by name: ``kv`` (the anchor), then any side pools."""
         self._warned = False
+
+    @property
+    def _core(self) -> ConnectorCore | None:
+        """The KV pool's core (None until SGLang registered its host pool)."""
+        kv = self._pools.get(KV)
+        return None if kv is None else kv.core
 
     # -- set-up -----------------------------------------------------------------------------
 
@@ -64,6 +82,7 @@ class KVBridgeHiCache(HiCacheStorage):  # type: ignore[misc]
             block_bytes = pages.block_bytes
         else:  # SGLang's flat page: the bytes of its get_data_page
             block_bytes = int(mem_pool_host.get_dummy_flat_data_page().nbytes)
+        check_page_bytes(KV, block_bytes)
         path = "segments" if self.zero_copy else "flat"
         ident = identity(
             self.storage_config, mem_pool_host, block_bytes, path, self.config.namespace
@@ -77,9 +96,9 @@ class KVBridgeHiCache(HiCacheStorage):  # type: ignore[misc]
         except BaseException:
             core.close()
             raise
-        old, self._core = self._core, core
-        if old is not None:
-            old.close()
+        kv = StoredPool(KV, mem_pool_host, core, pages if self.zero_copy else None)
+        old, self._pools = self._pools, {KV: kv}
+        close_pools(old)
         _log.info(
             "kvbridge HiCache backend: namespace %s, %d-byte pages (%s interface)",
             core.namespace.decode(),
@@ -88,9 +107,49 @@ class KVBridgeHiCache(HiCacheStorage):  # type: ignore[misc]
         )
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
-        raise ConfigError(
-            f"kvbridge: host pool {host_pool_name!s} of a hybrid model (Mamba, SWA, DSA "
-            "side pools): only models with one KV pool are supported"
+        """SGLang 0.5.23 registers every pool of its host pool group here, after the
+        anchor: ``kv`` (the anchor itself: nothing to do), and a hybrid model's side pools,
+        each opened in a namespace of its own. A pool kvbridge cannot take is a
+        :class:`ConfigError` or :class:`LayoutError` (SGLang fails at start, saying so),
+        and closes the backend: SGLang keeps a backend whose runtime attach failed at
+        this step, and its later calls are misses."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = str(host_pool_name)
+        kv = self._pools.get(KV)
+        if kv is None:
+            raise ConfigError(
+                f"kvbridge: SGLang registered host pool {name!r} before its anchor pool"
+            )
+        try:
+            if name == KV:
+                if host_pool is not kv.pool:
+                    raise ConfigError(
+                        "kvbridge: SGLang's kv host pool is not the anchor pool it registered "
+                        f"first ({type(host_pool).__name__}, {type(kv.pool).__name__})"
+                    )
+                return
+            side = open_side_pool(
+                name,
+                host_pool,
+                self.storage_config,
+                self.config,
+                kv.core.identity,
+                zero_copy=self.zero_copy,
+                connections=_CONNECTIONS,
+            )
+        except BaseException:
+            self.close()
+            raise
+        old = self._pools.get(name)
+        self._pools[name] = side
+        if old is not None:
+            old.close()
+        _log.info(
+            "kvbridge HiCache backend: side pool %s, namespace %s, %d-byte pages (%s)",
+            name,
+            side.core.namespace.decode(),
+            side.core.identity.block_bytes,
+            "zero-copy" if side.zero_copy else "flat pages",
         )
 
     # -- lookups ----------------------------------------------------------------------------
@@ -126,6 +185,53 @@ class KVBridgeHiCache(HiCacheStorage):  # type: ignore[misc]
         if core is None or not keys:
             return [False] * len(keys)
         return [core.save(core.named(keys), host_indices)] * len(keys)
+
+    # -- the v2 interface: every pool of a hybrid model --------------------------------------
+
+    def batch_exists_v2(
+        self,
+        keys: list[str],
+        pool_transfers: list[PoolTransfer] | None = None,
+        extra_info: Any = None,
+    ) -> PoolTransferResult:
+        """The longest prefix of ``keys`` that the KV pool and every pool of
+        ``pool_transfers`` can serve (``_hybrid.hit_query``)."""
+        core = self._ready()
+        if core is None or not keys:
+            return PoolTransferResult(0, {}, [])
+        return hit_query(keys, core.lookup(core.named(keys)), pool_transfers or [], self._pools)
+
+    def batch_get_v2(
+        self, transfers: list[PoolTransfer], extra_info: Any = None
+    ) -> dict[Any, list[bool]]:
+        """Fill each transfer's pages; per pool, ``True`` for the leading pages loaded."""
+        if self._ready() is None:
+            return _none_moved(transfers)
+        moves = self._checked(transfers)
+        loaded = {t.name: pool.load(keys, t.host_indices) for t, pool, keys in moves}
+        return {t.name: [i < loaded[t.name] for i in range(len(keys))] for t, _, keys in moves}
+
+    def batch_set_v2(
+        self, transfers: list[PoolTransfer], extra_info: Any = None
+    ) -> dict[Any, list[bool]]:
+        """Store each transfer's pages; per pool, all ``True`` once stored."""
+        if self._ready() is None:
+            return _none_moved(transfers)
+        moves = self._checked(transfers)
+        return {t.name: [pool.save(keys, t.host_indices)] * len(keys) for t, pool, keys in moves}
+
+    def _checked(
+        self, transfers: list[PoolTransfer]
+    ) -> list[tuple[PoolTransfer, StoredPool, list[str]]]:
+        """Every transfer's pool and keys, each checked against its host indices before
+        a byte of any of them moves (:class:`LayoutError`)."""
+        moves = []
+        for transfer in transfers:
+            pool = registered(self._pools, transfer.name)
+            keys = list(transfer.keys or [])
+            pool.check(keys, transfer.host_indices)
+            moves.append((transfer, pool, keys))
+        return moves
 
     # -- the copying interface --------------------------------------------------------------
 
@@ -170,19 +276,26 @@ class KVBridgeHiCache(HiCacheStorage):  # type: ignore[misc]
     # -- the rest -----------------------------------------------------------------------------
 
     def clear(self) -> bool:
-        """Remove every page of this backend's namespace from the store (SGLang's
-        ``/clear_hicache_storage_backend``); other namespaces keep theirs. False when the
-        store failed."""
-        core = self._ready()
-        return core is not None and core.clear()
+        """Remove every page of this backend's namespaces (its KV pool's and any side
+        pool's) from the store (SGLang's ``/clear_hicache_storage_backend``); other
+        namespaces keep theirs. False when the store failed."""
+        if self._ready() is None:
+            return False
+        return all([pool.core.clear() for pool in list(self._pools.values())])
 
     def stats(self) -> dict[str, Any]:
-        """The connector's counters since start (lookups, hits, bytes loaded and saved)."""
-        return {} if self._core is None else self._core.stats.totals()
+        """The connector's counters since start (lookups, hits, bytes loaded and saved) of
+        the KV pool; a hybrid model's side pools' under ``pools``, by name."""
+        if self._core is None:
+            return {}
+        totals = self._core.stats.totals()
+        sides = {n: p.core.stats.totals() for n, p in self._pools.items() if n != KV}
+        if sides:
+            totals["pools"] = sides
+        return totals
 
     def close(self) -> None:
-        if self._core is not None:
-            self._core.close()
+        close_pools(self._pools)
 
     # -- internals --------------------------------------------------------------------------
 
@@ -206,3 +319,7 @@ def _flat_views(
     if len(tensors) != len(keys):
         raise LayoutError(f"{len(keys)} key(s) but {len(tensors)} page tensor(s)")
     return [flat_bytes(t, core.identity.block_bytes, writable=writable) for t in tensors]
+
+
+def _none_moved(transfers: list[PoolTransfer]) -> dict[Any, list[bool]]:
+    return {t.name: [False] * len(t.keys or []) for t in transfers}

@@ -9,6 +9,7 @@ every other key is a :class:`ConnectorConfig` setting, checked, an unknown one n
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import sglang
@@ -48,8 +49,14 @@ _GEOMETRY = (
     "qk_rope_head_dim",
     "start_layer",
     "end_layer",
+    "num_mamba_layers",
+    "temporal_state_shape",
+    "temporal_dtype",
+    "conv_state_shapes",
+    "conv_dtype",
 )
-"""The host pool's attributes that shape a page's bytes (those a pool has)."""
+"""The host pool's attributes that shape a page's bytes (those a pool has: the KV pools'
+and the Mamba state pool's)."""
 
 
 def backend_config(storage: Any) -> tuple[ConnectorConfig, bool]:
@@ -86,22 +93,55 @@ def identity(storage: Any, pool: Any, block_bytes: int, path: str, namespace: st
     unless ``namespace`` is set."""
     model = _published_model()
     named = _weights(model, storage)
-    geometry = ",".join(f"{n}={getattr(pool, n)}" for n in _GEOMETRY if hasattr(pool, n))
-    rank = "mla" if storage.is_mla_model else f"tp{storage.tp_rank}/{storage.tp_size}"
-    tag = getattr(pool, "storage_format_tag", None)
     ident = Identity(
         engine=f"sglang-{sglang.__version__}",
         model=named.name,
         dtype=str(pool.dtype),
-        layout=f"{type(pool).__name__}/{pool.layout}/{tag}/{path}/{geometry}",
+        layout=_layout(pool, path),
         block_tokens=int(pool.page_size),
         block_bytes=block_bytes,
-        shard=f"{rank},pp{storage.pp_rank}/{storage.pp_size},"
-        f"cp{storage.attn_cp_rank}/{storage.attn_cp_size}",
+        shard=_shard(storage, replicated=storage.is_mla_model),
         extra=namespace,
         settings="" if model is None else _settings(model),
     )
     return settle(ident, named.doubt)
+
+
+def side_identity(
+    kv: Identity, storage: Any, pool: Any, *, name: str, block_bytes: int, path: str
+) -> Identity:
+    """A hybrid model's side pool (``name``: Mamba state, SWA KV): the KV pool's identity
+    (engine, weights, settings, the ``namespace`` setting and any salt: settled once) with
+    this pool's name, bytes and layout, so that one page hash names another block in every
+    pool. Mamba state is sharded by TP rank even where the KV is the same on every rank
+    (an MLA model's): SGLang backs it up from every rank (``should_backup`` in
+    ``hybrid_cache_controller.py``), and SGLang's file backend keys it by rank too."""
+    return replace(
+        kv,
+        dtype=str(pool.dtype),
+        layout=f"{name}:{_layout(pool, path)}",
+        block_tokens=int(pool.page_size),
+        block_bytes=block_bytes,
+        shard=_shard(storage, replicated=storage.is_mla_model and name != "mamba"),
+    )
+
+
+def _layout(pool: Any, path: str) -> str:
+    geometry = ",".join(f"{n}={getattr(pool, n)}" for n in _GEOMETRY if hasattr(pool, n))
+    slot_states = getattr(pool, "slot_state_buffers", ())  # a Mamba pool's, in its pages
+    side_states = [(tuple(t.shape[1:]), str(t.dtype)) for t in slot_states]
+    if side_states:
+        geometry += f",slot_states={side_states}"
+    tag = getattr(pool, "storage_format_tag", None)
+    return f"{type(pool).__name__}/{pool.layout}/{tag}/{path}/{geometry}"
+
+
+def _shard(storage: Any, *, replicated: bool) -> str:
+    rank = "mla" if replicated else f"tp{storage.tp_rank}/{storage.tp_size}"
+    return (
+        f"{rank},pp{storage.pp_rank}/{storage.pp_size},"
+        f"cp{storage.attn_cp_rank}/{storage.attn_cp_size}"
+    )
 
 
 _SETTINGS = (

@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ...store import ConfigError
+from ...store.server import MIN_BLOCK_BYTES
 from ..core._pages import LayoutError
 
 
@@ -61,29 +63,9 @@ class HostPages:
     def block_bytes(self) -> int:
         return self.segments * self.segment_bytes
 
-    def _slots(self, host_indices: Any) -> np.ndarray:
-        """``host_indices`` as checked slots; raises :class:`LayoutError` unless they are
-        runs of ``page_tokens`` slots, each starting on a page, inside the pool, no page
-        twice."""
-        slots = _as_slots(host_indices)
-        if slots.size % self.page_tokens:
-            raise LayoutError(
-                f"{slots.size} host slots are not whole pages of {self.page_tokens} tokens"
-            )
-        if slots.size and (slots.min() < 0 or slots.max() >= self.capacity):
-            raise LayoutError(f"host slots outside the pool's {self.capacity} slots")
-        runs = slots.reshape(-1, self.page_tokens)
-        starts = runs[:, :1]
-        scattered = (runs - starts != np.arange(self.page_tokens)).any()
-        if scattered or (starts % self.page_tokens).any():
-            raise LayoutError("host slots are not whole pages (a page's slots must be one run)")
-        if len(np.unique(starts)) != len(runs):
-            raise LayoutError("a page is named twice in one call")
-        return slots
-
     def offsets(self, at: Any) -> np.ndarray:
         """``at``: host indices, ``page_tokens`` per page. Shape ``(pages, segments)``."""
-        slots = self._slots(at)
+        slots = whole_pages(at, self.page_tokens, self.capacity)
         count = slots.size // self.page_tokens
         if count == 0:
             return np.zeros((0, self.segments), dtype=np.int64)
@@ -101,6 +83,37 @@ class HostPages:
             if base <= pointer < base + buffer.nbytes:
                 return i
         raise LayoutError("a page's memory lies outside the host pool's buffers")
+
+
+def check_page_bytes(pool: str, nbytes: int) -> None:
+    """Raises :class:`ConfigError` when the ``pool`` pool's pages, as kvbridge stores them,
+    are smaller than a cache server's smallest block (SGLang starts, saying so, instead
+    of running with a store that refuses every page)."""
+    if nbytes < MIN_BLOCK_BYTES:
+        raise ConfigError(
+            f"kvbridge: the {pool} host pool's pages are {nbytes} bytes, under a cache "
+            f"server's smallest block ({MIN_BLOCK_BYTES} bytes), which kvbridge cannot store "
+            "(a larger --page-size makes larger KV pages)"
+        )
+
+
+def whole_pages(host_indices: Any, page_tokens: int, capacity: int) -> np.ndarray:
+    """``host_indices`` as checked slots; raises :class:`LayoutError` unless they are runs
+    of ``page_tokens`` slots, each starting on a page, inside a pool of ``capacity``
+    slots, no page twice."""
+    slots = _as_slots(host_indices)
+    if slots.size % page_tokens:
+        raise LayoutError(f"{slots.size} host slots are not whole pages of {page_tokens} tokens")
+    if slots.size and (slots.min() < 0 or slots.max() >= capacity):
+        raise LayoutError(f"host slots outside the pool's {capacity} slots")
+    runs = slots.reshape(-1, page_tokens)
+    starts = runs[:, :1]
+    scattered = (runs - starts != np.arange(page_tokens)).any()
+    if scattered or (starts % page_tokens).any():
+        raise LayoutError("host slots are not whole pages (a page's slots must be one run)")
+    if len(np.unique(starts)) != len(runs):
+        raise LayoutError("a page is named twice in one call")
+    return slots
 
 
 def flat_bytes(tensor: Any, nbytes: int, *, writable: bool) -> np.ndarray:
@@ -122,7 +135,10 @@ def _pool_tensors(pool: Any) -> list[Any]:
     held = getattr(pool, "kv_buffer", None)
     tensors = list(held) if isinstance(held, list | tuple) else [held]
     if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
-        raise LayoutError("the host pool has no kv_buffer tensor")
+        raise LayoutError(
+            f"the host pool ({type(pool).__name__}) has no kv_buffer tensor: it keeps no "
+            "pages of its own (an allocator-only pool), and kvbridge stores pages"
+        )
     return tensors
 
 

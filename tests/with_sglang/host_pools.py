@@ -1,19 +1,30 @@
 """Host KV pools that carry SGLang's own page code.
 
-SGLang's host pools cannot be built here: their modules import the GPU runtime (CUDA
-kernels, tvm_ffi, flashinfer). These pools allocate their ``kv_buffer`` with the shapes
-of SGLang's ``init_kv_buffer`` and take every method a storage backend or the cache
-controller calls on a pool (``get_page_buffer_meta``, ``get_data_page``,
+SGLang's host pools cannot be imported here: their package imports the GPU runtime (CUDA
+kernels, tvm_ffi, flashinfer, transformers). The KV pools allocate their ``kv_buffer``
+with the shapes of SGLang's ``init_kv_buffer`` and take every method a storage backend or
+the cache controller calls on a pool (``get_page_buffer_meta``, ``get_data_page``,
 ``get_dummy_flat_data_page``, ``set_from_flat_data_page``) from the installed sglang's
 source, unchanged: the text of those methods is read from its ``pool_host/mha.py`` and
-``pool_host/mla.py`` and compiled here.
+``pool_host/mla.py`` and compiled here. ``MambaPool`` is SGLang's whole
+``MambaPoolHost`` class (``pool_host/mamba.py``), compiled here over a stand-in for its
+base class, and built on CPU state tensors as a hybrid model's Mamba device pool gives
+them.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+import os
+import threading
+from collections import defaultdict
+from collections.abc import Sequence
+from functools import wraps
+from typing import Any, Optional
 
+import numpy as np
 import torch
+from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
 from sglang_source import compiled
 
 _CALLED = (
@@ -134,3 +145,81 @@ for _name, _method in compiled(
     _MLA, _MLA_CALLED, {"torch": torch}, within="MLATokenToKVPoolHost"
 ).items():
     setattr(MLAPool, _name, _method)
+
+
+class HostKVCache:
+    """Stands in for SGLang's ``HostKVCache``, ``MambaPoolHost``'s base (its module imports
+    the GPU runtime): ``MambaPoolHost`` defines every method that a backend or the
+    controller's storage paths call on it."""
+
+
+_MAMBA = "sglang.srt.mem_cache.pool_host.mamba"
+_mamba_scope: dict[str, Any] = {
+    "torch": torch,
+    "np": np,
+    "os": os,
+    "threading": threading,
+    "Optional": Optional,
+    "Sequence": Sequence,
+    "logger": logging.getLogger(_MAMBA),
+    "MambaStateBufferInfo": MambaStateBufferInfo,
+    "HostKVCache": HostKVCache,
+    "_is_xpu": False,
+    "_is_npu": False,
+    "_NPU_HICACHE_MAMBA_IO_ENV": "SGLANG_NPU_HICACHE_MAMBA_IO",
+    "_NPU_HICACHE_MAMBA_IO_MODES": {"sync", "async"},
+    "transfer_state_per_layer_direct_pf_lf": None,
+    "transfer_state_all_layer_direct_lf_pf": None,
+    # the host memory a machine has and a PP group's agreement: all of it, this rank's
+    "host_memory_budget_bytes": lambda requested, **_: requested,
+    "sync_fixed_hicache_size": lambda size, host_size: size,
+    "get_allocator_from_storage": lambda allocator_type: None,
+    "wraps": wraps,
+}
+compiled("sglang.srt.mem_cache.pool_host.base", ("synchronized",), _mamba_scope)
+compiled("sglang.srt.mem_cache.pool_host.common", ("alloc_with_pin_memory",), _mamba_scope)
+# SGLang's CPU allocation maps fresh pages (alloc_mmap); torch.empty gives the same tensors
+_mamba_scope["ALLOC_MEMORY_FUNCS"] = defaultdict(lambda: _mamba_scope["alloc_with_pin_memory"])
+compiled(_MAMBA, ("_npu_hicache_mamba_io_mode", "MambaPoolHost"), _mamba_scope)
+MambaPoolHost: Any = _mamba_scope["MambaPoolHost"]
+
+
+def mamba_pool(
+    *,
+    device_slots: int = 4,
+    layers: int = 2,
+    heads: int = 2,
+    state_dim: int = 16,
+    conv_dim: int = 64,
+    conv_kernel: int = 4,
+    layout: str = "page_first",
+) -> Any:
+    """SGLang's ``MambaPoolHost`` for a device pool of ``device_slots`` states (twice as
+    many host slots, plus SGLang's one spare): per layer and slot a float32 temporal state
+    (heads x state_dim x state_dim) and a bfloat16 conv state (conv_dim x conv_kernel-1),
+    as a gated-delta-net layer keeps them."""
+    temporal = torch.zeros((layers, device_slots, heads, state_dim, state_dim))
+    conv = torch.zeros((layers, device_slots, conv_dim, conv_kernel - 1), dtype=torch.bfloat16)
+    info = MambaStateBufferInfo(temporal=temporal, conv=(conv,))
+    return MambaPoolHost(
+        info,
+        2.0,
+        0,
+        device_capacity=device_slots,
+        pin_memory=False,
+        device="cpu",
+        layout=layout,
+    )
+
+
+def fill_mamba(pool: Any, seed: int) -> None:
+    """Random bytes in every state slot of a ``MambaPoolHost``."""
+    draw = torch.Generator().manual_seed(seed)
+    for buffer in (pool.temporal_buffer, *pool.conv_buffer):
+        flat = buffer.view(-1).view(torch.uint8)
+        flat.copy_(torch.randint(0, 256, flat.shape, generator=draw).to(torch.uint8))
+
+
+def state_bytes(pool: Any, slot: int) -> bytes:
+    """The state at host slot ``slot``, as SGLang reads it (its flat page)."""
+    return bytes(pool.get_data_page(slot, flat=True).numpy())

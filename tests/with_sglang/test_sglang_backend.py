@@ -102,13 +102,6 @@ def test_bad_settings_are_config_errors(
         KVBridgeHiCache(storage(extra, **change))
 
 
-def test_hybrid_models_are_refused_clearly(server: CacheServer) -> None:
-    made = backend(MHAPool(), {"server": server.address, "interface_v1": 1})
-    with pytest.raises(ConfigError, match="hybrid model"):
-        made.register_mem_host_pool_v2(MHAPool(), "mamba")
-    made.close()
-
-
 def test_a_backend_without_its_host_pool_answers_misses() -> None:
     made = KVBridgeHiCache(storage({"interface_v1": 1}))
     assert made.batch_exists(names(2)) == 0
