@@ -3,10 +3,9 @@
 Every connection a server holds is a descriptor, and the usual soft limit (1,024) is far
 below the usual hard one. A server raises its soft limit to the hard one at start (as
 vLLM and ``kvbridge proxy`` do) and logs what it got. Each listening port then caps the
-connections of peers that proved nothing (:data:`MAX_STRANGERS` on a control or events
-port; the data and metrics ports have caps of their own, 64 each), and the rest stays for
-peers that did (:func:`trusted_connections`): under a flood of strangers on every port at
-once, four caps of 64 leave three quarters of a 1,024 limit to real clients.
+connections of peers that proved nothing (:data:`MAX_STRANGERS` silent ones on a control
+or events port, four times that in all: ``_gate``; the data and metrics ports have caps of
+their own, 64 each), and the rest stays for peers that did (:func:`trusted_connections`).
 """
 
 from __future__ import annotations
