@@ -1,6 +1,8 @@
-"""The vLLM connector's tests run on a real vLLM 0.32 (CPU) in its own virtual environment:
-``tests/with_vllm/run`` makes it and runs them. Where vLLM is missing only
-``test_vllm_present.py`` is collected, and it skips, saying so."""
+"""The vLLM connector's tests run on a real vLLM (CPU) in a virtual environment of its own,
+one lane for each supported version (``kvbridge.bindings.vllm.SUPPORTED_VLLM``):
+``tests/with_vllm/run`` makes vLLM 0.32's and runs them there, ``tests/with_vllm/run-0.33``
+vLLM 0.33's. Where vLLM is missing only ``test_vllm_present.py`` is collected, and it skips,
+saying so."""
 
 from __future__ import annotations
 

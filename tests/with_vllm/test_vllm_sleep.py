@@ -2,9 +2,9 @@
 own types, whatever the installed vLLM declares. vLLM 0.33 added the hook
 (``KVConnectorBase_V1.supports_sleep_mode``, a classmethod taking the
 ``KVTransferConfig``, True by default) and refuses ``--enable-sleep-mode`` at start with a
-connector that answers False; vLLM 0.32 (the one these tests install) has no hook and never
+connector that answers False; vLLM 0.32 (``tests/with_vllm/run``'s) has no hook and never
 asks. The first two tests hold on both; the third runs vLLM's own start-up check where
-there is one."""
+there is one (``tests/with_vllm/run-0.33``'s vLLM)."""
 
 from __future__ import annotations
 

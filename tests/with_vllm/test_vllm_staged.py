@@ -1,4 +1,4 @@
-"""The staged path on a real vLLM 0.32 (CPU): ``staging: "always"`` moves every page
+"""The staged path on a real vLLM (CPU): ``staging: "always"`` moves every page
 through the host staging buffer, as a KV cache in GPU memory goes, here with a buffer of two
 blocks (32 KiB each) so that every load and save runs in chunks. Outputs equal an instance
 without a connector and a fresh instance loads what another saved. (A server killed mid-run
