@@ -174,14 +174,17 @@ def test_past_the_trusted_cap_the_owner_holding_the_most_loses_one(owner: _Owner
     beta = _dealer(context, owner.port, b"beta")
     until(lambda: _pumped(owner, lambda: b"beta" in owner.heard), "beta spoke")
     owner.gate.trust(owner.heard[b"beta"], "beta")
-    alphas = []
-    for i in range(3):
-        said = f"alpha-{i}".encode()
-        alphas.append(_dealer(context, owner.port, said))
-        until(lambda said=said: _pumped(owner, lambda: said in owner.heard), "alpha spoke")
-        owner.gate.trust(owner.heard[said], "alpha")
+    alphas = [_alpha(owner, context, f"alpha-{i}".encode()) for i in range(3)]
     assert owner.gate.counts() == (0, 2)
     beta.send(b"beta again")
     until(lambda: _pumped(owner, lambda: b"beta again" in owner.heard), "beta still heard")
     for dealer in (beta, *alphas):
         dealer.close()
+
+
+def _alpha(owner: _Owner, context: zmq.Context[Any], said: bytes) -> zmq.Socket[Any]:
+    """A connection of owner ``alpha`` that spoke and proved itself."""
+    dealer = _dealer(context, owner.port, said)
+    until(lambda: _pumped(owner, lambda: said in owner.heard), "alpha spoke")
+    owner.gate.trust(owner.heard[said], "alpha")
+    return dealer
