@@ -11,7 +11,6 @@ of each, idle first, flooded second; the ratio is idle p50 / flooded p50."""
 
 from __future__ import annotations
 
-import re
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -22,9 +21,8 @@ import pytest
 from conftest import _EXTRA_LINES
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
-from helpers import free_port
 from serve import ServeProcess
-from strangers import StrangerFlood
+from strangers import StrangerFlood, every_port
 
 from kvbridge.store import StoreClient
 
@@ -36,22 +34,8 @@ CONNECTS = 20
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[tuple[ServeProcess, dict[str, int]]]:
-    data = free_port()
-    server = ServeProcess(
-        *("--host-capacity", "64MiB", "--handoff-ttl", "0", "--events-port", "0"),
-        *("--metrics-port", "0", "--data-port", str(data)),
-        open_files=(1024, 1024),
-    )
-    found = dict(re.findall(r"(metrics|events) on :(\d+)", server.line))
-    yield (
-        server,
-        {
-            "control": int(server.address.rsplit(":", 1)[1]),
-            "events": int(found["events"]),
-            "data": data,
-            "metrics": int(found["metrics"]),
-        },
-    )
+    server, ports = every_port("--host-capacity", "64MiB", "--handoff-ttl", "0")
+    yield server, ports
     server.kill()
 
 

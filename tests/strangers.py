@@ -10,6 +10,7 @@ end, ``opened N``."""
 from __future__ import annotations
 
 import errno
+import re
 import resource
 import selectors
 import socket
@@ -18,6 +19,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from helpers import free_port
+from serve import ServeProcess
 
 _SIGNATURE = b"\xff" + b"\x00" * 8 + b"\x7f"
 _READY = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
@@ -30,6 +34,25 @@ GREETING = (
 REOPEN_PER_S = 1000
 """How fast closed connections come back: a holding flood, not a connect-rate flood (which
 fills any listener's backlog, whoever accepts it: a matter for SYN cookies and firewalls)."""
+
+
+def every_port(*args: str) -> tuple[ServeProcess, dict[str, int]]:
+    """A ``kvbridge serve`` (with ``args``) listening on all four ports, held to 1,024 open
+    files (the usual soft limit, and nothing to raise it to); its ports by name."""
+    data = free_port()
+    served = ServeProcess(
+        *args,
+        *("--events-port", "0", "--metrics-port", "0", "--data-port", str(data)),
+        open_files=(1024, 1024),
+    )
+    found = dict(re.findall(r"(metrics|events) on :(\d+)", served.line))
+    ports = {
+        "control": int(served.address.rsplit(":", 1)[1]),
+        "events": int(found["events"]),
+        "metrics": int(found["metrics"]),
+        "data": data,
+    }
+    return served, ports
 
 
 class StrangerFlood:

@@ -8,14 +8,13 @@ about 1,100 silent ZMQ connections took every descriptor and a client timed out.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from helpers import free_port, key, payloads
+from helpers import key, payloads
 from serve import ServeProcess
-from strangers import StrangerFlood
+from strangers import StrangerFlood, every_port
 
 from kvbridge.store import StoreClient
 
@@ -27,26 +26,9 @@ CALL_BOUND_S = 1.0
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[tuple[ServeProcess, dict[str, int]]]:
-    data = free_port()
-    served = ServeProcess(
-        *("--host-capacity", "16MiB", "--events-port", "0", "--metrics-port", "0"),
-        *("--data-port", str(data)),
-        open_files=(1024, 1024),  # the usual soft limit, and nothing to raise it to
-    )
-    ports = {
-        "control": int(served.address.rsplit(":", 1)[1]),
-        "events": int(_after(served.line, "events on :")),
-        "metrics": int(_after(served.line, "metrics on :")),
-        "data": data,
-    }
+    served, ports = every_port("--host-capacity", "16MiB")
     yield served, ports
     served.kill()
-
-
-def _after(line: str, label: str) -> str:
-    found = re.search(re.escape(label) + r"(\d+)", line)
-    assert found is not None, line
-    return found.group(1)
 
 
 def _round_trip(address: str, number: int) -> None:
