@@ -30,12 +30,16 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 from serve import ServeProcess
 
 from kvbridge.bindings import ConnectorConfig, ConnectorCore, Identity
+from kvbridge.bindings.vllm._groups import Group, KVGroups
 from kvbridge.bindings.vllm._scheduler import LOOKUP_THREADS, SchedulerSide
 from kvbridge.store import StoreClient
 
 BLOCK_TOKENS, BLOCK_BYTES, PROMPT = 32, 32 << 10, 512
 REQUESTS = 400
 STEP_S = 0.0005
+
+ONE_GROUP = KVGroups((Group(0, "full", 0, ("layer",)),))
+"""A model of one full-attention KV cache group."""
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +130,7 @@ def test_scheduler_cost_per_new_request(server: ServeProcess, kind: str) -> None
     lines = []
     for mode in ("connector thread", "mirror"):
         core = _core(server, mirror=mode == "mirror")
-        side = SchedulerSide(core, loads=True, saves=False)
+        side = SchedulerSide(core, ONE_GROUP, loads=True, saves=False)
         try:
             prompts = _prompts(hash((kind, mode)) & 0xFFFF)
             if kind == "hits":

@@ -17,10 +17,9 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..._closing import Closing
-from ...store import BlockKey
 
 Hit = tuple[int, object | None]
 """A lookup's answer: how many leading blocks the store holds, and the pin on those past
@@ -32,11 +31,12 @@ _log = logging.getLogger("kvbridge.bindings")
 
 class Store(Protocol):
     """What :class:`Lookups` calls (a :class:`~kvbridge.bindings.core.ConnectorCore`,
-    whose calls answer a miss on a store fault rather than raise)."""
+    whose calls answer a miss on a store fault rather than raise, or an adapter over one
+    whose keys are sequences of its own: one item a block, sliced as a list)."""
 
-    def lookup(self, keys: Sequence[BlockKey]) -> int: ...
+    def lookup(self, keys: Any) -> int: ...
 
-    def pin(self, keys: Sequence[BlockKey], start: int = 0) -> object | None: ...
+    def pin(self, keys: Any, start: int = 0) -> object | None: ...
 
     def unpin(self, hold: object | None) -> None: ...
 
@@ -46,7 +46,7 @@ class Lookup:
     scheduler reads or drops."""
 
     def __init__(
-        self, keys: Sequence[BlockKey], first: int, started: float, known: int | None = None
+        self, keys: Sequence[Any], first: int, started: float, known: int | None = None
     ) -> None:
         self.keys = keys
         self.first = first
@@ -113,7 +113,7 @@ class Lookups(Closing):
         for thread in self._threads:
             thread.start()
 
-    def start(self, keys: Sequence[BlockKey], first: int, known: int | None = None) -> Lookup:
+    def start(self, keys: Sequence[Any], first: int, known: int | None = None) -> Lookup:
         """Ask how many leading ``keys`` the store holds and pin those from ``first`` on
         (the block index of ``keys[first]`` is ``first``: keys start a prompt); with
         ``known``, pin that many at once and look up only if that fails."""

@@ -23,11 +23,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from ..core._config import ConnectorConfig
 from ..core._core import ConnectorCore
 from ..core._identity import Identity, effective_config, settings_digest, settle, weights
+from ._groups import KVGroups
 from ._meta import Handshake, KVBridgeStats, StepMeta, WorkerReport
 from ._metrics import KVBridgePromMetrics
 from ._scheduler import LOOKUP_THREADS, SchedulerSide
@@ -38,15 +41,24 @@ __all__ = ["KVBridgeConnector"]
 _log = logging.getLogger("kvbridge.bindings")
 
 
-class KVBridgeConnector(KVConnectorBase_V1):  # type: ignore[misc]
-    """A vLLM KV connector whose blocks live in kvbridge."""
+class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
+    """A vLLM KV connector whose blocks live in kvbridge. It supports vLLM's hybrid KV
+    cache manager (``SupportsHMA``): a model of several KV cache groups keeps them."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
         worker = role == KVConnectorRole.WORKER
+        groups = KVGroups.of(kv_cache_config)
         identity = _identity(vllm_config, kv_cache_config, config, rank=_rank() if worker else 0)
+        if not groups.loadable and not worker:
+            _log.warning(
+                "kvbridge: this model's KV cache groups (%s) include one whose state vLLM "
+                "gives a connector no way to store and load soundly (a recurrent state: "
+                "Mamba, linear attention): the connector loads and saves nothing for it",
+                groups.describe(),
+            )
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size > 1:
             raise ValueError("kvbridge: pipeline parallelism is not supported (its stages' keys)")
@@ -67,10 +79,18 @@ class KVBridgeConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if worker:
-            self._worker = WorkerSide(self._core, in_flight, loader=config.async_load)
+            self._worker = WorkerSide(
+                self._core,
+                in_flight,
+                loader=config.async_load or groups.hybrid,
+                by_request=groups.hybrid,
+                moves=groups.loadable,
+                aliased=groups.hybrid,
+            )
         else:
             self._scheduler = SchedulerSide(
                 self._core,
+                groups,
                 loads=bool(transfer.is_kv_consumer),
                 saves=saves,
                 steps_in_flight=in_flight,
@@ -105,6 +125,13 @@ class KVBridgeConnector(KVConnectorBase_V1):  # type: ignore[misc]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self._sched().finished(request)
 
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """``SupportsHMA``: what ``request_finished`` is, for every KV cache group (vLLM
+        calls only this once the connector supports HMA, one group or several)."""
+        return self._sched().finished(request)
+
     # -- worker side ----------------------------------------------------------------------
 
     def get_handshake_metadata(self) -> Handshake | None:
@@ -131,7 +158,17 @@ class KVBridgeConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._work().save(_meta(self._connector_metadata))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self._work().finished(finished_req_ids)
+        sending, receiving, _ = self._work().finished(finished_req_ids)
+        return sending, receiving
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """What ``get_finished`` says, and the async loads that failed (by request)."""
+        sending, receiving, failed = self._work().finished(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(receiving or ()),
+            failed_recving=failed,
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().load_errors()
@@ -214,10 +251,11 @@ def _identity(
     change the bytes (:func:`_settings`), the cache's dtype, layout and geometry, and the
     shard. Weights in doubt (a hub branch with no commit in the local cache) make a
     namespace salted with vLLM's ``engine_id``, which the scheduler and workers share."""
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ValueError(f"kvbridge supports one KV cache group, this model has {len(groups)}")
-    spec, layers = groups[0].kv_cache_spec, len(groups[0].layer_names)
+    groups = KVGroups.of(kv_cache_config)
+    attention = [g.index for g in groups.groups if g.kind in ("full", "window")]
+    spec = kv_cache_config.kv_cache_groups[(attention or [0])[0]].kv_cache_spec
+    layers = len(kv_cache_config.kv_cache_groups[0].layer_names)
+    kinds = f"/{groups.describe()}" if groups.hybrid else ""
     model = vllm_config.model_config
     from vllm.platforms import current_platform  # noqa: PLC0415
 
@@ -225,9 +263,10 @@ def _identity(
     identity = Identity(
         engine="vllm-0.32",
         model=named.name,
-        dtype=str(spec.dtype),
+        dtype=str(getattr(spec, "dtype", "none")),
         layout=f"{current_platform.device_type}/{type(spec).__name__}/"
-        f"{spec.num_kv_heads}x{spec.head_size}/{layers}/{kv_cache_config.kv_cache_layout}",
+        f"{getattr(spec, 'num_kv_heads', 0)}x{getattr(spec, 'head_size', 0)}/{layers}/"
+        f"{kv_cache_config.kv_cache_layout}{kinds}",
         block_tokens=int(spec.block_size),
         block_bytes=int(spec.page_size_bytes) * layers,
         shard=_shard(vllm_config.parallel_config, rank),

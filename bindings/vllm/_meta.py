@@ -25,6 +25,9 @@ class Transfer:
     keys: tuple[BlockKey, ...]
     block_ids: tuple[int, ...]
     start: int = 0
+    now: bool = False
+    """A save to run before the step ends (a sliding window's blocks: vLLM frees them once
+    they leave the window and may hand them to another request in the next step)."""
 
 
 @dataclass

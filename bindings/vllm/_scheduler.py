@@ -16,6 +16,9 @@ Decisions (see ``docs/VLLM.md``): loads are synchronous (before the forward of t
 that computes the rest of the prompt), saves run off the step on a worker thread, blocks
 are saved when full and only for the prompt, and a request with multimodal inputs or
 prompt embeddings is neither loaded nor saved (its token ids do not say what its KV is).
+A hybrid model's KV cache groups (``_groups``) each have their keys and block ids: a hit
+is the longest prefix every group holds, a sliding window's group moves only the blocks
+vLLM keeps for it, its saves run before the step ends, and its loads are asynchronous.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from ...store import BlockKey
 from ..core._core import ConnectorCore
 from ..core._identity import PROCESS_SALT, weights
 from ..core._lookups import Lookup, Lookups
+from ._groups import NULL_BLOCK, Group, GroupedKeys, GroupedStore, KVGroups
 from ._meta import StepMeta, Transfer, WorkerReport
 
 PD_PARAM = "kvbridge_blocks"
@@ -49,7 +53,8 @@ lease (60 s by default) and must still hold when the load runs."""
 
 @dataclass
 class _Request:
-    keys: list[BlockKey]
+    keys: GroupedKeys
+    """The prompt's full blocks' keys, in every KV cache group."""
     local: int = 0
     """Tokens vLLM's own prefix cache holds (block-aligned), as of the last lookup."""
     hit: int | None = None
@@ -59,7 +64,8 @@ class _Request:
     """The lookup in flight on the connector's thread."""
     load: tuple[int, int] | None = None
     """Blocks ``[first, last)`` to load, once vLLM allocated them."""
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)
+    """vLLM's block ids, one list per KV cache group."""
     saved: int = 0
     """Leading prompt blocks queued for saving."""
     saves: bool = False
@@ -73,6 +79,7 @@ class SchedulerSide:
     def __init__(
         self,
         core: ConnectorCore,
+        groups: KVGroups,
         *,
         loads: bool,
         saves: bool,
@@ -81,14 +88,19 @@ class SchedulerSide:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._core = core
+        self._groups = groups
+        self._tags = groups.tags()
+        self._store = GroupedStore(core, groups, core.block_tokens)
         self._wait = core.config.lookup_wait
-        self._lookups = Lookups(core, clock, workers=LOOKUP_THREADS)
+        self._lookups = Lookups(self._store, clock, workers=LOOKUP_THREADS)
         self._yielded = 0.0
-        self._loads = loads
-        self._saves = saves
+        self._loads = loads and groups.loadable
+        self._saves = saves and groups.loadable
         self._clock = clock
-        self._async = async_loads
-        self._waiting_loads: dict[str, Transfer] = {}
+        self._async = async_loads or groups.hybrid
+        """A hybrid model's loads are async: vLLM can undo a failed one for every group
+        (``failed_recving``), never a failed synchronous one (it stops)."""
+        self._waiting_loads: dict[str, list[Transfer]] = {}
         """Async loads vLLM allocated blocks for, to send with the next step."""
         self._block = core.block_tokens
         self._requests: dict[str, _Request] = {}
@@ -145,8 +157,8 @@ class SchedulerSide:
             self._lookups.unpin(hold)
         self._loaded.append({})
         meta = StepMeta(preempted=sorted(out.preempted_req_ids or ()))
-        for req_id, load in self._waiting_loads.items():
-            meta.async_loads.append(load)
+        for req_id, loads in self._waiting_loads.items():
+            meta.async_loads.extend(loads)
             state = self._requests.get(req_id)
             if state is not None and state.hold is not None:
                 self._loaded[-1][req_id], state.hold = state.hold, None
@@ -203,7 +215,8 @@ class SchedulerSide:
                 or getattr(request, "prompt_embeds", None) is not None
             ):
                 return None  # what the KV is does not follow from token ids alone
-            keys = self._core.keys(tokens, _extra(request))
+            extra = _extra(request)
+            keys = GroupedKeys([self._core.keys(tokens, extra + tag) for tag in self._tags])
             state = self._requests[request.request_id] = _Request(keys)
             params = request.kv_transfer_params or {}
             expect = params.get(PD_PARAM)
@@ -224,7 +237,7 @@ class SchedulerSide:
         state.hold, state.local, state.looked_at = None, num_computed, now
         first = num_computed // self._block
         keys = state.keys[:cap]
-        seen = self._core.mirrored(keys) if cap > first else 0
+        seen = self._store.mirrored(keys) if cap > first else 0
         if seen is not None and seen <= first:
             state.hit = 0  # vLLM holds every block the store has (its mirror says)
         else:
@@ -269,16 +282,16 @@ class SchedulerSide:
         self._lookups.close()
 
     def _plan_async(self, req_id: str, state: _Request, blocks: Any) -> None:
-        """The blocks vLLM gave the loaded tokens: the whole list when it covers them,
-        else the new (unhashed) ones, which are exactly those."""
+        """The blocks vLLM gave the loaded tokens, in every group (one group's: the whole
+        list when it covers them, else the new, unhashed ones, which are exactly those)."""
         assert state.load is not None
         first, last = state.load
         state.load = None
-        ids = list(blocks.get_block_ids()[0])
-        ids = ids[first:last] if len(ids) >= last else list(blocks.get_unhashed_block_ids())
-        self._waiting_loads[req_id] = _transfer(
-            req_id, state.keys[first:last], ids[: last - first], first
-        )
+        per_group = [list(ids) for ids in blocks.get_block_ids()]
+        if not self._groups.hybrid and len(per_group[0]) < last:
+            per_group = [[0] * first + list(blocks.get_unhashed_block_ids())]
+        transfers = self._transfers(req_id, state, per_group, first, last)
+        self._waiting_loads[req_id] = transfers
 
     def _waiting(self, state: _Request, cap: int) -> bool:
         wanted = min(state.expect, cap)
@@ -298,14 +311,15 @@ class SchedulerSide:
         state = self._requests.get(req_id)
         if state is None:
             return
-        ids = list(block_ids[0]) if block_ids else []
-        state.block_ids = ids if replace else state.block_ids + ids
+        if replace or not state.block_ids:
+            state.block_ids = [list(ids) for ids in block_ids] if block_ids else []
+        elif block_ids:
+            for held, ids in zip(state.block_ids, block_ids, strict=True):
+                held.extend(ids)
         if state.load is not None:
             first, last = state.load
             state.load = None
-            meta.loads.append(
-                _transfer(req_id, state.keys[first:last], state.block_ids[first:last], first)
-            )
+            meta.loads.extend(self._transfers(req_id, state, state.block_ids, first, last))
             if state.hold is not None:
                 self._loaded[-1][req_id] = state.hold
                 state.hold = None
@@ -313,15 +327,44 @@ class SchedulerSide:
             return
         full = min(end // self._block, len(state.keys))
         if full > state.saved:
-            keys, ids = state.keys[state.saved : full], state.block_ids[state.saved : full]
-            meta.saves.append(_transfer(req_id, keys, ids, state.saved))
+            saves = self._transfers(req_id, state, state.block_ids, state.saved, full, save=True)
+            meta.saves.extend(saves)
             state.saved, state.saves = full, True
+
+    def _transfers(
+        self,
+        req_id: str,
+        state: _Request,
+        block_ids: list[list[int]],
+        first: int,
+        last: int,
+        *,
+        save: bool = False,
+    ) -> list[Transfer]:
+        """Blocks ``[first, last)`` of the prompt in each group that keeps them: a window
+        group only its tail at ``last`` for a load (vLLM's null block elsewhere), and for
+        a save whatever it still holds, saved before the next forward may reuse them."""
+        moves = []
+        # no block ids (a preempted request's, dropped) is no transfer
+        groups = zip(self._groups.groups, state.keys.per_group, block_ids, strict=False)
+        for group, keys, ids in groups:
+            lo = first if save else max(first, group.first_kept(last, self._block))
+            hi = min(last, len(ids), len(keys))
+            while lo < hi and ids[lo] == NULL_BLOCK:  # a window's places before its tail
+                lo += 1
+            if NULL_BLOCK in ids[lo:hi]:  # never read or write the null block
+                hi = ids.index(NULL_BLOCK, lo, hi)
+            if lo < hi:
+                moves.append(_transfer(req_id, keys[lo:hi], ids[lo:hi], lo, group))
+        return moves
 
 
 def _transfer(
-    request: str, keys: Iterable[BlockKey], block_ids: Iterable[int], start: int
+    request: str, keys: Iterable[BlockKey], block_ids: Iterable[int], start: int, group: Group
 ) -> Transfer:
-    return Transfer(request, tuple(keys), tuple(block_ids), start)
+    """A transfer of one group's blocks; a window group's save runs before the step ends
+    (vLLM frees its blocks once they leave the window, and may hand them out at once)."""
+    return Transfer(request, tuple(keys), tuple(block_ids), start, now=group.kind == "window")
 
 
 def _extra(request: Any) -> bytes:

@@ -2,9 +2,14 @@
 saves handed to the saver thread after it, and the reports vLLM polls each step.
 
 Source blocks of a save stay valid until it ran: while the request runs, vLLM does not
-rewrite a full block; at its end ``request_finished`` kept them until this side reports
-the request in ``finished_sending``; on preemption ``preempted`` waits for the request's
-saves before vLLM's forward may reuse its blocks.
+rewrite a full block of a full-attention group; at its end ``request_finished`` kept them
+until this side reports the request in ``finished_sending``; on preemption ``preempted``
+waits for the request's saves before vLLM's forward may reuse its blocks. A sliding
+window's blocks are freed once they leave the window, and may be handed to another
+request in the next step: those saves run before this step ends (``Transfer.now``).
+
+A hybrid model's KV cache groups alias one another's memory (engine block ``b`` is the
+same bytes in every group), so the cache is registered once per distinct tensor.
 """
 
 from __future__ import annotations
@@ -24,12 +29,27 @@ _log = logging.getLogger("kvbridge.bindings")
 
 class WorkerSide:
     def __init__(
-        self, core: ConnectorCore, steps_in_flight: int = 1, *, loader: bool = False
+        self,
+        core: ConnectorCore,
+        steps_in_flight: int = 1,
+        *,
+        loader: bool = False,
+        by_request: bool = False,
+        moves: bool = True,
+        aliased: bool = False,
     ) -> None:
         """``steps_in_flight``: how many steps vLLM plans before it learns how the
         earlier ones ended (``max_concurrent_batches``: 2 with async scheduling);
-        ``loader``: run async loads on a thread of this side's (joined by ``close``)."""
+        ``loader``: run async loads on a thread of this side's (joined by ``close``);
+        ``by_request``: report a failed async load by request, not by block (a model of
+        several KV cache groups: vLLM stops at block-level failures there); ``moves``:
+        whether this model's blocks are loaded and saved at all (the cache is not even
+        registered otherwise); ``aliased``: layers of different KV cache groups share their
+        tensors (a hybrid model's), each registered once."""
         self._core = core
+        self._by_request = by_request
+        self._moves = moves
+        self._aliased = aliased
         self._loader = Saver(self._run_load, name="kvbridge-loader") if loader else None
         self._loading: set[str] = set()
         self._lock = threading.Lock()
@@ -45,16 +65,20 @@ class WorkerSide:
         self._report = WorkerReport()
 
     def register(self, kv_caches: dict[str, Any]) -> None:
-        """``register_kv_caches``: every layer's cache, as uint8 pages (no copy). A layer
-        the connector cannot move (on another kind of device, or whose blocks are not whole
-        runs of bytes) is a :class:`ConfigError` naming it."""
-        page_bytes = self._core.identity.block_bytes // max(1, len(kv_caches))
+        """``register_kv_caches``: every distinct layer cache (groups share theirs), as
+        uint8 pages (no copy). A layer the connector cannot move (on another kind of
+        device, or whose blocks are not whole runs of bytes) is a :class:`ConfigError`
+        naming it."""
+        if not self._moves:
+            return
+        distinct = _distinct(kv_caches) if self._aliased else kv_caches
+        page_bytes = self._core.identity.block_bytes // max(1, len(distinct))
         pages = tuple(
             page
-            for name, tensor in kv_caches.items()
+            for name, tensor in distinct.items()
             for page in tensor_pages(name, tensor, page_bytes)
         )
-        first = next(iter(kv_caches.values()))
+        first = next(iter(distinct.values()))
         expected = self._core.identity.dtype
         if str(first.dtype) != expected:
             raise ValueError(f"kvbridge: the KV cache is {first.dtype}, the config said {expected}")
@@ -99,14 +123,20 @@ class WorkerSide:
         if poisoned:
             self._report.unsaved.update(save.request for save in meta.saves)
             return
+        for save in meta.saves:
+            if save.now and not self._core.save(save.keys, save.block_ids, save.start):
+                self._core.stats.save_skipped(len(save.keys))
         self._core.save_later(
-            [SaveJob(s.request, s.keys, s.block_ids, s.start) for s in meta.saves]
+            [SaveJob(s.request, s.keys, s.block_ids, s.start) for s in meta.saves if not s.now]
         )
 
-    def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """``get_finished``: ended requests whose saves all ran (sending done), and
-        requests whose async load ended, well or not (receiving done; a failed one's
-        blocks go to ``load_errors`` in this same step)."""
+    def finished(
+        self, finished_req_ids: set[str]
+    ) -> tuple[set[str] | None, set[str] | None, set[str]]:
+        """``get_transfer_results``: ended requests whose saves all ran (sending done),
+        requests whose async load ended, well or not (receiving done), and those whose
+        async load failed: by request (``failed_recving``: vLLM recomputes the whole hit,
+        in every group) where ``by_request``, else by block (``load_errors``, this step)."""
         self._ended.update(finished_req_ids & self._saving)
         done = {req for req in self._ended if not self._core.saving(req)}
         self._ended -= done
@@ -115,10 +145,14 @@ class WorkerSide:
         self._loading -= received
         with self._lock:
             failed, self._failed_loads = self._failed_loads, []
+        failed_requests = set()
         for job in failed:
-            self._invalid.update(job.block_ids)
             self._report.failed.update(job.keys)
-        return done or None, received or None
+            if self._by_request:
+                failed_requests.add(job.request)
+            else:
+                self._invalid.update(job.block_ids)
+        return done or None, received or None, failed_requests
 
     def close(self) -> None:
         if self._loader is not None:
@@ -140,3 +174,12 @@ class WorkerSide:
     def stats(self) -> KVBridgeStats | None:
         data = self._core.stats.take()
         return KVBridgeStats(data=data) if any(data.values()) else None
+
+
+def _distinct(kv_caches: dict[str, Any]) -> dict[str, Any]:
+    """Each layer cache once: layers of different KV cache groups that share memory (a
+    hybrid model's) are one tensor, named by the first layer seen."""
+    seen: dict[tuple[int, int], str] = {}
+    for name, tensor in kv_caches.items():
+        seen.setdefault((int(tensor.data_ptr()), int(tensor.nbytes)), name)
+    return {name: kv_caches[name] for name in seen.values()}

@@ -2,17 +2,19 @@
 one JSON line: ``python engine_run.py SPEC_JSON``. The tests start it as a subprocess, so
 that every engine is a fresh process (as a restarted or second instance is).
 
-SPEC: model, prompts (lists of token ids), ready (seconds to wait, before the first round,
-for the scheduler's connector to reach its server and hold its keys in step; the result's
-``ready`` says whether it did), rounds, max_tokens, batched (max_num_batched_tokens),
-prefix_caching, blocks (num_gpu_blocks_override), connector (extra config, or null for
-none), role, failure_policy, abort (abort every request once a load ran), engine
-(more arguments of ``LLM``: ``hf_overrides``, ``served_model_name``, ...), kill_after_round
-and kill_pid (SIGKILL a process between two rounds), kill_in_round and kill_in_pid (SIGKILL
-it after that round's first two engine steps, its requests under way), signals (``[round,
-pid, "SIGSTOP"]``: send after that round). The result has each round's outputs, its wall
-seconds (``seconds``), the seconds ``LLM(...)`` took (``startup``), the connector's
-counters (``stats``: the worker's; ``scheduler``: the scheduler's, in-process only).
+SPEC: model, dtype (float32 unless named), prompts (lists of token ids), ready (seconds to
+wait, before the first round, for the scheduler's connector to reach its server and hold
+its keys in step; the result's ``ready`` says whether it did), rounds, max_tokens, batched
+(max_num_batched_tokens), prefix_caching, blocks (num_gpu_blocks_override), connector
+(extra config, or null for none), role, failure_policy, abort (abort every request once a
+load ran), engine (more arguments of ``LLM``: ``hf_overrides``, ``served_model_name``,
+...), kill_after_round and kill_pid (SIGKILL a process between two rounds), kill_in_round
+and kill_in_pid (SIGKILL it after that round's first two engine steps, its requests under
+way), signals (``[round, pid, "SIGSTOP"]``: send after that round). The result has each
+round's outputs, its wall seconds (``seconds``), the seconds ``LLM(...)`` took
+(``startup``), the KV cache vLLM made (``kv_cache``: its groups' spec kinds and its blocks,
+in-process only), the connector's counters (``stats``: the worker's; ``scheduler``: the
+scheduler's, in-process only).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def _engine(spec: dict[str, Any]) -> Any:
         )
     return LLM(
         model=spec["model"],
-        dtype="float32",
+        dtype=spec.get("dtype", "float32"),
         enforce_eager=True,
         max_model_len=512,
         max_num_seqs=spec.get("seqs", 8),
@@ -77,6 +79,16 @@ def _scheduler_connector(llm: Any) -> Any:
     """The scheduler side's connector, where the engine runs in this process (or None)."""
     core = getattr(llm.llm_engine.engine_core, "engine_core", None)
     return getattr(getattr(core, "scheduler", None), "connector", None)
+
+
+def _kv_cache(llm: Any) -> dict[str, Any]:
+    """The KV cache vLLM made (in-process only): its groups' spec kinds and its blocks."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    config = getattr(getattr(core, "scheduler", None), "kv_cache_config", None)
+    if config is None:
+        return {}
+    groups = [type(group.kv_cache_spec).__name__ for group in config.kv_cache_groups]
+    return {"groups": groups, "blocks": int(config.num_blocks)}
 
 
 def _scheduler_stats(llm: Any) -> dict[str, Any]:
@@ -119,6 +131,7 @@ def main() -> None:
         "seconds": seconds,
         "startup": startup,
         "ready": ready,
+        "kv_cache": _kv_cache(llm),
         "stats": _stats(),
         "scheduler": _scheduler_stats(llm),
     }

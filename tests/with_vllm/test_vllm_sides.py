@@ -13,6 +13,7 @@ import pytest
 from helpers import FakeClock, until
 
 from kvbridge.bindings.core._jobs import SaveJob
+from kvbridge.bindings.vllm._groups import Group, KVGroups
 from kvbridge.bindings.vllm._meta import StepMeta, Transfer
 from kvbridge.bindings.vllm._scheduler import SchedulerSide
 from kvbridge.bindings.vllm._worker import WorkerSide
@@ -62,6 +63,10 @@ class _Core:
 
     def saving(self, request: str) -> bool:
         return False
+
+
+ONE_GROUP = KVGroups((Group(0, "full", 0, ("layer",)),))
+"""A model of one full-attention KV cache group (keys as they were before groups)."""
 
 
 def _save(request: str) -> StepMeta:
@@ -119,7 +124,7 @@ def _answer(side: SchedulerSide, request: Any, computed: int = 0) -> tuple[int |
 
 @contextmanager
 def _side(core: Any, **more: Any) -> Iterator[SchedulerSide]:
-    side = SchedulerSide(core, **{"loads": True, "saves": False, **more})
+    side = SchedulerSide(core, ONE_GROUP, **{"loads": True, "saves": False, **more})
     try:
         yield side
     finally:
