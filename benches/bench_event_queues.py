@@ -18,7 +18,6 @@ The bound is 64 x ``EventBounds().subscriber_bytes`` (2,073 KiB each).
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -28,10 +27,11 @@ import zmq
 from conftest import _EXTRA_LINES
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+from attack import unread_subscriber
 from helpers import keys, payloads, until
 from serve import ServeProcess
 
-from kvbridge.store import StoreClient, Subscription
+from kvbridge.store import StoreClient
 
 BB = 4096
 SLOTS = 4096
@@ -42,25 +42,6 @@ ROUNDS = 80
 DOCUMENTED_SUBSCRIBER_BYTES = 2_122_752
 """``EventBounds().subscriber_bytes``: 49 messages of 41 KiB and a 64 KiB connection."""
 _BLOCKS = payloads(keys(0, SLOTS), BB)
-
-
-def _rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for {pid}")
-
-
-def _unread_subscriber(sub: Subscription) -> zmq.Socket[bytes]:
-    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-    socket = context.socket(zmq.DEALER)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.setsockopt(zmq.RCVHWM, 1)
-    socket.setsockopt(zmq.RCVBUF, 4096)
-    socket.setsockopt(zmq.ROUTING_ID, b"\x01" + os.urandom(15))
-    socket.connect(sub.endpoint)
-    socket.send(sub.request)
-    return socket
 
 
 class _Attacker:
@@ -76,7 +57,7 @@ class _Attacker:
         for _ in range(n):
             if len(self.sockets) % PER_SESSION == 0:
                 self._sessions.append(_client(self._address))
-            self.sockets.append(_unread_subscriber(self._sessions[-1].subscription()))
+            self.sockets.append(unread_subscriber(self._sessions[-1].subscription()))
         until(lambda: all(s.poll(0) for s in self.sockets[-n:]), "subscribed")
 
     def renew(self) -> None:
@@ -110,12 +91,12 @@ def _peak_growth(arrive: Callable[[int, _Attacker], None]) -> int:
         with _client(server.address) as writer:
             for r in range(3):
                 _fill_and_clear(writer, r)
-            start = peak = _rss(server.proc.pid)
+            start = peak = server.rss()
             for r in range(ROUNDS):
                 arrive(r, attacker)
                 attacker.renew()
                 _fill_and_clear(writer, 10 + r)
-                peak = max(peak, _rss(server.proc.pid))
+                peak = max(peak, server.rss())
         return peak - start
     finally:
         attacker.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import socket
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -18,7 +19,7 @@ import msgpack
 import numpy as np
 import zmq
 
-from kvbridge.store import StoreClient
+from kvbridge.store import StoreClient, Subscription
 from kvbridge.transfer import OP_DTYPE, Peer, Region, TransferEngine
 from kvbridge.transfer._control import CONTROL_VERSION
 from kvbridge.transfer._events import Data, Event
@@ -292,3 +293,18 @@ def slot_ops(client: StoreClient, slots: list[int], region: int | None = None) -
     region = raw(client).region if region is None else region
     bb = client.block_bytes
     return descriptors(region, region_key(client, region), [(s * bb, bb) for s in slots])
+
+
+def unread_subscriber(sub: Subscription) -> zmq.Socket[bytes]:
+    """An events subscriber as an attacker runs it, built on the wire by hand: its ticket
+    from a routing id it chose, and then nothing read. Its own side holds one message and
+    the smallest receive buffer, so what the server sends it waits on the server."""
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.RCVHWM, 1)
+    socket.setsockopt(zmq.RCVBUF, 4096)
+    socket.setsockopt(zmq.ROUTING_ID, b"\x01" + os.urandom(15))
+    socket.connect(sub.endpoint)
+    socket.send(sub.request)
+    return socket

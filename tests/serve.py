@@ -77,6 +77,13 @@ class ServeProcess:
         self.proc.send_signal(signal.SIGSTOP)
         until(self.stopped, "every thread of the server stopped", timeout=10)
 
+    def rss(self) -> int:
+        """The server's resident memory now (``VmRSS`` from ``/proc``), in bytes."""
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise AssertionError("no VmRSS in /proc")
+
     def open_files(self) -> int:
         """The server's soft open-files limit now (from ``/proc``)."""
         for line in Path(f"/proc/{self.proc.pid}/limits").read_text().splitlines():

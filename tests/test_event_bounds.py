@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import zmq
+from attack import unread_subscriber
 from helpers import keys, payloads, until
 from serve import ServeProcess
 
@@ -50,29 +50,6 @@ the margin) by round 16."""
 FLOOD = 4200
 """Tickets a flooding session asks for at most: past the server's 4,096 (where the oldest
 ticket of anyone used to be pushed out)."""
-
-
-def _rss(pid: int) -> int:
-    """The process's resident memory (``VmRSS``), in bytes."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for {pid}")
-
-
-def _unread_subscriber(sub: Subscription) -> zmq.Socket[bytes]:
-    """A subscriber as the attacker runs it, built on the wire by hand: its ticket from a
-    routing id it chose, and then nothing read. Its own side holds one message and the
-    smallest receive buffer, so what the server sends it waits on the server."""
-    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-    socket = context.socket(zmq.DEALER)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.setsockopt(zmq.RCVHWM, 1)
-    socket.setsockopt(zmq.RCVBUF, 4096)
-    socket.setsockopt(zmq.ROUTING_ID, b"\x01" + os.urandom(15))
-    socket.connect(sub.endpoint)
-    socket.send(sub.request)
-    return socket
 
 
 def _renew(sockets: list[zmq.Socket[bytes]]) -> None:
@@ -143,19 +120,19 @@ def test_unread_subscribers_hold_no_more_than_their_bound(server: ServeProcess) 
     with _client(server) as writer:
         for r in range(3):  # the slab, the index and the heap at their working size
             _fill_and_clear(writer, r)
-        baseline = _rss(server.proc.pid)
+        baseline = server.rss()
         sessions = [_client(server) for _ in range(UNREAD // SESSION_TICKETS)]
         attackers: list[zmq.Socket[bytes]] = []
         try:
             for session in sessions:
-                attackers += [_unread_subscriber(s) for s in _flood(session, SESSION_TICKETS)]
+                attackers += [unread_subscriber(s) for s in _flood(session, SESSION_TICKETS)]
             assert len(attackers) == UNREAD
             until(lambda: all(s.poll(0) for s in attackers), "each heard its first heartbeat")
             bound = UNREAD * SUBSCRIBER_BYTES + HEAP_MARGIN
             for r in range(ROUNDS):
                 _renew(attackers)
                 _fill_and_clear(writer, 10 + r)
-                grown = _rss(server.proc.pid) - baseline
+                grown = server.rss() - baseline
                 assert grown <= bound, f"round {r}: grew {grown >> 20} MiB, bound {bound >> 20}"
         finally:
             for socket in attackers:
@@ -174,11 +151,11 @@ def test_a_ticket_flood_from_one_session_is_refused_past_its_cap(server: ServePr
         assert len(first) == SESSION_TICKETS
         with pytest.raises(TooManyRequests):
             flooder.subscription()
-        subscribers = [_unread_subscriber(s) for s in first]
+        subscribers = [unread_subscriber(s) for s in first]
         until(lambda: all(s.poll(0) for s in subscribers), "the 8 tickets subscribed")
         second = _flood(flooder)
         assert len(second) == SESSION_SUBSCRIBERS - SESSION_TICKETS
-        subscribers += [_unread_subscriber(s) for s in second]
+        subscribers += [unread_subscriber(s) for s in second]
         until(lambda: all(s.poll(0) for s in subscribers), "16 subscribers")
         assert _flood(flooder) == []  # 16 subscribers: no ticket more, however many it asks
         for socket in subscribers:
@@ -263,11 +240,11 @@ def test_a_ticket_flood_from_one_tenant_leaves_another_tenants_stream_alone(
             with EventSubscriber(pending) as late:
                 until(lambda: late.receive(0.05) is not None, "alice's pending ticket", 5)
             assert len(tickets) == 10
-            attackers += [_unread_subscriber(t) for t in tickets]
+            attackers += [unread_subscriber(t) for t in tickets]
             until(lambda: all(s.poll(0) for s in attackers), "mallory's subscribers")
             more = [t for m in mallories for t in _flood(m)]
             assert len(more) == 2
-            attackers += [_unread_subscriber(t) for t in more]
+            attackers += [unread_subscriber(t) for t in more]
             for r in range(12):  # both namespaces change; alice reads, mallory does not
                 _renew(attackers)
                 _fill_and_clear(mallory_writer, r)

@@ -29,6 +29,20 @@ def make_model(path: Path, *, layers: int = 2, hidden: int = 128, vocab: int = 1
     return path
 
 
+def _hybrid_geometry(hidden: int, vocab: int) -> dict[str, int]:
+    """What the two hybrid shapes share: 4 layers, head_dim 32, 4 query heads over 2 KV
+    heads at the default width (as ``make_model``'s Llama)."""
+    return {
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "num_hidden_layers": 4,
+        "num_attention_heads": hidden // 32,
+        "num_key_value_heads": max(1, hidden // 64),
+        "head_dim": 32,
+    }
+
+
 def make_gemma3(path: Path, *, window: int = 64, hidden: int = 128, vocab: int = 1000) -> Path:
     """A Gemma-3-shaped model: 4 layers, a sliding window of ``window`` tokens on layers 0
     and 2, full attention on 1 and 3 (vLLM keeps one KV cache group of each)."""
@@ -38,13 +52,7 @@ def make_gemma3(path: Path, *, window: int = 64, hidden: int = 128, vocab: int =
 
     torch.manual_seed(0)
     config = Gemma3TextConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=4,
-        num_attention_heads=hidden // 32,
-        num_key_value_heads=max(1, hidden // 64),
-        head_dim=32,
+        **_hybrid_geometry(hidden, vocab),
         query_pre_attn_scalar=32,
         sliding_window=window,
         layer_types=["sliding_attention", "full_attention"] * 2,
@@ -64,13 +72,7 @@ def make_qwen3_next(path: Path, *, hidden: int = 128, vocab: int = 1000) -> Path
 
     torch.manual_seed(0)
     config = Qwen3NextConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=4,
-        num_attention_heads=hidden // 32,
-        num_key_value_heads=max(1, hidden // 64),
-        head_dim=32,
+        **_hybrid_geometry(hidden, vocab),
         layer_types=["linear_attention", "full_attention"] * 2,
         linear_conv_kernel_dim=4,
         linear_key_head_dim=128,
