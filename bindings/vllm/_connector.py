@@ -34,6 +34,7 @@ from ._groups import KVGroups
 from ._meta import Handshake, KVBridgeStats, StepMeta, WorkerReport
 from ._metrics import KVBridgePromMetrics
 from ._scheduler import LOOKUP_THREADS, SchedulerSide
+from ._versions import kv_format
 from ._worker import WorkerSide
 
 __all__ = ["KVBridgeConnector"]
@@ -132,6 +133,13 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         calls only this once the connector supports HMA, one group or several)."""
         return self._sched().finished(request)
 
+    def may_load_async(self, request: Any) -> bool:
+        """vLLM 0.34's hook (``--max-num-inflight-kv-loads``): whether
+        ``get_num_new_matched_tokens`` may answer an async load for ``request``. Cheap, as
+        vLLM asks on every queueing: this instance loads, asynchronously (``async_load``, or
+        any hybrid model), a model whose groups it can load."""
+        return self._sched().may_load_async()
+
     # -- worker side ----------------------------------------------------------------------
 
     def get_handshake_metadata(self) -> Handshake | None:
@@ -190,6 +198,17 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return False
 
     @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+        """vLLM 0.34's hook, asked before the KV cache is allocated: ``REGISTERS`` when the
+        workers may register the cache with UCX (``transports`` ``ucx`` or ``auto``), which
+        needs each segment backed by one physical allocation; else ``IN_PROCESS`` (reads and
+        writes through the process, as TCP does). Before 0.34 vLLM never asks and has no
+        ``KVCacheAccess``: the answer is then the member's name."""
+        extra = getattr(kv_transfer_config, "kv_connector_extra_config", None) or {}
+        registers = ConnectorConfig.from_extra(extra).transports in ("ucx", "auto")
+        return _access("REGISTERS" if registers else "IN_PROCESS")
+
+    @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVBridgeStats:
         return KVBridgeStats(data=dict(data or {}))
 
@@ -237,6 +256,17 @@ def _meta(meta: Any) -> StepMeta | None:
     return meta if isinstance(meta, StepMeta) else None
 
 
+def _access(name: str) -> Any:
+    """vLLM's ``KVCacheAccess`` member ``name`` (0.34), or ``name`` where vLLM has none."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: PLC0415
+            KVCacheAccess,
+        )
+    except ImportError:
+        return name
+    return KVCacheAccess[name]
+
+
 def _rank() -> int:
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank  # noqa: PLC0415
 
@@ -247,21 +277,23 @@ def _identity(
     vllm_config: Any, kv_cache_config: Any, config: ConnectorConfig, rank: int
 ) -> Identity:
     """What the KV bytes mean, from vLLM's configs (equal on the scheduler and workers):
-    the weights by their bytes or commit (never ``served_model_name``), the settings that
-    change the bytes (:func:`_settings`), the cache's dtype, layout and geometry, and the
-    shard. Weights in doubt (a hub branch with no commit in the local cache) make a
-    namespace salted with vLLM's ``engine_id``, which the scheduler and workers share."""
+    the KV format of this vLLM (:func:`kv_format`), the weights by their bytes or commit
+    (never ``served_model_name``), the settings that change the bytes (:func:`_settings`),
+    the cache's dtype, layout and geometry, and the shard. Weights in doubt (a hub branch
+    with no commit in the local cache) make a namespace salted with vLLM's ``engine_id``,
+    which the scheduler and workers share."""
     groups = KVGroups.of(kv_cache_config)
     attention = [g.index for g in groups.groups if g.kind in ("full", "window")]
     spec = kv_cache_config.kv_cache_groups[(attention or [0])[0]].kv_cache_spec
     layers = len(kv_cache_config.kv_cache_groups[0].layer_names)
     kinds = f"/{groups.describe()}" if groups.hybrid else ""
     model = vllm_config.model_config
+    import vllm  # noqa: PLC0415
     from vllm.platforms import current_platform  # noqa: PLC0415
 
     named = weights(model.model, model.revision, vllm_config.load_config.download_dir)
     identity = Identity(
-        engine="vllm-0.32",
+        engine=kv_format(vllm.__version__),
         model=named.name,
         dtype=str(getattr(spec, "dtype", "none")),
         layout=f"{current_platform.device_type}/{type(spec).__name__}/"

@@ -133,6 +133,10 @@ class SchedulerSide:
         extra = state.hit - num_computed // self._block
         return (extra * self._block, self._async) if extra > 0 else (0, False)
 
+    def may_load_async(self) -> bool:
+        """Whether :meth:`matched` may answer an async load (vLLM 0.34 asks, cheaply)."""
+        return self._loads and self._async
+
     def allocated(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """``update_state_after_alloc``: the load range, once vLLM gave it blocks (an async
         load goes out with the next step: the request is not scheduled until it ends)."""

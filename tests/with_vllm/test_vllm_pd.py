@@ -13,7 +13,7 @@ import subprocess
 import sys
 import urllib.request
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ LOGS = Path(os.environ.get("KVBRIDGE_TEST_LOGS", "/tmp"))
 
 
 def _vllm(
-    model: str, role: str, server: str, port: int, extra: dict[str, Any]
+    model: str, role: str, server: str, port: int, *, extra: dict[str, Any], dtype: str
 ) -> subprocess.Popen[bytes]:
     transfer = {
         "kv_connector": "KVBridgeConnector",
@@ -46,7 +46,7 @@ def _vllm(
         "kv_connector_extra_config": {"server": server, **extra},
     }
     args = [
-        *("--model", model, "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32"),
+        *("--model", model, "--port", str(port), "--host", "127.0.0.1", "--dtype", dtype),
         *("--max-model-len", "512", "--block-size", "32", "--max-num-batched-tokens", "64"),
         *("--seed", "0", "--enforce-eager", "--skip-tokenizer-init"),
         *("--enable-prompt-tokens-details", "--no-enable-prefix-caching"),
@@ -109,18 +109,18 @@ DEPLOYMENTS: dict[str, tuple[Callable[[ExitStack], str], dict[str, Any]]] = {
 """Where prefill saves and decode loads, and how pages move."""
 
 
-@pytest.fixture(scope="module", params=list(DEPLOYMENTS))
-def pd(model: str, request: pytest.FixtureRequest) -> Iterator[dict[str, str]]:
-    """The whole deployment; yields the URLs of the proxy, prefill and decode."""
-    store, extra = DEPLOYMENTS[request.param]
-    if store is _cluster and ETCD_MISSING is not None:
-        pytest.skip(ETCD_MISSING)
+@contextmanager
+def deployment(
+    model: str, address: str, extra: dict[str, Any], dtype: str = "float32"
+) -> Iterator[dict[str, str]]:
+    """A prefill and a decode vLLM server whose connectors use the kvbridge at ``address``,
+    and ``kvbridge proxy`` in front; yields the URLs of the proxy, prefill and decode once
+    the proxy has both in its rotation."""
     with ExitStack() as stack:
-        address = store(stack)
         ports = [_port() for _ in range(3)]
         procs = [
-            _vllm(model, "kv_producer", address, ports[0], extra),
-            _vllm(model, "kv_consumer", address, ports[1], extra),
+            _vllm(model, "kv_producer", address, ports[0], extra=extra, dtype=dtype),
+            _vllm(model, "kv_consumer", address, ports[1], extra=extra, dtype=dtype),
         ]
         proxy = subprocess.Popen(
             [
@@ -151,22 +151,39 @@ def pd(model: str, request: pytest.FixtureRequest) -> Iterator[dict[str, str]]:
         yield dict(zip(("prefill", "decode", "proxy"), urls, strict=True))
 
 
+def complete(proxy: str, model: str, prompt: list[int]) -> tuple[list[int], int]:
+    """A greedy completion of ``prompt`` through the proxy: its tokens, and how many of
+    the prompt's tokens the decode instance computed itself."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": 8,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
+    answer = json.loads(_post(f"{proxy}/v1/completions", body))
+    usage = answer["usage"]
+    computed = usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
+    return answer["choices"][0]["token_ids"], computed
+
+
+@pytest.fixture(scope="module", params=list(DEPLOYMENTS))
+def pd(model: str, request: pytest.FixtureRequest) -> Iterator[dict[str, str]]:
+    """The whole deployment; yields the URLs of the proxy, prefill and decode."""
+    store, extra = DEPLOYMENTS[request.param]
+    if store is _cluster and ETCD_MISSING is not None:
+        pytest.skip(ETCD_MISSING)
+    with ExitStack() as stack:
+        yield stack.enter_context(deployment(model, store(stack), extra))
+
+
 def test_completions_through_the_proxy_equal_a_single_instance(
     pd: dict[str, str], model: str, baseline: list[list[int]]
 ) -> None:
     for prompt, expected in zip(PROMPTS, baseline, strict=True):
-        body = {
-            "model": model,
-            "prompt": prompt,
-            "max_tokens": 8,
-            "temperature": 0,
-            "return_token_ids": True,
-        }
-        answer = json.loads(_post(f"{pd['proxy']}/v1/completions", body))
-        assert answer["choices"][0]["token_ids"] == expected
-        usage = answer["usage"]
-        computed = usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
-        assert 1 <= computed <= BLOCK, usage  # decode computed at most the last block
+        tokens, computed = complete(pd["proxy"], model, prompt)
+        assert tokens == expected
+        assert 1 <= computed <= BLOCK  # decode computed at most the last block
 
 
 def test_a_streamed_completion_passes_through(pd: dict[str, str], model: str) -> None:
