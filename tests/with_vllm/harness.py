@@ -25,12 +25,16 @@ def prompts(seed: int = 1) -> list[list[int]]:
 
 
 def run_engine(
-    spec: dict[str, Any], *, timeout: float = 300, env: dict[str, str] | None = None
+    spec: dict[str, Any],
+    *,
+    timeout: float = 300,
+    env: dict[str, str] | None = None,
+    python: str = sys.executable,
 ) -> dict[str, Any]:
-    """Run ``engine_run.py`` with ``spec`` in a fresh process; its result (rounds, stats)
-    and its log (``result["log"]``)."""
+    """Run ``engine_run.py`` with ``spec`` in a fresh process (of ``python``: another
+    lane's vLLM); its result (rounds, stats) and its log (``result["log"]``)."""
     proc = subprocess.run(
-        [sys.executable, str(HERE / "engine_run.py"), json.dumps(spec)],
+        [python, str(HERE / "engine_run.py"), json.dumps(spec)],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -43,6 +47,22 @@ def run_engine(
     result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
     result["log"] = proc.stderr
     return result
+
+
+def other_lane() -> tuple[str, str] | None:
+    """The Python and vLLM version of another lane's venv (``tests/with_vllm/run`` makes
+    ``.venv-vllm``, ``run-0.33`` ``.venv-vllm-0.33``) whose vLLM release is not this one's,
+    or ``None`` where none was made."""
+    import vllm  # noqa: PLC0415
+
+    mine = vllm.__version__.split("+", maxsplit=1)[0]
+    for venv in (".venv-vllm", ".venv-vllm-0.33"):
+        root = HERE.parents[1] / venv
+        for info in root.glob("lib/python3*/site-packages/vllm*-*.dist-info"):
+            version = info.name[: -len(".dist-info")].rsplit("-", maxsplit=1)[1]
+            if version != mine and (root / "bin" / "python").exists():
+                return str(root / "bin" / "python"), version
+    return None
 
 
 PROMPTS = prompts()

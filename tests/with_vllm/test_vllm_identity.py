@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import HERE, LOADABLE, run_engine, spec, tokens
+from harness import HERE, LOADABLE, other_lane, run_engine, spec, tokens
 from serve import ServeProcess
 
 from kvbridge.store import StoreClient
@@ -139,5 +139,29 @@ def test_other_settings_of_the_same_files_take_no_block(
         renamed = run_engine({**spec(model, connector), "engine": {"served_model_name": "chat"}})
         assert renamed["stats"]["tokens_loaded"] == LOADABLE
         assert tokens(renamed) == baseline
+    finally:
+        server.kill()
+
+
+def test_another_vllm_version_of_the_same_kv_format_takes_every_block(
+    model: str, baseline: list[list[int]]
+) -> None:
+    """A fleet upgrading from vLLM 0.32 to 0.33 instance by instance keeps its hits: the
+    two versions write one KV format (``kv_format``), so an engine of the other version
+    (the other lane's venv) loads every block this one saved, and answers as vLLM alone."""
+    other = other_lane()
+    if other is None:
+        pytest.skip("no other vLLM lane's venv: make it with tests/with_vllm/run-0.33 (or run)")
+    python, version = other
+    server = ServeProcess("--host-capacity", "64MiB", "--events-port", "0")
+    try:
+        connector = {"server": server.address}
+        first = run_engine(spec(model, connector))
+        assert tokens(first) == baseline and first["stats"]["tokens_saved"] > 0
+        env = {"VLLM_TARGET_DEVICE": "cpu"}  # the 0.33 lane's CUDA wheel on CPU kernels
+        second = run_engine(spec(model, connector, ready=60), python=python, env=env)
+        assert second["ready"] is True, version
+        assert second["stats"]["tokens_loaded"] == LOADABLE, version
+        assert tokens(second) == baseline
     finally:
         server.kill()
