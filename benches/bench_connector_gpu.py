@@ -1,11 +1,13 @@
 """The connector moving a KV cache in CUDA memory (GPU only; skips elsewhere): save and load
 of a 1,000-token prefix in Llama-3-8B's shape (32 layers, 8 KV heads, head_dim 128, bf16,
-16-token blocks: 63 blocks x 32 layers x 2 segments of 32 KiB = 4,032 segments, 132 MB) in
-vLLM's FlashAttention layout, through a ``kvbridge serve`` on the same machine, staged (TCP)
-and direct (UCX, where ucxx and cupy take CUDA memory). Baselines, each in the same run: one
+16-token blocks: 63 blocks x 32 layers = 2,016 pages of 64 KiB, 132 MB) in the KV cache vLLM
+0.32 gives FlashAttention on an H100 or H200 (``tests/vllm_views.py``: one allocation for
+every layer, a layer's ``[B, H, N, C]`` view in LBNHC, a page's K and V side by side per
+token and head), through a ``kvbridge serve`` on the same machine, staged (TCP) and direct
+(UCX, where ucxx and cupy take CUDA memory). Baselines, each in the same run: one
 contiguous torch copy of the same bytes across PCIe (D2H into pinned memory for a save,
-H2D for a load), and the same bytes as one raw TCP bulk send to a sink. Goal: >= 0.8x of the
-slower of the two, staged; direct >= staged."""
+H2D for a load), and the same bytes as one raw TCP bulk send to a sink. Goal: >= 0.8x of
+the slower of the two, staged; direct >= staged."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 from serve import ServeProcess
+from vllm_views import KVCache, Spec, allocate
 
 from kvbridge.bindings import ConnectorConfig, ConnectorCore, Identity, PagedKV
 from kvbridge.bindings.core import tensor_pages
@@ -39,7 +42,8 @@ torch = _torch()
 pytestmark = pytest.mark.skipif(torch is None, reason="torch with a CUDA GPU is not available")
 
 LAYERS, HEADS, HEAD_DIM, TOKENS, BLOCKS = 32, 8, 128, 16, 63
-PAGE = 2 * TOKENS * HEADS * HEAD_DIM * 2  # K and V of a block, bf16: 64 KiB a layer
+SPEC = Spec.attention(128, HEADS, TOKENS, HEAD_DIM, 2)  # a cache of 128 blocks, bf16
+PAGE = SPEC.page  # K and V of a block of a layer: 64 KiB
 NBYTES = BLOCKS * LAYERS * PAGE
 PATHS = {"staged": "tcp", "direct": "ucx"}
 
@@ -74,15 +78,12 @@ def sink() -> Iterator[socket.socket]:
     proc.wait(10)
 
 
-def _cache() -> tuple[list[Any], PagedKV]:
-    layers = [
-        torch.randint(
-            0, 256, (2, 128, TOKENS, HEADS, HEAD_DIM * 2), dtype=torch.uint8, device="cuda"
-        ).view(torch.bfloat16)
-        for _ in range(LAYERS)
-    ]
-    pages = tuple(p for i, t in enumerate(layers) for p in tensor_pages(f"l{i}", t, PAGE))
-    return layers, PagedKV(pages, "llama-3-8b/flash/bf16")
+def _cache() -> tuple[KVCache, PagedKV]:
+    cache = allocate("LBNHC", SPEC, LAYERS, torch.bfloat16, device="cuda")
+    cache.raw.copy_(torch.randint(-128, 128, cache.raw.shape, dtype=torch.int8, device="cuda"))
+    torch.cuda.synchronize()
+    pages = tuple(p for n, t in cache.layers.items() for p in tensor_pages(n, t, PAGE))
+    return cache, PagedKV(pages, "llama-3-8b/LBNHC/bf16")
 
 
 @pytest.mark.parametrize("direction", ["save", "load"])
@@ -95,7 +96,7 @@ def test_connector_gpu(
     path, server = deployment
     _, kv = _cache()
     identity = Identity(
-        "bench", "llama-3-8b", "bfloat16", "cuda/flash", TOKENS, LAYERS * PAGE, "tp0/1", path
+        "bench", "llama-3-8b", "bfloat16", "cuda/LBNHC", TOKENS, LAYERS * PAGE, "tp0/1", path
     )
     config = ConnectorConfig.from_extra({"server": server.address, "transports": PATHS[path]})
     ids = list(range(BLOCKS))
