@@ -131,14 +131,21 @@ def _pack(views: Sequence[Any]) -> bytes:
 
 
 def _unpack(staging: bytearray, views: Sequence[Any]) -> None:
-    offset = 0
+    """Small payloads of one message into their views. A GPU view is written on cupy's
+    default stream, whose copy from pageable memory may return before the bytes land,
+    and which orders nothing against an engine's own streams: its device is synchronized
+    before the receive is reported done."""
+    offset, devices = 0, []
     for view in views:
         part = memoryview(staging)[offset : offset + view.nbytes]
         if is_device(view):
             view.set(numpy.frombuffer(part, numpy.uint8))
+            devices.append(view.device)
         else:
             view[:] = part
         offset += view.nbytes
+    for device in set(devices):
+        device.synchronize()
 
 
 def message_runs(lengths: Sequence[int]) -> list[tuple[int, int]]:

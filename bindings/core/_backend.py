@@ -20,6 +20,7 @@ import numpy as np
 from ..._closing import Closing
 from ...store import BlockKey, ClientPool, StoreClient
 from ...transfer import DEFAULT_STREAMS
+from ._device import Device
 from ._moves import PageMoves, server_mover
 from ._pages import PageLayout
 
@@ -32,8 +33,9 @@ class Backend(Protocol):
 
     def unpin(self, hold: object) -> None: ...
 
-    def attach(self, memory: PageLayout) -> None:
-        """The engine memory that ``load`` and ``save`` move blocks of (worker side)."""
+    def attach(self, memory: PageLayout, device: Device) -> None:
+        """The engine memory that ``load`` and ``save`` move blocks of (worker side), on
+        ``device``."""
 
     def load(self, keys: Sequence[BlockKey], offsets: np.ndarray, start: int = 0) -> None:
         """Fill the blocks (``memory.offsets`` of them) with the stored ones; raises when
@@ -127,8 +129,8 @@ class ServerBackend(Closing):
             for lease in hold:
                 client.release(lease)
 
-    def attach(self, memory: PageLayout) -> None:
-        self._moves.attach(memory)
+    def attach(self, memory: PageLayout, device: Device) -> None:
+        self._moves.attach(memory, device)
         self._pool.prepare(lambda client: self._moves.route(server_mover(client)))
 
     def load(self, keys: Sequence[BlockKey], offsets: np.ndarray, start: int = 0) -> None:

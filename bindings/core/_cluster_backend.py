@@ -22,6 +22,7 @@ import numpy as np
 
 from ..._closing import Closing
 from ...store import BlockKey, BlockNotFound, ClusterClient, ClusterLease
+from ._device import Device
 from ._moves import PageMoves, Route, cluster_mover
 from ._pages import LayoutError, PageLayout
 
@@ -85,8 +86,8 @@ class ClusterBackend(Closing):
         assert isinstance(hold, ClusterLease)
         self._client.release(hold)
 
-    def attach(self, memory: PageLayout) -> None:
-        self._moves.attach(memory)
+    def attach(self, memory: PageLayout, device: Device) -> None:
+        self._moves.attach(memory, device)
         self._route = self._moves.route(cluster_mover(self._client))
 
     def load(self, keys: Sequence[BlockKey], offsets: np.ndarray, start: int = 0) -> None:

@@ -34,10 +34,12 @@ from ...transfer import is_device
 from ._backend import Backend, ServerBackend
 from ._cluster_backend import ClusterBackend
 from ._config import ETCD_SCHEME, ConnectorConfig
+from ._device import Device, HostDevice, device_for
 from ._embedded import embedded_server
 from ._identity import Identity
 from ._jobs import SaveJob, Saver
 from ._pages import LayoutError, PageLayout, check_memory
+from ._staging import StagingFailed
 from ._stats import ConnectorStats
 
 _log = logging.getLogger("kvbridge.bindings")
@@ -70,11 +72,13 @@ class ConnectorCore(Closing):
         mirror: bool = False,
         connections: int = 1,
         clock: Callable[[], float] = time.monotonic,
+        device: Device | None = None,
     ) -> None:
         """``saves``: run :meth:`save_later` jobs on a thread of its own; ``mirror``: keep
         the namespace's keys from the server's event stream (:meth:`mirrored`; where
         ``config.mirror`` allows it); ``connections``: how many threads may call the store
-        at once (see :class:`ServerBackend`)."""
+        at once (see :class:`ServerBackend`); ``device``: how moves are ordered against the
+        engine's device work (``_device``; by default that of the memory attached)."""
         self.config = config
         self._connections = connections
         self.identity = identity
@@ -90,6 +94,9 @@ class ConnectorCore(Closing):
         """Until then, faults are counted but not logged again."""
         self._lock = threading.Lock()
         self._memory: PageLayout | None = None
+        self._given_device = device
+        self._device: Device = device or HostDevice()
+        self._device_lost = False
         self._target: tuple[str, bytes | None] | None = None
         self._backend: Backend | None = None
         self._connecting = threading.Lock()
@@ -240,22 +247,38 @@ class ConnectorCore(Closing):
             )
         with self._connecting:
             self._memory = memory
+            self._device = self._given_device or device_for(memory)
             if self._backend is not None:
-                self._backend.attach(memory)
+                self._backend.attach(memory, self._device)
 
-    def load(self, keys: Sequence[BlockKey], at: Any, start: int = 0) -> bool:
+    def mark(self) -> object | None:
+        """On the engine's thread: where its device work is now (``Device.mark``). A load
+        or save given it (``after``) moves no byte before that work ran."""
+        return self._device.mark()
+
+    def load(
+        self, keys: Sequence[BlockKey], at: Any, start: int = 0, *, after: object | None = None
+    ) -> bool:
         """Fill the blocks at ``at`` (block ids, host indices: what the attached memory's
-        ``offsets`` takes) now; False (keys remembered as failed) when they cannot be."""
-        return self.load_leading(keys, at, start, partial=False) == len(keys)
+        ``offsets`` takes) now, once the engine's work before ``after`` (:meth:`mark`)
+        ran; False (keys remembered as failed) when they cannot be."""
+        return self.load_leading(keys, at, start, partial=False, after=after) == len(keys)
 
     def load_leading(
-        self, keys: Sequence[BlockKey], at: Any, start: int = 0, *, partial: bool = True
+        self,
+        keys: Sequence[BlockKey],
+        at: Any,
+        start: int = 0,
+        *,
+        partial: bool = True,
+        after: object | None = None,
     ) -> int:
         """Load as many leading blocks as the store holds; returns how many were loaded.
         Raises :class:`LayoutError` (nothing moved) when ``at`` is outside the memory."""
         if not keys:
             return 0
         offsets = self._offsets(keys, at)
+        self._ordered(after)
 
         def move(store: Backend, n: int) -> None:
             store.load(keys[:n], offsets[:n], start)
@@ -300,12 +323,16 @@ class ConnectorCore(Closing):
             self.mark_failed(keys)
         self.stats.load_failed(len(keys) * self.block_tokens)
 
-    def save(self, keys: Sequence[BlockKey], at: Any, start: int = 0) -> bool:
-        """Store the blocks at ``at`` now (those the store holds already are not sent);
+    def save(
+        self, keys: Sequence[BlockKey], at: Any, start: int = 0, *, after: object | None = None
+    ) -> bool:
+        """Store the blocks at ``at`` (those the store holds already are not sent) once
+        the engine's work before ``after`` (:meth:`mark`: the forward that wrote them) ran;
         False when the store failed. Raises :class:`LayoutError` for a bad ``at``."""
         if not keys:
             return True
         offsets = self._offsets(keys, at)
+        self._ordered(after)
         return self._saved(keys, lambda store: store.save(keys, offsets, start))
 
     def get(self, keys: Sequence[BlockKey], out: Sequence[Any]) -> int:
@@ -382,8 +409,14 @@ class ConnectorCore(Closing):
     # -- internals --------------------------------------------------------------------------
 
     def _run_save(self, job: SaveJob) -> None:
-        if not self.save(job.keys, job.block_ids, job.start):
+        if not self.save(job.keys, job.block_ids, job.start, after=job.mark):
             self.stats.save_skipped(len(job.keys))
+
+    def _ordered(self, after: object | None) -> None:
+        """Before a move touches the engine's memory: this thread on the engine's device,
+        and the engine's work before ``after`` done."""
+        self._device.bind()
+        self._device.wait(after)
 
     def _saved(self, keys: Sequence[BlockKey], store: Callable[[Backend], int]) -> bool:
         if not self._up():
@@ -420,7 +453,7 @@ class ConnectorCore(Closing):
     def _up(self) -> bool:
         """Whether to ask the store now: not closed, not paused after a fault, and
         connected (a connection that failed is tried again here, after the pause)."""
-        if self._closed or self._clock() < self._down_until:
+        if self._closed or self._device_lost or self._clock() < self._down_until:
             return False
         return self._backend is not None or self._reach()
 
@@ -444,7 +477,7 @@ class ConnectorCore(Closing):
                 current = not self._closed and self._target == target
                 if current:
                     if self._memory is not None:
-                        backend.attach(self._memory)
+                        backend.attach(self._memory, self._device)
                     self._backend = backend
             if not current:  # closed, or pointed elsewhere, while it dialled
                 backend.close()
@@ -508,6 +541,9 @@ class ConnectorCore(Closing):
         unreachable, timed out) pauses store calls for a while."""
         if self._closed:
             return  # a call that met close(): a miss, not a fault
+        if isinstance(exc, StagingFailed) and self._device.lost(exc):
+            self._lose_device(exc)
+            return
         unanswered = not isinstance(exc, StoreError)
         with self._lock:
             now = self._clock()
@@ -524,6 +560,20 @@ class ConnectorCore(Closing):
                 type(exc).__name__,
                 exc,
                 f"; store calls pause for {_RETRY_AFTER_S:.0f} s" if unanswered else "",
+            )
+        self.stats.fault()
+
+    def _lose_device(self, exc: StagingFailed) -> None:
+        """The engine's device context is lost (a sticky CUDA error): no move can work
+        again, so the connector turns itself off, saying so once (the engine meets the
+        error at its own next device call)."""
+        with self._lock:
+            first, self._device_lost = not self._device_lost, True
+        if first:
+            _log.error(
+                "kvbridge: the device's context is lost (%s): the connector loads and "
+                "saves nothing from now on",
+                exc.__cause__ or exc,
             )
         self.stats.fault()
 

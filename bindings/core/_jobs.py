@@ -9,7 +9,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..._closing import Closing
 from ...store import BlockKey
@@ -26,6 +26,9 @@ class SaveJob:
     keys: tuple[BlockKey, ...]
     block_ids: tuple[int, ...]
     start: int = 0
+    mark: object | None = field(default=None, compare=False)
+    """Where the engine's device work was when the job was made (``ConnectorCore.mark``):
+    the job moves no byte before that work ran."""
 
 
 SaveFn = Callable[[SaveJob], None]

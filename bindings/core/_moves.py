@@ -19,8 +19,9 @@ import numpy as np
 
 from ...store import BlockKey, ClusterClient, StoreClient
 from ...transfer import LocalProtocolError, is_device
+from ._device import Device
 from ._pages import LayoutError, PageLayout
-from ._staging import Stager, copier_for
+from ._staging import Stager
 
 __all__ = ["Mover", "PageMoves", "Route", "cluster_mover", "server_mover"]
 
@@ -75,10 +76,12 @@ class PageMoves:
         self._staging_bytes = staging_bytes
         self._on_staged = on_staged
         self._memory: PageLayout | None = None
+        self._device: Device | None = None
         self._stager: Stager | None = None
 
-    def attach(self, memory: PageLayout) -> None:
-        self._memory = memory
+    def attach(self, memory: PageLayout, device: Device) -> None:
+        """The engine's memory, and its device (whose copier stages its pages)."""
+        self._memory, self._device = memory, device
 
     def route(self, mover: Mover) -> Route:
         """How ``mover`` moves the attached memory's pages: registered as they are where
@@ -123,8 +126,9 @@ class PageMoves:
 
     def _staged(self) -> Stager:
         if self._stager is None:
+            assert self._device is not None, "staging before the memory was attached"
             self._stager = Stager(
-                copier_for(self._attached()),
+                self._device.copier(),
                 self._staging_bytes,
                 self._block_bytes,
                 self._on_staged,

@@ -5,6 +5,12 @@ A page is one (layer, block) of the engine's cache: opaque bytes, never reinterp
 backends interleave them per token; moving whole pages as bytes is right for both). One
 kvbridge block is one engine block across all layers: ``layers`` pages, in layer order.
 
+Where the pages lie is the engine's choice. vLLM 0.32 cuts every layer's cache out of one
+allocation in one of its ``KVCacheLayout`` s: layer-outermost (a layer's blocks side by
+side, a page apart), block-outermost (a block's pages of every layer side by side), with
+the axes inside a block in any order, and pages may be padded. Any of these is pages as
+long as each (layer, block) is one dense run of bytes (:func:`pages_of` checks it).
+
 Any engine memory that a connector moves blocks of is a :class:`PageLayout`: buffers to
 register once, and for a batch of blocks where each of their equal segments lies.
 """
@@ -12,7 +18,7 @@ register once, and for a batch of blocks where each of their equal segments lies
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -38,6 +44,12 @@ class PageLayout(Protocol):
         """Per segment, the index in :attr:`buffers` that holds it."""
 
     @property
+    def segment_rows(self) -> tuple[tuple[int, int], ...]:
+        """Per segment, ``(first, step)``: every offset of that segment is ``first + r *
+        step`` for a row ``r`` (``step`` is the segment's size unless pages are padded or
+        interleaved with other segments)."""
+
+    @property
     def block_bytes(self) -> int: ...
 
     def offsets(self, at: Any) -> np.ndarray:
@@ -61,14 +73,38 @@ def _contiguous(buffer: Any) -> bool:
 
 
 @dataclass(frozen=True)
+class _Segment:
+    """Where one segment of every block lies: block ``b``'s at ``first + b * step`` in
+    buffer ``buffer``."""
+
+    buffer: int
+    first: int
+    step: int
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """The buffers to register and the segments of a block (:func:`_plan`)."""
+
+    buffers: tuple[Any, ...]
+    segments: tuple[_Segment, ...]
+
+
+@dataclass(frozen=True)
 class PagedKV:
     """The KV cache: ``pages[layer]`` is a ``(blocks, page_bytes)`` uint8 array (numpy, or
-    cupy for GPU memory) viewing the engine's own memory (no copy)."""
+    a torch tensor or cupy array for GPU memory) viewing the engine's own memory (no copy);
+    a block's page of a layer is one run of bytes, the blocks any distance apart.
+
+    Layers whose pages lie in one allocation, interleaved (block-outermost layouts), are
+    one buffer; if a block's pages of every layer are side by side in layer order there,
+    a block is one segment (one run of ``block_bytes``), else a segment per layer."""
 
     pages: tuple[Any, ...]
     descriptor: str
     """What the bytes of a page mean (dtype, page shape, device), for messages and logs;
     the namespace is the engine adapter's :class:`~kvbridge.bindings.Identity`."""
+    _plan: _Plan = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.pages:
@@ -78,6 +114,7 @@ class PagedKV:
             raise LayoutError(f"layers disagree on (blocks, page bytes): {sorted(shapes)}")
         if {is_device(p) for p in self.pages} != {is_device(self.pages[0])}:
             raise LayoutError("some layers are in GPU memory and some are not")
+        object.__setattr__(self, "_plan", _plan(self.pages))
 
     @property
     def layers(self) -> int:
@@ -101,16 +138,22 @@ class PagedKV:
 
     @property
     def buffers(self) -> tuple[Any, ...]:
-        return self.pages
+        return self._plan.buffers
 
     @property
     def segment_buffer(self) -> tuple[int, ...]:
-        return tuple(range(self.layers))
+        return tuple(s.buffer for s in self._plan.segments)
+
+    @property
+    def segment_rows(self) -> tuple[tuple[int, int], ...]:
+        return tuple((s.first, s.step) for s in self._plan.segments)
 
     def offsets(self, at: Any) -> np.ndarray:
-        """``at``: block ids; a block's page in every layer is at ``id * page_bytes``."""
+        """``at``: block ids; segment ``s`` of block ``b`` is at ``first + b * step``."""
         ids = self.check(at)
-        return np.repeat((ids * self.page_bytes)[:, None], self.layers, axis=1)
+        firsts = np.array([s.first for s in self._plan.segments], dtype=np.int64)
+        steps = np.array([s.step for s in self._plan.segments], dtype=np.int64)
+        return firsts[None, :] + ids[:, None] * steps[None, :]
 
     def check(self, block_ids: Sequence[int]) -> np.ndarray:
         """``block_ids`` as an index array; raises :class:`LayoutError` outside the cache."""
@@ -133,24 +176,87 @@ class PagedKV:
             page[ids] = data[:, layer * size : (layer + 1) * size]
 
 
+def _plan(pages: tuple[Any, ...]) -> _Plan:
+    """Layers whose pages' address ranges overlap share a buffer (the span of all of
+    them); a block is one segment when every layer is in one buffer, a page after the
+    one before, with one block stride."""
+    blocks, page = (int(n) for n in pages[0].shape)
+    starts = [_address(p) for p in pages]
+    steps = [_byte_strides(p)[0] if blocks > 1 else page for p in pages]
+    ends = [s + (blocks - 1) * step + page for s, step in zip(starts, steps, strict=True)]
+    spans = _merge(sorted(zip(starts, ends, strict=True)))
+    buffers = tuple(_run(pages[starts.index(lo)], hi - lo) for lo, hi in spans)
+    owner = [next(b for b, (lo, hi) in enumerate(spans) if lo <= s < hi) for s in starts]
+    if len(spans) == 1 and all(
+        starts[i] == starts[0] + i * page and steps[i] == steps[0] for i in range(len(pages))
+    ):
+        return _Plan(buffers, (_Segment(0, starts[0] - spans[0][0], steps[0]),))
+    return _Plan(
+        buffers,
+        tuple(
+            _Segment(b, start - spans[b][0], step)
+            for b, start, step in zip(owner, starts, steps, strict=True)
+        ),
+    )
+
+
+def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted ``[start, end)`` ranges, overlapping ones merged."""
+    merged: list[tuple[int, int]] = []
+    for lo, hi in spans:
+        if merged and lo < merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    return merged
+
+
+def _run(pages: Any, nbytes: int) -> Any:
+    """``nbytes`` of memory from the first byte of ``pages``, as one uint8 run."""
+    if callable(getattr(pages, "as_strided", None)):  # a torch tensor
+        return pages.as_strided((nbytes,), (1,))
+    xp = _array_module(pages)
+    return xp.lib.stride_tricks.as_strided(pages, (nbytes,), (1,))
+
+
+def _address(array: Any) -> int:
+    if callable(getattr(array, "data_ptr", None)):  # a torch tensor
+        return int(array.data_ptr())
+    if is_device(array):  # cupy
+        return int(array.data.ptr)
+    return int(array.__array_interface__["data"][0])
+
+
 def pages_of(layer: Any, name: str) -> Any:
     """A ``(blocks, page_bytes)`` uint8 view of one layer's cache, given as a uint8 array
     whose first axis is the block (numpy, cupy, or a torch tensor: the engine adapter makes
-    it from its tensor). Raises :class:`LayoutError` when a block is not one contiguous run
-    of bytes."""
+    it from its tensor). A block's axes may lie in any order, as long as its bytes are one
+    dense run; raises :class:`LayoutError` when they are not."""
     blocks = int(layer.shape[0])
     page = int(np.prod(layer.shape[1:])) if layer.ndim > 1 else 1
-    inner = _contiguous_strides(layer.shape[1:])
     strides = _byte_strides(layer)
-    if strides[1:] != inner or strides[0] < page:
+    if not _dense(layer.shape[1:], strides[1:]) or (blocks > 1 and strides[0] < page):
         raise LayoutError(
             f"layer {name}: a block is not one run of bytes (shape {tuple(layer.shape)}, "
             f"byte strides {strides})"
         )
+    step = strides[0] if blocks > 1 else page
     if callable(getattr(layer, "as_strided", None)):  # a torch tensor
-        return layer.as_strided((blocks, page), (strides[0], 1))
+        return layer.as_strided((blocks, page), (step, 1))
     xp = _array_module(layer)
-    return xp.lib.stride_tricks.as_strided(layer, (blocks, page), (strides[0], 1))
+    return xp.lib.stride_tricks.as_strided(layer, (blocks, page), (step, 1))
+
+
+def _dense(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """Whether axes of ``shape`` with byte ``strides`` tile one run of bytes exactly, in
+    some order (axes of one element may have any stride)."""
+    step = 1
+    axes = sorted((int(s), int(n)) for n, s in zip(shape, strides, strict=True) if n != 1)
+    for stride, extent in axes:
+        if stride != step:
+            return False
+        step *= extent
+    return True
 
 
 def _byte_strides(layer: Any) -> tuple[int, ...]:
@@ -158,14 +264,6 @@ def _byte_strides(layer: Any) -> tuple[int, ...]:
     if callable(getattr(layer, "stride", None)):  # a torch tensor
         return tuple(int(s) for s in layer.stride())
     return tuple(int(s) for s in layer.strides)
-
-
-def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for extent in reversed(shape):
-        strides.append(step)
-        step *= int(extent)
-    return tuple(reversed(strides))
 
 
 def _array_module(array: Any) -> Any:

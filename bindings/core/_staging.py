@@ -10,9 +10,11 @@ buffer is allocated once (``staging_bytes``) and serves one chunk at a time.
 
 What is device-specific (a CUDA stream of the connector's own, pinned host memory, waiting
 for the copies) is :class:`CudaCopier`'s, on torch; :class:`HostCopier` does the same with
-numpy for memory on the host, and stands in for it where there is no GPU. A copy that fails
-(a CUDA error, say) is :class:`StagingFailed`: that load or save fails, a miss the engine
-recomputes, and nothing else.
+numpy for memory on the host, and stands in for it where there is no GPU. Ordering against
+the engine's own stream is the caller's (``_device``: a move waits for the engine's mark
+before it copies). A copy that fails (a CUDA error, say) is :class:`StagingFailed`: that
+load or save fails, a miss the engine recomputes, and nothing else (unless the device's
+context is lost: ``_device.Device.lost``).
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ from typing import Any, Protocol
 import numpy as np
 
 from ...store import StoreError
+from ...transfer import is_device
 from ._pages import PageLayout
 
-__all__ = ["Copier", "CudaCopier", "HostCopier", "Stager", "StagingFailed", "copier_for"]
+__all__ = ["Copier", "CudaCopier", "HostCopier", "Stager", "StagingFailed"]
 
 _log = logging.getLogger("kvbridge.bindings")
 
@@ -88,9 +91,10 @@ class CudaCopier:
     """Copies for memory on a CUDA device, on a stream of the connector's own (torch): a
     gather indexes every segment's pages on the device into one contiguous block of rows,
     then copies it to pinned host memory at once; a scatter copies the rows to the device
-    at once, then indexes them into the pages. Each waits for its stream before returning;
-    a gather first waits for the work already queued on the device's current stream (the
-    forward that wrote the pages)."""
+    at once, then indexes them into the pages. Each waits for its stream before returning
+    (the engine's work before the move was waited for by the caller). The pinned buffer is
+    a power of two of bytes, at most the size asked for: torch's pinned allocator rounds
+    any other size up to one (256 MiB and a little would pin 512)."""
 
     def __init__(self, device: Any) -> None:
         import torch  # noqa: PLC0415  (present wherever a GPU engine runs)
@@ -101,13 +105,13 @@ class CudaCopier:
         self._pinned: list[Any] = []  # the pinned tensors whose memory the buffers view
 
     def allocate(self, nbytes: int) -> np.ndarray:
-        pinned = self._torch.empty(nbytes, dtype=self._torch.uint8, pin_memory=True)
+        size = 1 << (max(1, nbytes).bit_length() - 1)
+        pinned = self._torch.empty(size, dtype=self._torch.uint8, pin_memory=True)
         self._pinned.append(pinned)
         return np.asarray(pinned.numpy())
 
     def gather(self, memory: PageLayout, offsets: np.ndarray, rows: np.ndarray) -> None:
         torch = self._torch
-        self._stream.wait_stream(torch.cuda.current_stream(self._device))
         with torch.cuda.stream(self._stream):
             staged = torch.empty(rows.shape, dtype=torch.uint8, device=self._device)
             for segment, (source, at) in enumerate(_segments(memory, offsets, self._index)):
@@ -127,15 +131,6 @@ class CudaCopier:
         return self._torch.as_tensor(rows, device=self._device)
 
 
-def copier_for(memory: PageLayout) -> HostCopier | CudaCopier:
-    """The copier for where ``memory`` is: a CUDA device (torch tensors), else the host."""
-    first = memory.buffers[0]
-    device = getattr(first, "device", None)
-    if getattr(device, "type", None) == "cuda":
-        return CudaCopier(device)
-    return HostCopier()
-
-
 class Stager:
     """The staging buffer of one connector (allocated once, ``nbytes`` rounded down to whole
     blocks) and the chunked moves through it, one chunk at a time: callers on several
@@ -149,12 +144,14 @@ class Stager:
         on_copied: Callable[[int], None] = lambda nbytes: None,
     ) -> None:
         """``on_copied(nbytes)`` counts each chunk copied (the connector's ``bytes_staged``)."""
-        self.blocks = nbytes // block_bytes
-        self._on_copied = on_copied
-        if self.blocks < 1:
+        if nbytes < block_bytes:
             raise ValueError(f"staging_bytes {nbytes} holds no block of {block_bytes} bytes")
-        self.buffer = copier.allocate(self.blocks * block_bytes)
-        self.rows = self.buffer.reshape(self.blocks, block_bytes)
+        self.buffer = copier.allocate(nbytes)
+        self.blocks = self.buffer.nbytes // block_bytes
+        if self.blocks < 1:  # a copier that allocates less than asked (a power of two)
+            raise ValueError(f"a staging buffer of {self.buffer.nbytes} bytes holds no block")
+        self._on_copied = on_copied
+        self.rows = self.buffer[: self.blocks * block_bytes].reshape(self.blocks, block_bytes)
         self._copier = copier
         self._lock = threading.Lock()
         _log.info(
@@ -207,15 +204,34 @@ def _columns(memory: PageLayout, segment: int) -> slice:
 def _segments(
     memory: PageLayout, offsets: np.ndarray, index: Callable[[np.ndarray], Any]
 ) -> list[tuple[Any, Any]]:
-    """Per segment, its buffer as rows of one segment each, and which rows the blocks'
-    segments are (``index`` makes the row numbers the buffer's kind of index)."""
+    """Per segment, its buffer as rows of one segment each (``segment_rows``: a row every
+    ``step`` bytes from ``first``), and which rows the blocks' segments are (``index``
+    makes the row numbers the buffer's kind of index, once per distinct list of rows: a
+    device index is one host-to-device copy)."""
     size = memory.block_bytes // len(memory.segment_buffer)
     out = []
+    indices: dict[bytes, Any] = {}
     for segment, buffer_index in enumerate(memory.segment_buffer):
-        at = offsets[:, segment]
-        if np.any(at % size):
-            raise ValueError(f"segment {segment}: offsets are not whole segments")
+        first, step = memory.segment_rows[segment]
+        at = offsets[:, segment] - first
+        if np.any(at % step):
+            raise ValueError(f"segment {segment}: offsets are not whole rows")
+        rows = at // step
+        key = rows.tobytes()
+        if key not in indices:
+            indices[key] = index(rows)
         flat = memory.buffers[buffer_index].reshape(-1)  # a view: buffers are one run of bytes
-        whole = (flat.shape[0] // size) * size  # past the last whole segment: not a segment
-        out.append((flat[:whole].reshape(-1, size), index(at // size)))
+        out.append((_rows(flat, first, step, size), indices[key]))
     return out
+
+
+def _rows(flat: Any, first: int, step: int, size: int) -> Any:
+    """``flat[first:]`` as rows of ``size`` bytes, ``step`` bytes apart (no copy)."""
+    count = (int(flat.shape[0]) - first - size) // step + 1
+    if callable(getattr(flat, "as_strided", None)):  # a torch tensor
+        return flat[first:].as_strided((count, size), (step, 1))
+    if is_device(flat):
+        import cupy  # noqa: PLC0415  (only where GPU memory is in use)
+
+        return cupy.lib.stride_tricks.as_strided(flat[first:], (count, size), (step, 1))
+    return np.lib.stride_tricks.as_strided(flat[first:], (count, size), (step, 1))

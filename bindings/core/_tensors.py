@@ -1,8 +1,8 @@
 """An engine's KV cache tensors (torch) as kvbridge pages, without a copy and without cupy:
 a CPU tensor is viewed as a numpy array, a CUDA tensor stays a torch tensor (the staging
 path moves its pages with torch; the direct path registers it over UCX). Layouts: the block
-first (vLLM's CPU and MLA caches), or K and V first (FlashAttention's ``(2, num_blocks,
-block_size, kv_heads, head_dim)``: two pages a layer)."""
+first (vLLM 0.32's ``[B, H, N, C]`` views of every layout, and MLA caches), or K and V
+first (``(2, num_blocks, block_size, kv_heads, head_dim)``: two pages a layer)."""
 
 from __future__ import annotations
 
@@ -19,11 +19,12 @@ _DEVICES = ("cpu", "cuda")
 through pinned host memory by torch, or directly over UCX)."""
 
 
-def tensor_pages(name: str, tensor: Any, page_bytes: int) -> tuple[Any, ...]:
+def tensor_pages(name: str, tensor: Any, page_bytes: int, layout: str = "") -> tuple[Any, ...]:
     """One layer's cache as pages of ``page_bytes`` (vLLM's page: a block's K and V): one
-    ``(blocks, page_bytes)`` array where the block is the first axis (the CPU and MLA
-    layouts), two of half a page where K and V come first (FlashAttention's
-    ``(2, num_blocks, block_size, kv_heads, head_dim)``)."""
+    ``(blocks, page_bytes)`` array where the block is the first axis (vLLM 0.32's
+    ``[B, H, N, C]`` views, in any ``KVCacheLayout`` whose block is one run of bytes), two
+    of half a page where K and V come first (the ``(2, num_blocks, block_size, kv_heads,
+    head_dim)`` of vLLM before 0.32). ``layout`` names the engine's layout in errors."""
     device = tensor.device.type
     if device not in _DEVICES:
         raise ConfigError(
@@ -39,7 +40,8 @@ def tensor_pages(name: str, tensor: Any, page_bytes: int) -> tuple[Any, ...]:
         if len(shape) > 2 and shape[0] == 2 and 2 * math.prod(shape[2:]) == page_bytes:
             return (pages_of(raw[0], f"{name} (K)"), pages_of(raw[1], f"{name} (V)"))
     except LayoutError as exc:
-        raise ConfigError(f"kvbridge: {exc}", setting="kv_caches") from None
+        where = f" (KV cache layout {layout})" if layout else ""
+        raise ConfigError(f"kvbridge: {exc}{where}", setting="kv_caches") from None
     raise ConfigError(
         f"kvbridge: layer {name} has shape {tuple(tensor.shape)} ({tensor.dtype}), whose "
         f"blocks are not pages of {page_bytes} bytes (the block first, or K and V first)",

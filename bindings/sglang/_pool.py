@@ -56,6 +56,12 @@ class HostPages:
         return self._segment_buffer
 
     @property
+    def segment_rows(self) -> tuple[tuple[int, int], ...]:
+        """Rows of one segment each from each buffer's start (SGLang's pages are whole
+        segments apart)."""
+        return ((0, self.segment_bytes),) * self.segments
+
+    @property
     def segments(self) -> int:
         return len(self._segment_buffer)
 

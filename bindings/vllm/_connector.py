@@ -86,7 +86,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 loader=config.async_load or groups.hybrid,
                 by_request=groups.hybrid,
                 moves=groups.loadable,
-                aliased=groups.hybrid,
+                layout=str(getattr(kv_cache_config, "kv_cache_layout", None) or ""),
             )
         else:
             self._scheduler = SchedulerSide(
@@ -300,7 +300,7 @@ def _identity(
         f"{getattr(spec, 'num_kv_heads', 0)}x{getattr(spec, 'head_size', 0)}/{layers}/"
         f"{kv_cache_config.kv_cache_layout}{kinds}",
         block_tokens=int(spec.block_size),
-        block_bytes=int(spec.page_size_bytes) * layers,
+        block_bytes=_page_bytes(spec) * layers,
         shard=_shard(vllm_config.parallel_config, rank),
         extra=config.namespace,
         settings=_settings(vllm_config),
@@ -313,6 +313,12 @@ def _identity(
         identity.settings,
     )
     return identity
+
+
+def _page_bytes(spec: Any) -> int:
+    """The bytes of a layer's page that hold KV: without the padding vLLM may add to
+    align pages (``page_size_padded``: DeepSeek's MLA), which kvbridge never moves."""
+    return int(getattr(spec, "real_page_size_bytes", spec.page_size_bytes))
 
 
 def _shard(parallel: Any, rank: int) -> str:

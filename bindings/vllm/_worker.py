@@ -36,7 +36,7 @@ class WorkerSide:
         loader: bool = False,
         by_request: bool = False,
         moves: bool = True,
-        aliased: bool = False,
+        layout: str = "",
     ) -> None:
         """``steps_in_flight``: how many steps vLLM plans before it learns how the
         earlier ones ended (``max_concurrent_batches``: 2 with async scheduling);
@@ -44,12 +44,12 @@ class WorkerSide:
         ``by_request``: report a failed async load by request, not by block (a model of
         several KV cache groups: vLLM stops at block-level failures there); ``moves``:
         whether this model's blocks are loaded and saved at all (the cache is not even
-        registered otherwise); ``aliased``: layers of different KV cache groups share their
-        tensors (a hybrid model's), each registered once."""
+        registered otherwise); ``layout``: vLLM's name of the KV cache layout (for
+        messages)."""
         self._core = core
         self._by_request = by_request
         self._moves = moves
-        self._aliased = aliased
+        self._layout = layout
         self._loader = Saver(self._run_load, name="kvbridge-loader") if loader else None
         self._loading: set[str] = set()
         self._lock = threading.Lock()
@@ -65,18 +65,18 @@ class WorkerSide:
         self._report = WorkerReport()
 
     def register(self, kv_caches: dict[str, Any]) -> None:
-        """``register_kv_caches``: every distinct layer cache (groups share theirs), as
-        uint8 pages (no copy). A layer the connector cannot move (on another kind of
-        device, or whose blocks are not whole runs of bytes) is a :class:`ConfigError`
-        naming it."""
+        """``register_kv_caches``: every distinct layer cache (KV cache groups and layers
+        that share a cache share a tensor), as uint8 pages (no copy). A layer the connector
+        cannot move (on another kind of device, or whose blocks are not whole runs of
+        bytes) is a :class:`ConfigError` naming it and the layout."""
         if not self._moves:
             return
-        distinct = _distinct(kv_caches) if self._aliased else kv_caches
+        distinct = _distinct(kv_caches)
         page_bytes = self._core.identity.block_bytes // max(1, len(distinct))
         pages = tuple(
             page
             for name, tensor in distinct.items()
-            for page in tensor_pages(name, tensor, page_bytes)
+            for page in tensor_pages(name, tensor, page_bytes, self._layout)
         )
         first = next(iter(distinct.values()))
         expected = self._core.identity.dtype
@@ -95,18 +95,17 @@ class WorkerSide:
     def load(self, meta: StepMeta | None) -> None:
         """``start_load_kv``: fill this step's loaded blocks before the forward; hand async
         loads to the loader thread."""
-        if meta is None:
+        if meta is None or not (meta.loads or meta.async_loads):
             return
+        mark = self._core.mark()  # vLLM's work on the blocks so far (zeroing new ones)
         if meta.async_loads:
             assert self._loader is not None, "async loads need the loader (async_load)"
             self._loading.update(load.request for load in meta.async_loads)
             self._loader.submit(
-                SaveJob(t.request, t.keys, t.block_ids, t.start) for t in meta.async_loads
+                SaveJob(t.request, t.keys, t.block_ids, t.start, mark) for t in meta.async_loads
             )
-        if not meta.loads:
-            return
         for load in meta.loads:
-            if not self._core.load(load.keys, load.block_ids, load.start):
+            if not self._core.load(load.keys, load.block_ids, load.start, after=mark):
                 self._invalid.update(load.block_ids)
                 self._report.failed.update(load.keys)
                 self._poisoned = self._window
@@ -123,11 +122,16 @@ class WorkerSide:
         if poisoned:
             self._report.unsaved.update(save.request for save in meta.saves)
             return
+        mark = self._core.mark()  # the forward that wrote the blocks
         for save in meta.saves:
-            if save.now and not self._core.save(save.keys, save.block_ids, save.start):
+            if save.now and not self._core.save(save.keys, save.block_ids, save.start, after=mark):
                 self._core.stats.save_skipped(len(save.keys))
         self._core.save_later(
-            [SaveJob(s.request, s.keys, s.block_ids, s.start) for s in meta.saves if not s.now]
+            [
+                SaveJob(s.request, s.keys, s.block_ids, s.start, mark)
+                for s in meta.saves
+                if not s.now
+            ]
         )
 
     def finished(
@@ -159,7 +163,7 @@ class WorkerSide:
             self._loader.close()
 
     def _run_load(self, job: SaveJob) -> None:
-        if not self._core.load(job.keys, job.block_ids, job.start):
+        if not self._core.load(job.keys, job.block_ids, job.start, after=job.mark):
             with self._lock:
                 self._failed_loads.append(job)
 
@@ -177,8 +181,9 @@ class WorkerSide:
 
 
 def _distinct(kv_caches: dict[str, Any]) -> dict[str, Any]:
-    """Each layer cache once: layers of different KV cache groups that share memory (a
-    hybrid model's) are one tensor, named by the first layer seen."""
+    """Each layer cache once: layers that share memory (of different KV cache groups, a
+    hybrid model's; or sharing one layer's KV, vLLM's ``kv_sharing_target_layer_name``)
+    are one tensor, named by the first layer seen."""
     seen: dict[tuple[int, int], str] = {}
     for name, tensor in kv_caches.items():
         seen.setdefault((int(tensor.data_ptr()), int(tensor.nbytes)), name)

@@ -9,6 +9,7 @@ out zero-copy views of slots; the slot tier on top of them is the same code.
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 from typing import Literal, Protocol
 
@@ -18,6 +19,8 @@ from .._buffers import BlockArray, cupy_module
 from .._errors import TierUnavailable
 
 PAGE_BYTES = mmap.PAGESIZE
+
+_log = logging.getLogger("kvbridge.store")
 
 
 class SlotMemory(Protocol):
@@ -65,13 +68,27 @@ class HostSlab:
         self._mmap: mmap.mmap | None = mmap.mmap(-1, max(slots * block_bytes, 1), flags=flags)
         self.array: np.ndarray = np.frombuffer(self._mmap, dtype=np.uint8)[: slots * block_bytes]
         self.pinned = False
-        if pin is not False:
-            cupy = cupy_module()
-            if cupy is not None and slots:
-                cupy.cuda.runtime.hostRegister(self.array.ctypes.data, self.array.nbytes, 0)
-                self.pinned = True
-            elif pin is True:
+        if pin is not False and slots:
+            self.pinned = self._pin(required=pin is True)
+
+    def _pin(self, *, required: bool) -> bool:
+        """Page-lock the slab for the GPU's DMA. Pinning all of a large host tier can fail
+        (the locked-memory limit, the machine's memory): required, that is
+        :class:`TierUnavailable`; else the slab stays unpinned (copies to a GPU then go
+        through the driver's own bounce buffers), said once."""
+        cupy = cupy_module()
+        if cupy is None:
+            if required:
                 raise TierUnavailable("pinned host memory needs cupy and a GPU")
+            return False
+        try:
+            cupy.cuda.runtime.hostRegister(self.array.ctypes.data, self.array.nbytes, 0)
+        except Exception as exc:  # cupy's CUDARuntimeError, whatever the cause
+            if required:
+                raise TierUnavailable(f"pinning {self.array.nbytes} bytes failed: {exc}") from exc
+            _log.warning("host memory of %d bytes left unpinned: %s", self.array.nbytes, exc)
+            return False
+        return True
 
     @property
     def on_device(self) -> bool:

@@ -38,7 +38,9 @@ def run_engine(
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, **(env or {})},
+        # vLLM logs to stdout unless told: its log belongs with the connector's, in the
+        # result's ``log`` (stdout carries the result)
+        env={**os.environ, "VLLM_LOGGING_STREAM": "ext://sys.stderr", **(env or {})},
         check=False,
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]

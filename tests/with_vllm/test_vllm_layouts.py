@@ -119,10 +119,16 @@ def test_a_layer_whose_blocks_are_not_whole_runs_of_bytes_is_a_config_error(
 ) -> None:
     shape = SHAPES["mla"]
     side, core = _side(server, shape, torch.bfloat16, {})
-    strided = torch.zeros((shape[1], shape[0], shape[2]), dtype=torch.bfloat16).transpose(0, 1)
     try:
         with pytest.raises(ConfigError, match="not one run of bytes"):
-            side.register({f"model.layers.{i}.self_attn": strided for i in range(LAYERS)})
+            side.register(
+                {
+                    f"model.layers.{i}.self_attn": torch.zeros(
+                        (shape[1], shape[0], shape[2]), dtype=torch.bfloat16
+                    ).transpose(0, 1)  # a block's tokens are a block apart
+                    for i in range(LAYERS)
+                }
+            )
         with pytest.raises(ConfigError, match="not pages of"):
             side.register(_caches((BLOCKS, TOKENS, 95), torch.bfloat16, seed=2))
     finally:

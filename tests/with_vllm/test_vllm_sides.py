@@ -55,7 +55,10 @@ class _Core:
         if hold is not None:
             self.unpinned.append(hold)
 
-    def load(self, keys: Any, block_ids: Any, start: int = 0) -> bool:
+    def mark(self) -> object | None:
+        return None
+
+    def load(self, keys: Any, block_ids: Any, start: int = 0, after: object = None) -> bool:
         return False
 
     def save_later(self, jobs: list[SaveJob]) -> None:
