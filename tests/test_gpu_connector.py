@@ -193,22 +193,14 @@ def _core(
     return core
 
 
-def _mark(core: ConnectorCore) -> dict[str, Any]:
-    """On the engine's thread, what orders a move after the engine's work so far, as the
-    worker side passes it: ``after=core.mark()`` where the core takes marks; nothing where
-    the core orders a move by the stream current on the thread that makes it."""
-    mark = getattr(core, "mark", None)
-    return {} if mark is None else {"after": mark()}
-
-
 def _wait_for_save(core: ConnectorCore, keys: Sequence[Any], ids: list[int], how: str) -> None:
     """What the worker side does at vLLM's ``wait_for_save``, on the engine's thread: save
     the blocks now (a sliding window's), or queue them for the saver thread (any other)."""
-    after = _mark(core)
+    mark = core.mark()  # the worker side's: the engine's stream, on the engine's thread
     if how == "now":
-        assert core.save(keys, ids, **after)
+        assert core.save(keys, ids, after=mark)
     else:
-        core.save_later([SaveJob(REQUEST, tuple(keys), tuple(ids), 0, *after.values())])
+        core.save_later([SaveJob(REQUEST, tuple(keys), tuple(ids), 0, mark)])
 
 
 @pytest.mark.parametrize("how", ["now", "queued"])
@@ -269,7 +261,7 @@ def test_a_load_lands_after_the_engine_streams_earlier_work(
 
         def zero_then_start_load() -> tuple[bool, Any, Any]:
             _late(target.raw.zero_)  # vLLM zeroes the blocks it hands out, on its stream
-            loaded = loader.load(keys, LOADED, **_mark(loader))
+            loaded = loader.load(keys, LOADED, after=loader.mark())
             # what the engine's next kernels read, on its stream
             return loaded, blocks_of(target, LOADED), blocks_of(target, UNTOUCHED)
 
