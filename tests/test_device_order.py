@@ -47,7 +47,7 @@ def _core(server: ServeProcess, device: RecordingDevice, staging: str, name: str
     config = ConnectorConfig.from_extra(
         {"server": server.address, "staging": staging, "staging_bytes": "64KiB"}
     )
-    return ConnectorCore(config, identity, saves=True, device=device)  # type: ignore[arg-type]
+    return ConnectorCore(config, identity, saves=True, device=device)
 
 
 def _saver(device: RecordingDevice) -> str:

@@ -59,7 +59,7 @@ def _worker(server: ServeProcess, device: RecordingDevice) -> tuple[WorkerSide, 
     config = ConnectorConfig.from_extra(
         {"server": server.address, "staging": "always", "staging_bytes": "64KiB"}
     )
-    core = ConnectorCore(config, identity, saves=True, device=device)  # type: ignore[arg-type]
+    core = ConnectorCore(config, identity, saves=True, device=device)
     return WorkerSide(core, loader=True, layout="LBNHC"), core
 
 
