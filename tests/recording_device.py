@@ -2,8 +2,9 @@
 memory, recording each call with the thread that made it, so that tests can assert the
 order a GPU needs (a mark on the engine's thread before the mover's wait for it, the wait
 before the copy, the device bound on every thread that moves pages) on a machine with no
-GPU. Copies are the host's; a ``fail`` copy raises, and ``sticky`` says that the failure
-lost the device's context."""
+GPU. Copies are the host's; with ``fail`` a copy raises, with ``fail_wait`` a wait does
+(where a sticky CUDA error shows first: the event's synchronize), and ``sticky`` says
+that the failure lost the device's context."""
 
 from __future__ import annotations
 
@@ -25,9 +26,12 @@ class Call:
 
 
 class RecordingDevice:
-    def __init__(self, *, fail: bool = False, sticky: bool = False) -> None:
+    def __init__(
+        self, *, fail: bool = False, fail_wait: bool = False, sticky: bool = False
+    ) -> None:
         self.calls: list[Call] = []
         self.fail = fail
+        self.fail_wait = fail_wait
         self.sticky = sticky
         self._marks = itertools.count()
         self._lock = threading.Lock()
@@ -39,6 +43,8 @@ class RecordingDevice:
 
     def wait(self, mark: object | None) -> None:
         self._record("wait", mark if isinstance(mark, int) else None)
+        if self.fail_wait:
+            raise RuntimeError("CUDA error: device-side assert triggered")
 
     def bind(self) -> None:
         self._record("bind")

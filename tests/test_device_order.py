@@ -118,3 +118,21 @@ def test_a_copy_that_failed_alone_is_one_miss(
         core.save_later([SaveJob("b", tuple(keys), (0, 1), mark=core.mark())])
         assert core.flush(["b"]) and core.lookup(keys) == 2
     assert "context is lost" not in caplog.text
+
+
+def test_a_wait_that_meets_a_lost_context_turns_the_connector_off(
+    server: ServeProcess, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A sticky error shows first where the mover waits for the engine's mark: that is
+    the device's fault too, not an exception out of the saver."""
+    device = RecordingDevice(fail_wait=True, sticky=True)
+    with _core(server, device, "always", "wait") as core:
+        core.attach(_kv(5))
+        keys = core.keys(list(range(TOKENS * 2)))
+        core.save_later([SaveJob("a", tuple(keys), (0, 1), mark=core.mark())])
+        assert core.flush(["a"])
+        assert not core.load(keys, [2, 3], after=core.mark())
+    lost = [r for r in caplog.records if "context is lost" in r.getMessage()]
+    assert len(lost) == 1 and "device-side assert" in lost[0].getMessage()
+    assert "a save of" not in caplog.text  # handled as a fault, not raised
+    assert [op for op, _ in device.ops()].count("wait") == 1

@@ -138,3 +138,13 @@ def test_a_layout_whose_block_is_not_one_run_is_refused(layout: str) -> None:
     _, views = _views(NOT_PAGES[layout])
     with pytest.raises(LayoutError, match="layer0: a block is not one run of bytes"):
         pages_of(views[0], "layer0")
+
+
+def test_pages_of_layers_that_overlap_are_refused() -> None:
+    raw = np.zeros(BLOCKS * PAGE * 2, np.uint8)
+    first = np.lib.stride_tricks.as_strided(raw, (BLOCKS, PAGE), (2 * PAGE, 1))
+    second = np.lib.stride_tricks.as_strided(raw[PAGE // 2 :], (BLOCKS, PAGE), (2 * PAGE, 1))
+    with pytest.raises(LayoutError, match="overlap"):
+        PagedKV((pages_of(first, "l0"), pages_of(second, "l1")), "test")
+    with pytest.raises(LayoutError, match="0 blocks"):
+        PagedKV((np.zeros((0, PAGE), np.uint8),), "test")

@@ -34,12 +34,12 @@ from ...transfer import is_device
 from ._backend import Backend, ServerBackend
 from ._cluster_backend import ClusterBackend
 from ._config import ETCD_SCHEME, ConnectorConfig
-from ._device import Device, HostDevice, device_for
+from ._device import Device, HostDevice, current_cuda, device_for, select_cuda
 from ._embedded import embedded_server
 from ._identity import Identity
 from ._jobs import SaveJob, Saver
 from ._pages import LayoutError, PageLayout, check_memory
-from ._staging import StagingFailed
+from ._staging import StagingFailed, pinned_bytes
 from ._stats import ConnectorStats
 
 _log = logging.getLogger("kvbridge.bindings")
@@ -97,6 +97,8 @@ class ConnectorCore(Closing):
         self._given_device = device
         self._device: Device = device or HostDevice()
         self._device_lost = False
+        self._cuda = current_cuda()
+        """The engine's CUDA device (its worker's), selected on the connection threads."""
         self._target: tuple[str, bytes | None] | None = None
         self._backend: Backend | None = None
         self._connecting = threading.Lock()
@@ -238,11 +240,13 @@ class ConnectorCore(Closing):
                 f"its config says {self.identity.block_bytes}"
             )
         check_memory(memory)
-        staged = self.config.staging == "always" or is_device(memory.buffers[0])
-        if staged and self.config.staging_bytes < memory.block_bytes:
+        on_device = is_device(memory.buffers[0])
+        staging = self.config.staging_bytes
+        usable = pinned_bytes(staging) if on_device else staging  # pinned: a power of two
+        if (self.config.staging == "always" or on_device) and usable < memory.block_bytes:
             raise ConfigError(
-                f"staging_bytes {self.config.staging_bytes} holds no block of "
-                f"{memory.block_bytes} bytes",
+                f"staging_bytes {staging} holds no block of {memory.block_bytes} bytes"
+                + (f" (pinned memory is a power of two: {usable} bytes)" if on_device else ""),
                 setting="staging_bytes",
             )
         with self._connecting:
@@ -278,9 +282,9 @@ class ConnectorCore(Closing):
         if not keys:
             return 0
         offsets = self._offsets(keys, at)
-        self._ordered(after)
 
         def move(store: Backend, n: int) -> None:
+            self._ordered(after)
             store.load(keys[:n], offsets[:n], start)
 
         return self._leading("load", keys, move, partial=partial)
@@ -332,8 +336,12 @@ class ConnectorCore(Closing):
         if not keys:
             return True
         offsets = self._offsets(keys, at)
-        self._ordered(after)
-        return self._saved(keys, lambda store: store.save(keys, offsets, start))
+
+        def move(store: Backend) -> int:
+            self._ordered(after)
+            return store.save(keys, offsets, start)
+
+        return self._saved(keys, move)
 
     def get(self, keys: Sequence[BlockKey], out: Sequence[Any]) -> int:
         """The copying twin of :meth:`load_leading`: fill one ``block_bytes`` buffer per
@@ -414,9 +422,13 @@ class ConnectorCore(Closing):
 
     def _ordered(self, after: object | None) -> None:
         """Before a move touches the engine's memory: this thread on the engine's device,
-        and the engine's work before ``after`` done."""
-        self._device.bind()
-        self._device.wait(after)
+        and the engine's work before ``after`` done. A device error here (where a sticky
+        one shows first) is :class:`StagingFailed`: that move's fault, or the device's."""
+        try:
+            self._device.bind()
+            self._device.wait(after)
+        except Exception as exc:
+            raise StagingFailed(f"waiting for the engine's device work: {exc}") from exc
 
     def _saved(self, keys: Sequence[BlockKey], store: Callable[[Backend], int]) -> bool:
         if not self._up():
@@ -468,6 +480,7 @@ class ConnectorCore(Closing):
                     return True
                 target = self._target
             try:
+                select_cuda(self._cuda)  # a UCX worker's context goes on the engine's device
                 backend = self._open(*target)
                 backend.lookup([_PROBE])  # the path's first-call costs, off the engine's time
             except FAULTS as exc:

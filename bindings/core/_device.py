@@ -23,13 +23,14 @@ CUDA device, on torch (its events and the connector's copy stream).
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any, Protocol
 
 from ._pages import PageLayout
 from ._staging import Copier, CudaCopier, HostCopier
 
-__all__ = ["CudaDevice", "Device", "HostDevice", "device_for"]
+__all__ = ["CudaDevice", "Device", "HostDevice", "current_cuda", "device_for", "select_cuda"]
 
 
 class Device(Protocol):
@@ -83,7 +84,7 @@ class CudaDevice:
         self._copier: CudaCopier | None = None
 
     def mark(self) -> object | None:
-        event: object = self._torch.cuda.Event()
+        event: object = self._torch.cuda.Event(blocking=True)  # a waiter sleeps, never spins
         event.record(self._torch.cuda.current_stream(self._device))  # type: ignore[attr-defined]
         return event
 
@@ -118,3 +119,20 @@ def device_for(memory: PageLayout) -> Device:
     if getattr(device, "type", None) == "cuda":
         return CudaDevice(device)
     return HostDevice()
+
+
+def current_cuda() -> int | None:
+    """The CUDA device current on the calling thread where torch is loaded and CUDA in use
+    (an engine's worker: its rank's device), else ``None``. The connector's own threads
+    select it before they touch CUDA (a UCX worker makes its context on the device current
+    on the thread that creates it: device 0 on a thread that never chose one)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return int(torch.cuda.current_device())
+
+
+def select_cuda(index: int | None) -> None:
+    """Make CUDA device ``index`` current on the calling thread (nothing for ``None``)."""
+    if index is not None:
+        sys.modules["torch"].cuda.set_device(index)

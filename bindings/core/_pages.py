@@ -17,6 +17,7 @@ register once, and for a batch of blocks where each of their equal segments lies
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -181,12 +182,17 @@ def _plan(pages: tuple[Any, ...]) -> _Plan:
     them); a block is one segment when every layer is in one buffer, a page after the
     one before, with one block stride."""
     blocks, page = (int(n) for n in pages[0].shape)
+    if blocks < 1 or page < 1:
+        raise LayoutError(f"the KV cache has {blocks} blocks of {page} bytes")
     starts = [_address(p) for p in pages]
     steps = [_byte_strides(p)[0] if blocks > 1 else page for p in pages]
     ends = [s + (blocks - 1) * step + page for s, step in zip(starts, steps, strict=True)]
     spans = _merge(sorted(zip(starts, ends, strict=True)))
     buffers = tuple(_run(pages[starts.index(lo)], hi - lo) for lo, hi in spans)
     owner = [next(b for b, (lo, hi) in enumerate(spans) if lo <= s < hi) for s in starts]
+    for b in range(len(spans)):
+        members = [i for i in range(len(pages)) if owner[i] == b]
+        _check_apart([starts[i] for i in members], [steps[i] for i in members], page)
     if len(spans) == 1 and all(
         starts[i] == starts[0] + i * page and steps[i] == steps[0] for i in range(len(pages))
     ):
@@ -198,6 +204,19 @@ def _plan(pages: tuple[Any, ...]) -> _Plan:
             for b, start, step in zip(owner, starts, steps, strict=True)
         ),
     )
+
+
+def _check_apart(starts: list[int], steps: list[int], page: int) -> None:
+    """Raises :class:`LayoutError` when pages of layers that share a buffer (and one block
+    stride) overlap: in every block period each layer's page must have ``page`` bytes of
+    its own."""
+    if len(starts) < 2 or len(set(steps)) != 1:
+        return
+    step = steps[0]
+    places = sorted(start % step for start in starts)
+    gaps = [b - a for a, b in itertools.pairwise(places)] + [places[0] + step - places[-1]]
+    if min(gaps) < page:
+        raise LayoutError(f"pages of different layers overlap ({page}-byte pages, {step} apart)")
 
 
 def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:

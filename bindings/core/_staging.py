@@ -80,6 +80,12 @@ class HostCopier:
                 target[first : first + end - start] = rows[start:end, columns]
 
 
+def pinned_bytes(nbytes: int) -> int:
+    """The pinned staging buffer :class:`CudaCopier` allocates for ``nbytes``: the largest
+    power of two not above it."""
+    return 1 << (max(1, nbytes).bit_length() - 1)
+
+
 def _runs(at: np.ndarray) -> list[tuple[int, int]]:
     """``[start, end)`` of each run of consecutive values in ``at``."""
     breaks = np.flatnonzero(np.diff(at) != 1) + 1
@@ -105,7 +111,7 @@ class CudaCopier:
         self._pinned: list[Any] = []  # the pinned tensors whose memory the buffers view
 
     def allocate(self, nbytes: int) -> np.ndarray:
-        size = 1 << (max(1, nbytes).bit_length() - 1)
+        size = pinned_bytes(nbytes)
         pinned = self._torch.empty(size, dtype=self._torch.uint8, pin_memory=True)
         self._pinned.append(pinned)
         return np.asarray(pinned.numpy())

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
+
 from ...store import ConfigError
 from ._pages import LayoutError, pages_of
 
@@ -35,8 +37,12 @@ def tensor_pages(name: str, tensor: Any, page_bytes: int, layout: str = "") -> t
     raw = _as_bytes(tensor)
     shape = tuple(int(n) for n in raw.shape)
     try:
-        if math.prod(shape[1:]) == page_bytes:
+        inner = math.prod(shape[1:])
+        if inner == page_bytes:
             return (pages_of(raw, name),)
+        split = page_bytes // inner if inner and page_bytes % inner == 0 else 0
+        if split > 1 and shape[0] % split == 0:  # kernel blocks: a block cut in `split`
+            return (pages_of(_grouped(raw, split), name),)
         if len(shape) > 2 and shape[0] == 2 and 2 * math.prod(shape[2:]) == page_bytes:
             return (pages_of(raw[0], f"{name} (K)"), pages_of(raw[1], f"{name} (V)"))
     except LayoutError as exc:
@@ -47,6 +53,19 @@ def tensor_pages(name: str, tensor: Any, page_bytes: int, layout: str = "") -> t
         f"blocks are not pages of {page_bytes} bytes (the block first, or K and V first)",
         setting="kv_caches",
     )
+
+
+def _grouped(raw: Any, split: int) -> Any:
+    """``raw``'s first axis of kernel blocks as ``(blocks, split, ...)`` (no copy): vLLM
+    cuts a block into ``split`` kernel blocks for a backend that takes smaller ones, which
+    it lays side by side (``create_kv_cache_views`` refuses otherwise); ``pages_of`` then
+    checks that they are."""
+    shape = (raw.shape[0] // split, split, *raw.shape[1:])
+    if callable(getattr(raw, "as_strided", None)):  # a torch tensor (its strides: bytes)
+        strides = tuple(int(n) for n in raw.stride())
+        return raw.as_strided(shape, (strides[0] * split, *strides))
+    strides = tuple(int(n) for n in raw.strides)
+    return np.lib.stride_tricks.as_strided(raw, shape, (strides[0] * split, *strides))
 
 
 def _as_bytes(tensor: Any) -> Any:

@@ -163,7 +163,14 @@ class WorkerSide:
             self._loader.close()
 
     def _run_load(self, job: SaveJob) -> None:
-        if not self._core.load(job.keys, job.block_ids, job.start, after=job.mark):
+        """An async load, on the loader thread: one that did not fill its blocks (failed,
+        or raised: a bad block id) is reported failed, never received."""
+        try:
+            loaded = self._core.load(job.keys, job.block_ids, job.start, after=job.mark)
+        except Exception:
+            _log.exception("kvbridge: an async load of %d block(s) failed", len(job.keys))
+            loaded = False
+        if not loaded:
             with self._lock:
                 self._failed_loads.append(job)
 

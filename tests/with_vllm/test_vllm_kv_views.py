@@ -202,7 +202,7 @@ def _side(
     )
     config = ConnectorConfig.from_extra({"server": server.address, **extra})
     core = _Core(config, identity, saves=saves)
-    return WorkerSide(core), core
+    return WorkerSide(core, layout=layout.name), core
 
 
 @pytest.mark.parametrize("path", list(PATHS))
@@ -248,7 +248,7 @@ def test_a_layout_whose_pages_are_not_one_run_is_a_config_error_naming_layer_and
             side.register(views)
         message = str(refused.value)
         assert any(name in message for name in NAMES), message
-        assert layout.name in message or "not one run of bytes" in message, message
+        assert layout.name in message and "not one run of bytes" in message, message
         assert core.attached is None
     finally:
         side.close()
@@ -276,3 +276,40 @@ def test_a_block_outermost_cache_moves_one_segment_per_block(
     finally:
         side.close()
         core.close()
+
+
+@pytest.mark.parametrize("layout", [KVCacheLayout.LBHNC, KVCacheLayout.LBNHC])
+def test_kernel_blocks_smaller_than_vllms_block_round_trip(
+    server: ServeProcess, layout: KVCacheLayout
+) -> None:
+    """A backend that takes smaller blocks than vLLM's (``--block-size 32`` with a
+    kernel of 16, say): vLLM cuts each block into kernel blocks side by side, and the views'
+    first axis counts kernel blocks; a kvbridge block is still vLLM's."""
+    spec, kernel = "full-8h-bf16", TOKENS // 2
+    plan = _plan(layout, SPECS[spec])
+    source, target = (
+        allocate_kv_cache(plan, torch.device("cpu"), layout, kernel_block_sizes=[kernel])
+        for _ in range(2)
+    )
+    assert next(iter(source.values())).shape[0] == 2 * BLOCKS
+    _fill(source, seed=9)
+    extra = {"namespace": f"kernel-{layout.name}"}
+    saver, saving = _side(server, spec, layout, extra, saves=True)
+    loader, loading = _side(server, spec, layout, extra, saves=False)
+    try:
+        saver.register(source)
+        loader.register(target)
+        keys = tuple(saving.keys(list(range(TOKENS * len(SAVED)))))
+        saver.save(StepMeta(saves=[Transfer("a", keys, tuple(SAVED))]))
+        until(lambda: not saving.saving("a"), "the saves ran")
+        loader.load(StepMeta(loads=[Transfer("b", keys, tuple(LOADED))]))
+        assert loader.load_errors() == set()
+        for name in NAMES:
+            for saved, loaded in zip(SAVED, LOADED, strict=True):
+                for half in (0, 1):
+                    got = _page(target[name], 2 * loaded + half)
+                    assert got == _page(source[name], 2 * saved + half), (name, loaded)
+    finally:
+        for side, core in ((saver, saving), (loader, loading)):
+            side.close()
+            core.close()

@@ -99,3 +99,25 @@ def test_saves_wait_for_the_step_and_loads_for_the_engine(server: ServeProcess) 
     assert loads.ops(ENGINE) == [("mark", 0), ("bind", None), ("wait", 0), ("scatter", None)]
     (async_thread,) = loads.threads("scatter") - {ENGINE}
     assert loads.ops(async_thread) == [("bind", None), ("wait", 0), ("scatter", None)]
+
+
+def test_an_async_load_that_raises_is_reported_failed_never_received(
+    server: ServeProcess,
+) -> None:
+    loader, core = _worker(server, RecordingDevice())
+    try:
+        loader.register(_caches(3))
+        keys = tuple(core.keys(list(range(TOKENS * 2))))
+        loader.load(StepMeta(async_loads=[Transfer("b", keys, (BLOCKS, BLOCKS + 1))]))
+        received: set[str] = set()
+
+        def ended() -> bool:
+            done = loader.finished(set())[1]
+            received.update(done or ())
+            return bool(received)
+
+        until(ended, "the async load ended")
+        assert loader.load_errors() == {BLOCKS, BLOCKS + 1}  # outside the cache: failed
+    finally:
+        loader.close()
+        core.close()
