@@ -9,9 +9,11 @@ Contract:
 - ``notifications()`` returns what peers sent with ``notify=`` after their bytes landed.
 - ``close()`` stops and joins every thread the engine started; also a context manager.
 
-Threads, all owned here and joined by ``close()``: the control thread (zmq ROUTER), the
-TCP accept thread, one thread per served stream, two per stream of each peer we
-connected to, and the watchdog that fails overdue batches.
+Threads, all owned here and joined by ``close()``: the control thread (zmq ROUTER) and
+its call pool, the TCP accept thread, one thread per served stream, two per stream of each
+peer we connected to, and the watchdog that fails overdue batches. A dial-only engine
+(``serve=False``: a cache client) has none of the first three: no listening socket, no
+control server; only its streams' threads and the watchdog.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from ._served import ServedStreams
 from ._sessions import Caller, SessionTable
 from ._settings import TransferSettings
 from ._streams import ServeHooks
-from ._transports import MemoryTransport, TcpTransport, Transport
+from ._transports import MemoryTransport, TcpDialer, TcpTransport, Transport
 from ._ucx import UcxTransport, ucx_available
 from ._watchdog import Watchdog
 
@@ -76,8 +78,10 @@ class TransferEngine(Closing):
     answers, each with a secret of its own, instead of the one ``secret`` (a cache server's
     tenants); the principal a peer proved is ``Caller.principal``. ``clock`` times frame
     deadlines, the keepalive's silence, batch deadlines and idle sessions (tests pass a fake
-    one and advance it; sockets still wait in real seconds). ``settings``: see
-    :class:`TransferSettings`.
+    one and advance it; sockets still wait in real seconds). ``serve``: ``False`` makes an
+    engine that only dials (a cache client): no control socket, no data listener, nothing
+    a peer can reach; :meth:`address`, :meth:`metadata` and the handlers of what it would
+    serve raise :class:`LocalProtocolError`. ``settings``: see :class:`TransferSettings`.
     """
 
     def __init__(
@@ -91,9 +95,11 @@ class TransferEngine(Closing):
         principal: str = DEFAULT_PRINCIPAL,
         principals: Sequence[Principal] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        serve: bool = True,
         **settings: Any,
     ) -> None:
         self.settings = TransferSettings.from_kwargs(settings)
+        self.serves = serve
         self._clock = clock
         chosen = _chosen(transports)
         self.name = name or f"kvbridge-{secrets.token_hex(4)}"
@@ -132,36 +138,42 @@ class TransferEngine(Closing):
             settled=self._settled,
         )
         self._transports: dict[str, Transport] = {}
+        self._control: ControlServer | None = None
         try:
             for transport in chosen:
                 self._transports[transport] = self._start_transport(transport, host)
-            self._control = ControlServer(
-                self._context,
-                f"tcp://{host}:{port or '*'}",
-                keyring=self._keyring,
-                metadata=self.metadata,
-                sessions=self._sessions,
-                refusals=self._refusals,
-            )
+            if serve:
+                self._control = ControlServer(
+                    self._context,
+                    f"tcp://{host}:{port or '*'}",
+                    keyring=self._keyring,
+                    metadata=self.metadata,
+                    sessions=self._sessions,
+                    refusals=self._refusals,
+                )
         except BaseException:
             self._shutdown()
             raise
 
     def _start_transport(self, transport: str, host: str) -> Transport:
-        """One transport, listening on ``host``."""
+        """One transport, listening on ``host`` (only dialling, where this engine does not
+        serve)."""
+        accept = self._served.accept if self.serves else None
         if transport == "tcp":
+            if accept is None:
+                return TcpDialer(socket_buffer=self.settings.socket_buffer)
             return TcpTransport(
                 host,
                 self.settings.data_port,
-                self._served.accept,
+                accept,
                 socket_buffer=self.settings.socket_buffer,
                 silent_timeout=self.settings.connect_timeout,
             )
         if transport == "ucx":
             if not ucx_available():
                 raise LocalProtocolError("the ucx transport needs ucxx: pip install kvbridge[ucx]")
-            return UcxTransport(self._served.accept)
-        return MemoryTransport(self._served.accept)
+            return UcxTransport(accept)
+        return MemoryTransport(accept)
 
     # -- regions and metadata ----------------------------------------------------------
 
@@ -202,8 +214,9 @@ class TransferEngine(Closing):
         given, is tried first on the control thread itself when the session has nothing
         queued: it answers at once, or returns ``None`` to leave the call to ``handler`` on
         the pool (it must never wait: one thread answers every session through it)."""
-        self._control.handler = handler
-        self._control.quick = quick
+        control = self._serving("answer calls")
+        control.handler = handler
+        control.quick = quick
 
     def session_alive(self, caller: Caller) -> bool:
         """Whether ``caller``'s session is still open (see :meth:`set_session_end_handler`)."""
@@ -222,13 +235,13 @@ class TransferEngine(Closing):
     @property
     def address(self) -> str:
         """``host:port`` of the control socket: what :meth:`dial` takes."""
-        return self._control.endpoint.removeprefix("tcp://")
+        return self._serving("have an address").endpoint.removeprefix("tcp://")
 
     def metadata(self) -> bytes:
         """What a peer needs to reach this engine and its regions (msgpack, versioned)."""
         info = EngineInfo(
             name=self.name,
-            control=self._control.endpoint,
+            control=self._serving("have metadata").endpoint,
             transports={name: t.address() for name, t in self._transports.items()},
             regions={r.id: r for r in self._regions.infos()},
         )
@@ -297,7 +310,7 @@ class TransferEngine(Closing):
             "transports": list(self._transports),
             "peers": peers,
             "served_streams": len(self._served),
-            "calls_queued": self._control.calls_queued(),
+            "calls_queued": self._control.calls_queued() if self._control is not None else 0,
             "deadlines": self._watchdog.armed(),
         }
 
@@ -318,9 +331,8 @@ class TransferEngine(Closing):
             peers, self._peers = self._peers, []
         for peer in peers:
             peer.close("the engine is closing")
-        control = getattr(self, "_control", None)
-        if control is not None:
-            control.close()
+        if self._control is not None:
+            self._control.close()
         for transport in self._transports.values():
             transport.close()
         self._served.close()
@@ -329,6 +341,11 @@ class TransferEngine(Closing):
         self._context.term()
 
     # -- internals ---------------------------------------------------------------------
+
+    def _serving(self, what: str) -> ControlServer:
+        if self._control is None:
+            raise LocalProtocolError(f"engine {self.name} only dials: it cannot {what}")
+        return self._control
 
     def _check_open(self) -> None:
         if self._closed:

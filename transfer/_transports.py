@@ -59,6 +59,41 @@ class Transport(Protocol):
         """Stop accepting (pipes already open are closed by their owners)."""
 
 
+class TcpDialer:
+    """TCP streams this engine opens, and none it accepts: a dial-only engine's (a
+    cache client's). No listening socket, no thread."""
+
+    name = "tcp"
+    frame_bytes = 0
+    device_memory = False
+
+    def __init__(self, *, socket_buffer: int) -> None:
+        self._socket_buffer = socket_buffer
+
+    def address(self) -> dict[str, Any]:
+        return {}  # nothing to reach
+
+    def open(self, address: dict[str, Any], timeout: float) -> Pipe:
+        host, port = str(address["host"]), int(address["port"])
+        try:
+            sock = socket.create_connection((host, port), timeout=timeout)
+        except OSError as exc:
+            raise PeerClosed(f"cannot open a TCP stream to {host}:{port}: {exc}") from exc
+        tune(sock, self._socket_buffer)
+        sock.settimeout(None)
+        return SocketPipe(sock)
+
+    def close(self) -> None:
+        return
+
+
+def tune(sock: socket.socket, socket_buffer: int) -> None:
+    """``socket_buffer`` bytes of send and receive buffer (0: the kernel's own sizing)."""
+    if socket_buffer:
+        for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            sock.setsockopt(socket.SOL_SOCKET, option, socket_buffer)
+
+
 class TcpTransport:
     """TCP streams: zero-copy ``sendmsg``/``recvmsg_into`` on each connection.
 
@@ -83,6 +118,7 @@ class TcpTransport:
     ) -> None:
         self._accept = accept
         self._socket_buffer = socket_buffer
+        self._dialer = TcpDialer(socket_buffer=socket_buffer)
         self._silent_timeout = silent_timeout
         self._listener = socket.create_server((host, port), backlog=_BACKLOG)
         self._listener.setblocking(False)
@@ -102,19 +138,7 @@ class TcpTransport:
         return {"host": self._host, "port": self._port}
 
     def open(self, address: dict[str, Any], timeout: float) -> Pipe:
-        host, port = str(address["host"]), int(address["port"])
-        try:
-            sock = socket.create_connection((host, port), timeout=timeout)
-        except OSError as exc:
-            raise PeerClosed(f"cannot open a TCP stream to {host}:{port}: {exc}") from exc
-        self._tune(sock)
-        sock.settimeout(None)
-        return SocketPipe(sock)
-
-    def _tune(self, sock: socket.socket) -> None:
-        if self._socket_buffer:
-            for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-                sock.setsockopt(socket.SOL_SOCKET, option, self._socket_buffer)
+        return self._dialer.open(address, timeout)
 
     def _run(self) -> None:
         """Accept until closed. A failure to accept (out of file descriptors) or to serve
@@ -158,7 +182,7 @@ class TcpTransport:
         del self._silent[sock]
         try:
             sock.setblocking(True)
-            self._tune(sock)
+            tune(sock, self._socket_buffer)
             self._accept(SocketPipe(sock))
         except Exception as exc:  # a peer that reset at once, say: one line per interval
             _failures.refused(
@@ -213,10 +237,12 @@ class MemoryTransport:
     frame_bytes = 0
     device_memory = False
 
-    def __init__(self, accept: Accept) -> None:
+    def __init__(self, accept: Accept | None) -> None:
+        """``accept``: pipes other engines open to this one (``None``: it only dials)."""
         self._name = secrets.token_hex(8)
-        with _MEMORY_LOCK:
-            _MEMORY_ENDPOINTS[self._name] = accept
+        if accept is not None:
+            with _MEMORY_LOCK:
+                _MEMORY_ENDPOINTS[self._name] = accept
 
     def address(self) -> dict[str, Any]:
         return {"name": self._name}

@@ -108,6 +108,7 @@ class StoreClient(Closing):
             streams=streams,
             # A dead server must not cost more than one call's timeout to find out.
             connect_timeout=min(timeout, DEFAULT_CONNECT_TIMEOUT_S),
+            serve=False,  # a client only dials: no listener, no control server
         )
         self.counters = {"bytes_pushed": 0, "bytes_saved": 0, "bytes_pulled": 0}
         self._timeout = timeout
