@@ -24,6 +24,10 @@ pin        ns, keys                                     lease, slots
 release    ns, lease                                    (empty), or error LeaseExpired
 remove     ns, keys                                     removed (bools)
 clear      ns                                           removed (count)
+events     ns                                           port, topic, ticket (the namespace's
+                                                        event stream: EVENTS.md)
+keys       ns, snapshot and offset (a later page)       snapshot, seq, keys, more (a page of a
+                                                        snapshot of the namespace's keys)
 stats      (none)                                       server, namespaces, engine
 =========  ===========================================  =====================================
 """

@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 
 from kvbridge.transfer import OP_DTYPE, AccessDenied, LocalProtocolError
 from kvbridge.transfer._ops import FramePlan, check, normalize, plan
-from kvbridge.transfer._protocol import DESCRIPTOR
+from kvbridge.transfer._protocol import DESCRIPTOR, SMALL_OPS
 from kvbridge.transfer._regions import Region, RegionInfo, RegionTable
 from kvbridge.transfer._sessions import Caller
-from kvbridge.transfer._small import SMALL_OPS, plan_small, small_rows
+from kvbridge.transfer._small import plan_small, small_rows
 
 SLICE = 64 << 10
 SIZES = (4096, 65536, 1 << 20)

@@ -65,7 +65,8 @@ from soak_hostile import _Hostile
 from kvbridge.store import (
     StoreClient,
 )
-from kvbridge.tools._serve_cmds import read_listening, server_stats
+from kvbridge.tools._serve_cmds import read_listening
+from kvbridge.tools._stats_cmd import server_stats
 
 # -- the driver --------------------------------------------------------------------------
 

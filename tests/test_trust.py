@@ -40,7 +40,7 @@ from serve import (
 )
 
 from kvbridge.store import CacheServer, LeaseExpired, StoreClient, StoreFull
-from kvbridge.transfer import RegionInfo, TransferEngine, TransferError
+from kvbridge.transfer import LocalProtocolError, TransferError
 from kvbridge.transfer._events import Ack, Data, Error
 from kvbridge.transfer._protocol import ErrorCode
 
@@ -300,29 +300,19 @@ def test_a_session_id_seen_on_the_wire_is_worth_nothing(
 
 
 def test_the_clients_own_engine_exposes_nothing(server: ServeProcess, transport: str) -> None:
-    """A StoreClient's engine listens too; a local process that connects to it finds no
-    region listed and cannot write a buffer the client registered, even with its key."""
-    with (
-        client_of(server, transports=transport) as client,
-        TransferEngine("intruder", transports=transport) as intruder,
-    ):
+    """A StoreClient's engine only dials: it has no control socket, no data listener, no
+    metadata a local process could connect with (``test_dial_only.py`` counts the sockets),
+    so a buffer the client registered is out of any other process's reach. (It used to
+    listen, and refused a write that knew the region's key: there is nothing to refuse
+    now.)"""
+    with client_of(server, transports=transport) as client:
         buffer = np.zeros(BB, np.uint8)
-        region = client.register(buffer)
-        peer = intruder.connect(client.engine.metadata())
-        assert peer.regions == {}
-        source = intruder.register(np.full(BB, 0xEE, np.uint8))
-        ops = descriptors(region.id, region.key, [(0, BB)])
-        from kvbridge.transfer import OP_DTYPE  # noqa: PLC0415
-
-        batch = np.zeros(1, dtype=OP_DTYPE)
-        batch["local_region"], batch["remote_region"], batch["length"] = source.id, region.id, BB
-        # As if it knew the region, its key, and took it for writable:
-        peer.regions = {region.id: RegionInfo(region.id, region.length, "rw", region.key)}
-        with pytest.raises(TransferError) as refused:
-            peer.write(batch).wait(10)
-        assert refused.value.code == ErrorCode.ACCESS_DENIED
+        client.register(buffer)
+        with pytest.raises(LocalProtocolError, match="only dials"):
+            client.engine.metadata()
+        with pytest.raises(LocalProtocolError, match="only dials"):
+            _ = client.engine.address
         assert not buffer.any()
-        del ops
 
 
 def test_thousands_of_handshakes_and_a_hello_flood_log_nobody_out(

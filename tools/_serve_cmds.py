@@ -1,4 +1,5 @@
-"""``kvbridge serve`` (the cache server in the foreground) and ``kvbridge stats``."""
+"""``kvbridge serve``: the cache server in the foreground (and the parser of ``kvbridge stats``,
+which ``_stats_cmd`` runs)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import logging
 import signal
 import sys
 import threading
-from collections.abc import Sequence
 from typing import IO, TYPE_CHECKING, Any
 
 import zmq
@@ -19,9 +19,10 @@ from kvbridge.store import (
     StoreError,
     load_config,
 )
-from kvbridge.transfer import TransferEngine, TransferError, raise_open_files
+from kvbridge.transfer import TransferError, raise_open_files
 
 from ._fail import fail
+from ._stats_cmd import stats_command
 
 _log = logging.getLogger("kvbridge.server")
 
@@ -128,7 +129,7 @@ def add_parsers(commands: Any) -> None:
         "--transports", default="tcp", help="comma-separated: tcp, ucx, auto (default tcp)"
     )
     stats.add_argument("--cluster-name", default="kvbridge", help="with etcd://: the cluster")
-    stats.set_defaults(run=_stats)
+    stats.set_defaults(run=stats_command)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -202,38 +203,6 @@ def _join(args: argparse.Namespace, address: str, capacity: int) -> Registrar | 
         raise ConnectionError(f"etcd refused the registration: {exc}") from None
 
 
-def _stats(args: argparse.Namespace) -> int:
-    secret = None
-    if args.secret_file:
-        try:
-            with open(args.secret_file, "rb") as f:
-                secret = f.read().strip()
-        except OSError as exc:
-            return fail("kvbridge stats", f"--secret-file {args.secret_file}: {exc.strerror}")
-        if not secret:
-            return fail("kvbridge stats", f"--secret-file {args.secret_file} is empty")
-    if args.address.startswith("etcd://"):
-        return _cluster_stats(args.address, args.cluster_name, secret, args.tenant)
-    try:
-        stats = server_stats(args.address, secret, args.tenant, args.transports.split(","))
-    except TransferError as exc:
-        where = "" if args.address in str(exc) else f"{args.address}: "
-        return fail("kvbridge stats", f"{where}{exc}", 1)
-    print(format_stats(stats))
-    return 0
-
-
-def _cluster_stats(url: str, cluster: str, secret: bytes | None, tenant: str) -> int:
-    from ._cluster_stats import cluster_members, format_cluster, gather  # noqa: PLC0415
-
-    try:
-        members = cluster_members(url, cluster)
-    except (ConnectionError, ValueError) as exc:
-        return fail("kvbridge stats", exc, 1)
-    print(format_cluster(url, cluster, gather(members, secret, tenant)))
-    return 0
-
-
 LISTENING = "kvbridge serve: listening on "
 
 
@@ -244,72 +213,3 @@ def read_listening(stdout: IO[str]) -> tuple[str, str]:
         if line.startswith(LISTENING):
             return line[len(LISTENING) :].split()[0], line
     raise RuntimeError("the cache server exited before it was listening")
-
-
-def server_stats(
-    address: str,
-    secret: bytes | None = None,
-    tenant: str = "",
-    transports: Sequence[str] = ("tcp",),
-) -> dict[str, Any]:
-    """Ask a server for its figures (opens no namespace): those its tenant may see."""
-    with TransferEngine(
-        "kvbridge-stats",
-        secret=secret,
-        principal=tenant,
-        transports=transports,
-        timeout=5.0,
-        connect_timeout=5.0,
-    ) as engine:
-        return engine.dial(address).call({"op": "stats"})
-
-
-def format_stats(stats: dict[str, Any]) -> str:
-    server = stats["server"]
-    lines = [
-        f"server {server['address']}  up {server['uptime_s']:.0f} s  "
-        f"transports {','.join(server['transports'])}  open leases {server['open_leases']}",
-        "",
-    ]
-    header = ("namespace", "hits", "misses", "puts", "dups", "in MiB", "out MiB", "evicted")
-    rows = [header]
-    for ns in stats["namespaces"]:
-        rows.append(
-            (
-                ns["name"],
-                str(ns["hits"]),
-                str(ns["misses"]),
-                str(ns["puts"]),
-                str(ns["duplicates"]),
-                f"{ns['bytes_in'] / 2**20:.1f}",
-                f"{ns['bytes_out'] / 2**20:.1f}",
-                str(ns["evictions"]),
-            )
-        )
-    lines += _table(rows)
-    tier_rows = [("namespace", "tier", "blocks", "capacity", "used", "evictions")]
-    for ns in stats["namespaces"]:
-        for tier in ns["tiers"]:
-            used = tier["blocks"] / tier["capacity_blocks"] if tier["capacity_blocks"] else 0.0
-            tier_rows.append(
-                (
-                    ns["name"],
-                    tier["name"],
-                    str(tier["blocks"]),
-                    str(tier["capacity_blocks"]),
-                    f"{used:.0%}",
-                    str(tier["evictions"]),
-                )
-            )
-    lines += ["", *_table(tier_rows)]
-    return "\n".join(lines)
-
-
-def _table(rows: Sequence[Sequence[str]]) -> list[str]:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    out = []
-    for row in rows:
-        rest = [cell.rjust(width) for cell, width in zip(row[1:], widths[1:], strict=True)]
-        cells = [row[0].ljust(widths[0]), *rest]
-        out.append("  ".join(cells))
-    return out

@@ -68,8 +68,10 @@ DESCRIPTOR = np.dtype(
     [("region", "<u4"), ("flags", "<u4"), ("key", "<u8"), ("offset", "<u8"), ("length", "<u8")]
 )
 
-_SMALL = 8
-"""Frames of up to this many ops are checked with plain integers (see ``_small``)."""
+SMALL_OPS = 8
+"""Batches and frames of up to this many ops take the small path: planned (``_small``),
+checked (``_regions``) and parsed here with plain integers, where numpy's calls would cost
+more than the work (a connector's single-block ops)."""
 
 MAX_OPS_PER_FRAME = 1024
 """Linux's IOV_MAX: one sendmsg/recvmsg_into call can then carry every payload of a frame."""
@@ -443,7 +445,7 @@ class Connection:
 def _payload(ops: np.ndarray, error: Exception) -> int:
     """The payload bytes of a frame's ops; ``error`` if an op is empty or over the limit.
     A few ops are checked as plain integers (numpy calls cost more than the loop)."""
-    if len(ops) <= _SMALL:
+    if len(ops) <= SMALL_OPS:
         lengths = ops["length"].tolist()
         if not all(0 < n <= MAX_PAYLOAD_BYTES for n in lengths):
             raise error

@@ -12,6 +12,7 @@ import numpy as np
 
 from ._device import is_device
 from ._errors import AccessDenied, LocalProtocolError, RegionBusy
+from ._protocol import SMALL_OPS
 from ._sessions import Caller
 
 ACCESS_MODES = ("r", "w", "rw", "none")
@@ -47,10 +48,6 @@ class Use:
 
     regions: list[Region]
     holds: list[Callable[[], None]] = field(default_factory=list)
-
-
-_SMALL = 8
-"""Frames of up to this many ops are checked with plain integers (numpy calls cost more)."""
 
 
 def distinct(values: np.ndarray) -> list[int]:
@@ -226,7 +223,7 @@ class RegionTable:
         which may take its owner's locks) run outside it and the serving threads do not
         queue behind each other's checks."""
         regions: dict[int, Region] = {}
-        rows = ops.tolist() if len(ops) <= _SMALL else None  # plain integers: see _check
+        rows = ops.tolist() if len(ops) <= SMALL_OPS else None  # plain integers: see _check
         ids = sorted({row[0] for row in rows}) if rows is not None else distinct(ops["region"])
         with self._lock:
             for region_id in ids:

@@ -17,11 +17,8 @@ import numpy as np
 
 from ._errors import LocalProtocolError
 from ._ops import OP_DTYPE, FramePlan, normalize
-from ._protocol import DESCRIPTOR
+from ._protocol import DESCRIPTOR, SMALL_OPS
 from ._regions import Region, RegionInfo, RegionTable
-
-SMALL_OPS = 8
-"""Batches of up to this many ops take the fast path (a connector's single-block ops)."""
 
 _ORIGINS = [np.arange(n) for n in range(SMALL_OPS + 1)]
 
