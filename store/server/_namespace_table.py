@@ -1,8 +1,8 @@
 """The cache server's namespace table: opening by name, handles, and reclaiming idle ones.
 
-Only the control thread changes the table (under the server's state lock, and its own lock
-for readers on other threads: metrics, stats). See ``_namespaces`` for what a namespace is
-and who may use its handle.
+The table changes under the server's state lock (and its own lock, for readers on other
+threads: metrics, stats); an open makes a new namespace's store outside both (``open``).
+See ``_namespaces`` for what a namespace is and who may use its handle.
 """
 
 from __future__ import annotations
@@ -53,6 +53,9 @@ class NamespaceTable:
         self._by_name: dict[bytes, int] = {}
         self._handles = itertools.count(1)
         self._lock = threading.Lock()
+        self._opening = threading.Lock()
+        """Held by an open that creates a namespace, while its store is made (never the
+        state lock then): creations one at a time, and an open of the same name after."""
         self._events = BoundedLog(_log)  # a client may open and close as fast as it likes
         self._dirs = (
             None
@@ -77,21 +80,65 @@ class NamespaceTable:
         ns.last_used = time.monotonic()
         return ns
 
-    def open(self, caller: Caller, name: bytes, block_bytes: int, tenant: Tenant) -> Namespace:
+    def open(
+        self,
+        caller: Caller,
+        name: bytes,
+        block_bytes: int,
+        tenant: Tenant,
+        alive: Callable[[], bool],
+    ) -> Namespace:
         """Open (or create) the namespace ``name`` for ``caller``'s session, of ``tenant``;
         every check comes before anything changes (a refused open reclaims nothing).
+        Called without the server's state lock: it takes it for each short step, and makes
+        a new namespace's store (its host memory prefaulted, its LMDB opened: up to seconds
+        with large shares) outside it, so that no other namespace's request or frame waits
+        for an open. Opens that create run one at a time (``_opening``); an open of a
+        namespace being created waits for it there. ``alive()`` says whether the caller's
+        session is still open (checked under the state lock before it is made an opener).
 
         A namespace belongs to the tenant that created it. A tenant holds at most its
         ``max_namespaces`` (open or idle, in memory and on disk): a new one takes the place
         of its own least recently used idle one, never another tenant's, unless the
         tenants' quotas add up to more than the server serves (the operator's choice). A
         read-only tenant creates nothing: it opens namespaces that are in memory."""
-        if len(name) > MAX_NAMESPACE_BYTES:
-            raise BadRequest(f"a namespace is at most {MAX_NAMESPACE_BYTES} bytes")
-        if not MIN_BLOCK_BYTES <= block_bytes <= MAX_BLOCK_BYTES:
-            raise BadRequest(
-                f"block_bytes must be {MIN_BLOCK_BYTES}..{MAX_BLOCK_BYTES}, got {block_bytes}"
-            )
+        _check_geometry(name, block_bytes)
+        with self._state:
+            ns = self._opened(caller, name, block_bytes, tenant, alive)
+        if ns is not None:
+            return ns
+        with self._opening:
+            with self._state:
+                ns = self._opened(caller, name, block_bytes, tenant, alive)
+                if ns is not None:  # made by the open this one waited for
+                    return ns
+                settings = self._prepare(name, block_bytes, tenant)
+            store = TieredStore(block_bytes, **settings)  # no lock held: the slow part
+            try:
+                with self._state:
+                    return self._admit(caller, name, store, tenant, alive)
+            except BaseException:
+                store.close()
+                raise
+
+    def close(self) -> None:
+        for ns in self.snapshot():
+            if ns.region is not None:
+                self._engine.unregister(ns.region)
+            ns.close()
+
+    def _opened(
+        self,
+        caller: Caller,
+        name: bytes,
+        block_bytes: int,
+        tenant: Tenant,
+        alive: Callable[[], bool],
+    ) -> Namespace | None:
+        """The namespace ``name`` opened for ``caller`` if it exists; ``None`` if it is to
+        be created (each refusal first). Under the state lock."""
+        if not alive():
+            raise BadRequest(f"session {caller.session} has ended")
         handle = self._by_name.get(name)
         ns = self._by_handle[handle] if handle is not None else None
         if ns is not None and ns.store.block_bytes != block_bytes:
@@ -107,20 +154,16 @@ class NamespaceTable:
                 raise NotPermitted(
                     f"tenant {tenant.label} is read-only: it opens namespaces in memory only"
                 )
-            ns = self._create(name, block_bytes, tenant)
+            return None
         ns.openers[caller.session] = caller.principal
         return ns
 
-    def close(self) -> None:
-        for ns in self.snapshot():
-            if ns.region is not None:
-                self._engine.unregister(ns.region)
-            ns.close()
-
-    def _create(self, name: bytes, block_bytes: int, tenant: Tenant) -> Namespace:
+    def _prepare(self, name: bytes, block_bytes: int, tenant: Tenant) -> dict[str, Any]:
+        """The settings of a new namespace's store, once room is made for it (checked
+        before anything is reclaimed). Under the state lock."""
         cfg = self._config
         host_share = cfg.host_capacity // cfg.max_namespaces
-        if host_share < block_bytes:  # checked before anything is reclaimed for it
+        if host_share < block_bytes:
             raise StoreFull(f"a namespace's {host_share} bytes of host memory hold no block")
         disk_share = _data_share(cfg)
         if cfg.disk_path is not None and not blocks_within(disk_share, block_bytes):
@@ -129,29 +172,37 @@ class NamespaceTable:
                 "beside LMDB's records"
             )
         self._make_room(tenant)
-        disk = self._disk_settings(name, block_bytes, tenant)
-        store = TieredStore(
-            block_bytes,
-            host_capacity=host_share,
-            namespace=name,
-            pin_ttl=cfg.lease_ttl,
-            policy=cfg.policy,
-            prefault=True,
-            clock=self._clock,
-            **disk,
-        )
+        return {
+            "host_capacity": host_share,
+            "namespace": name,
+            "pin_ttl": cfg.lease_ttl,
+            "policy": cfg.policy,
+            "prefault": True,
+            "clock": self._clock,
+            **self._disk_settings(name, block_bytes, tenant),
+        }
+
+    def _admit(
+        self,
+        caller: Caller,
+        name: bytes,
+        store: TieredStore,
+        tenant: Tenant,
+        alive: Callable[[], bool],
+    ) -> Namespace:
+        """A store made for ``name`` served as a namespace, ``caller`` its first opener.
+        Under the state lock."""
+        if not alive():
+            raise BadRequest(f"session {caller.session} has ended")
         ns = Namespace(next(self._handles), name, store, self._state, owner=tenant.name)
         top = store.tiers[0]
         assert isinstance(top, SlotTier)
-        try:
-            memory = top.memory.array  # type: ignore[attr-defined]
-            ns.region = self._engine.register(memory, access="rw", guard=ns.guard)
-        except BaseException:
-            store.close()
-            raise
+        memory = top.memory.array  # type: ignore[attr-defined]
+        ns.region = self._engine.register(memory, access="rw", guard=ns.guard)
         with self._lock:
             self._by_handle[ns.handle] = ns
             self._by_name[name] = ns.handle
+        ns.openers[caller.session] = caller.principal
         self._events.refused(
             "opened", logging.INFO, "namespace %s opened (handle %d)", ns.label, ns.handle
         )
@@ -217,6 +268,15 @@ class NamespaceTable:
             )
             return True
         return False
+
+
+def _check_geometry(name: bytes, block_bytes: int) -> None:
+    if len(name) > MAX_NAMESPACE_BYTES:
+        raise BadRequest(f"a namespace is at most {MAX_NAMESPACE_BYTES} bytes")
+    if not MIN_BLOCK_BYTES <= block_bytes <= MAX_BLOCK_BYTES:
+        raise BadRequest(
+            f"block_bytes must be {MIN_BLOCK_BYTES}..{MAX_BLOCK_BYTES}, got {block_bytes}"
+        )
 
 
 def _disk_path(ns: Namespace) -> Path:

@@ -68,6 +68,9 @@ from ._tenants import Tenant, default_tenant
 _log = logging.getLogger("kvbridge.server")
 _WRITE_OPS = frozenset({"room", "stage", "commit", "abort", "remove", "clear"})
 """Ops a read-only tenant may not send."""
+_OUTSIDE_OPS = frozenset({"open"})
+"""Ops whose handler takes the state lock itself, only for its short steps (an open makes
+a namespace's store without it: ``NamespaceTable.open``)."""
 _QUIET = (BlockNotFound,)  # refusals that are the normal course of things (a cache miss)
 _QUICK_OPS = frozenset({"contains", "match", "pin", "release", "abort", "stats"})
 """Ops that never touch the disk (a pin only when its blocks are in memory): answered on
@@ -190,6 +193,8 @@ class CacheServer:
                 handler = functools.partial(self._pin, early=self._prefetch(caller, body))
             if op in _WRITE_OPS and self._tenant(caller).read_only:
                 raise NotPermitted(f"tenant {self._tenant(caller).label} is read-only: no {op}")
+            if op in _OUTSIDE_OPS:  # takes the state lock itself, for its short steps
+                return handler(caller, body)
             if not self._state.acquire(blocking=wait):
                 answered = False
                 return None
@@ -308,7 +313,9 @@ class CacheServer:
         tenant = self._tenant(caller)
         if not tenant.may_open(name):
             raise NotPermitted(f"tenant {tenant.label} may not open this namespace")
-        ns = self._namespaces.open(caller, name, block_bytes, tenant)
+        ns = self._namespaces.open(
+            caller, name, block_bytes, tenant, alive=lambda: self.engine.session_alive(caller)
+        )
         assert ns.region is not None
         return {
             "ns": ns.handle,
