@@ -6,8 +6,6 @@ was before: ``TransferEngine()`` passed in as ``engine=``), same run, same serve
 
 from __future__ import annotations
 
-import contextlib
-import os
 import statistics
 import sys
 import threading
@@ -22,26 +20,10 @@ from kvbridge.store import StoreClient
 from kvbridge.transfer import TransferEngine
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+from helpers import listening_sockets
 from serve import ServeProcess
 
 ROUNDS = 30
-
-
-def _listening() -> int:
-    """This process's listening TCP sockets (``/proc``: Linux)."""
-    mine = set()
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(FileNotFoundError):
-            target = os.readlink(f"/proc/self/fd/{fd}")
-            if target.startswith("socket:["):
-                mine.add(int(target[len("socket:[") : -1]))
-    listening = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A":
-                listening.add(int(fields[9]))
-    return len(mine & listening)
 
 
 @pytest.fixture(scope="module")
@@ -66,13 +48,16 @@ def _serving(address: str) -> Made:
 
 
 def _cost(make: Callable[[], Made]) -> dict[str, float]:
-    threads, sockets = threading.active_count(), _listening()
+    threads, sockets = threading.active_count(), len(listening_sockets())
     seconds, extra = [], {}
     for _ in range(ROUNDS):
         start = time.perf_counter()
         client, engine = make()
         seconds.append(time.perf_counter() - start)
-        extra = {"threads": threading.active_count() - threads, "listening": _listening() - sockets}
+        extra = {
+            "threads": threading.active_count() - threads,
+            "listening": len(listening_sockets()) - sockets,
+        }
         client.close()
         if engine is not None:
             engine.close()

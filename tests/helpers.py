@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import signal
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -91,3 +93,20 @@ def reap(proc: subprocess.Popen[str]) -> None:
         os.kill(proc.pid, signal.SIGCONT)
         proc.kill()
     proc.wait(30)
+
+
+def listening_sockets() -> set[int]:
+    """The inodes of this process's listening TCP sockets (``/proc``: Linux)."""
+    mine = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(FileNotFoundError):  # the listing's own descriptor
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith("socket:["):
+                mine.add(int(target[len("socket:[") : -1]))
+    listening = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A":  # TCP_LISTEN
+                listening.add(int(fields[9]))
+    return mine & listening

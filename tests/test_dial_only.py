@@ -5,16 +5,13 @@ dial-only engine would serve is refused, saying why."""
 
 from __future__ import annotations
 
-import contextlib
-import os
 import socket
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import keys, payloads
+from helpers import keys, listening_sockets, payloads
 from serve import ServeProcess
 
 from kvbridge.store import StoreClient
@@ -23,23 +20,6 @@ from kvbridge.transfer import LocalProtocolError, TransferEngine, ucx_available
 BB = 4096
 SERVING_THREADS = ("kvbridge-control", "kvbridge-call-", "kvbridge-tcp-accept")
 """Threads of an engine that serves: its control socket, its call pool, its data listener."""
-
-
-def _listening() -> set[int]:
-    """The inodes of this process's listening TCP sockets (``/proc``: Linux)."""
-    mine = set()
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(FileNotFoundError):  # the listing's own descriptor
-            target = os.readlink(f"/proc/self/fd/{fd}")
-            if target.startswith("socket:["):
-                mine.add(int(target[len("socket:[") : -1]))
-    listening = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A":  # TCP_LISTEN
-                listening.add(int(fields[9]))
-    return mine & listening
 
 
 def _serving_threads() -> list[str]:
@@ -72,9 +52,9 @@ def test_a_client_opens_no_listening_socket_and_no_serving_thread(
     shared memory here, so that every listening socket left is one kvbridge opened."""
     proc, transport = server
     monkeypatch.setenv("UCX_TLS", "sm,self")  # read when the client's UCX context is made
-    before, threads = _listening(), _serving_threads()
+    before, threads = listening_sockets(), _serving_threads()
     with StoreClient(proc.address, block_bytes=BB, namespace="dial", transports=transport) as c:
-        assert _listening() == before
+        assert listening_sockets() == before
         assert _serving_threads() == threads
         ks = keys(0, 4)
         assert all(c.put(ks, payloads(ks, BB)))
@@ -100,9 +80,9 @@ def test_what_a_dial_only_engine_would_serve_is_refused() -> None:
 def test_a_serving_engine_listens() -> None:
     """The contrast that makes the first test mean something: the same probes see a
     serving engine's sockets and threads."""
-    before = _listening()
+    before = listening_sockets()
     with TransferEngine("server") as engine:
-        assert len(_listening() - before) == 2  # control and TCP data
+        assert len(listening_sockets() - before) == 2  # control and TCP data
         assert any(name.startswith("kvbridge-control") for name in _serving_threads())
         host, port = engine.address.rsplit(":", 1)
         with socket.create_connection((host, int(port)), timeout=5):

@@ -214,6 +214,26 @@ def test_blocks_of_every_one_run_layout_round_trip_byte_for_byte(
     source, target = _allocate(plan, layout), _allocate(plan, layout)
     _fill(source, seed=7)
     extra = {**PATHS[path], "namespace": f"{layout.name}-{spec}-{path}"}
+    _save_then_load(server, spec, layout, extra, source=source, target=target)
+    for name in NAMES:
+        for saved, loaded in zip(SAVED, LOADED, strict=True):
+            assert _page(target[name], loaded) == _page(source[name], saved), (name, loaded)
+        for block in set(range(BLOCKS)) - set(LOADED):
+            assert not any(_page(target[name], block)), (name, block)
+
+
+def _save_then_load(
+    server: ServeProcess,
+    spec: str,
+    layout: KVCacheLayout,
+    extra: dict[str, Any],
+    *,
+    source: dict[str, torch.Tensor],
+    target: dict[str, torch.Tensor],
+) -> None:
+    """As vLLM drives the worker side: ``source``'s blocks ``SAVED`` saved at
+    ``wait_for_save`` by one engine, loaded into ``target``'s ``LOADED`` at
+    ``start_load_kv`` by another, through the server; no load failed."""
     saver, saving = _side(server, spec, layout, extra, saves=True)
     loader, loading = _side(server, spec, layout, extra, saves=False)
     try:
@@ -226,11 +246,6 @@ def test_blocks_of_every_one_run_layout_round_trip_byte_for_byte(
         loader.load(StepMeta(loads=[Transfer("b", keys, tuple(LOADED))]))
         assert loader.load_errors() == set()
         assert loader.report() is None
-        for name in NAMES:
-            for saved, loaded in zip(SAVED, LOADED, strict=True):
-                assert _page(target[name], loaded) == _page(source[name], saved), (name, loaded)
-            for block in set(range(BLOCKS)) - set(LOADED):
-                assert not any(_page(target[name], block)), (name, block)
     finally:
         for side, core in ((saver, saving), (loader, loading)):
             side.close()
@@ -294,22 +309,9 @@ def test_kernel_blocks_smaller_than_vllms_block_round_trip(
     assert next(iter(source.values())).shape[0] == 2 * BLOCKS
     _fill(source, seed=9)
     extra = {"namespace": f"kernel-{layout.name}"}
-    saver, saving = _side(server, spec, layout, extra, saves=True)
-    loader, loading = _side(server, spec, layout, extra, saves=False)
-    try:
-        saver.register(source)
-        loader.register(target)
-        keys = tuple(saving.keys(list(range(TOKENS * len(SAVED)))))
-        saver.save(StepMeta(saves=[Transfer("a", keys, tuple(SAVED))]))
-        until(lambda: not saving.saving("a"), "the saves ran")
-        loader.load(StepMeta(loads=[Transfer("b", keys, tuple(LOADED))]))
-        assert loader.load_errors() == set()
-        for name in NAMES:
-            for saved, loaded in zip(SAVED, LOADED, strict=True):
-                for half in (0, 1):
-                    got = _page(target[name], 2 * loaded + half)
-                    assert got == _page(source[name], 2 * saved + half), (name, loaded)
-    finally:
-        for side, core in ((saver, saving), (loader, loading)):
-            side.close()
-            core.close()
+    _save_then_load(server, spec, layout, extra, source=source, target=target)
+    for name in NAMES:
+        for saved, loaded in zip(SAVED, LOADED, strict=True):
+            for half in (0, 1):
+                got = _page(target[name], 2 * loaded + half)
+                assert got == _page(source[name], 2 * saved + half), (name, loaded)
