@@ -30,7 +30,17 @@ from serve import ServeProcess
 from vllm.config import CacheConfig, VllmConfig
 from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
 from vllm.v1.attention.backends.utils import record_kv_cache_layout
-from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
+
+try:  # where vLLM 0.33 keeps them
+    from vllm.v1.core.kv_cache_planning import (
+        get_kv_cache_config_from_groups,
+        get_kv_cache_groups,
+    )
+except ImportError:  # vLLM 0.32
+    from vllm.v1.core.kv_cache_utils import (
+        get_kv_cache_config_from_groups,
+        get_kv_cache_groups,
+    )
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
