@@ -48,6 +48,7 @@ def test_another_namespace_is_served_while_one_is_being_opened(gate: _Gate) -> N
     with CacheServer(ServerConfig(port=0, host_capacity=64 << 20)) as server:
         fast = StoreClient(server.address, block_bytes=BB, namespace="fast")
         opened: list[StoreClient] = []
+        second: list[StoreClient] = []  # each client is closed here: see test_unclosed_engine
         opener = threading.Thread(
             target=lambda: opened.append(
                 StoreClient(server.address, block_bytes=BB, namespace="slow", timeout=30)
@@ -63,7 +64,6 @@ def test_another_namespace_is_served_while_one_is_being_opened(gate: _Gate) -> N
             np.testing.assert_array_equal(out, payloads(ks, BB))
             assert fast.match_prefix(ks) == 4
             assert not opened and opener.is_alive()  # all of it while the open was stuck
-            second: list[StoreClient] = []
             waiter = threading.Thread(
                 target=lambda: second.append(
                     StoreClient(server.address, block_bytes=BB, namespace="slow", timeout=30)
@@ -80,5 +80,5 @@ def test_another_namespace_is_served_while_one_is_being_opened(gate: _Gate) -> N
         finally:
             gate.release.set()
             opener.join(30)
-            for client in (fast, *opened):
+            for client in (fast, *opened, *second):
                 client.close()

@@ -39,6 +39,7 @@ from ._errors import EngineClosed, LocalProtocolError
 from ._handle import TransferHandle
 from ._keyring import DEFAULT_PRINCIPAL, Keyring, Principal, check_principal
 from ._metadata import EngineInfo
+from ._owned_context import OwnedContext
 from ._peer import EngineSide, Peer
 from ._pipes import Pipe
 from ._regions import Guard, Region, RegionTable
@@ -123,7 +124,7 @@ class TransferEngine(Closing):
             "served_bytes_in": 0,
             "served_bytes_out": 0,
         }
-        self._context: zmq.Context[Any] = zmq.Context()
+        self._context: zmq.Context[Any] = OwnedContext()
         self._watchdog = Watchdog(clock)
         self._served = ServedStreams(self.name, self._regions, self._serve_hooks)
         self._side = EngineSide(
