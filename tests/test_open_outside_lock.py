@@ -23,7 +23,8 @@ BB = 4096
 
 
 class _Gate:
-    """Stores of the namespace named ``slow`` wait, while being made, for ``release``."""
+    """The store of the namespace named ``slow`` waits, while being made, for
+    ``release``; the store of ``old`` waits so while it closes."""
 
     def __init__(self) -> None:
         self.entered = threading.Event()
@@ -31,9 +32,21 @@ class _Gate:
 
     def store(self, block_bytes: int, **settings: Any) -> TieredStore:
         if settings.get("namespace") == b"slow":
-            self.entered.set()
-            assert self.release.wait(30), "the test never released the open"
-        return TieredStore(block_bytes, **settings)
+            self._wait()
+        store = TieredStore(block_bytes, **settings)
+        if settings.get("namespace") == b"old":
+            close = store.close
+
+            def waiting_close() -> None:
+                self._wait()
+                close()
+
+            store.close = waiting_close  # type: ignore[method-assign]
+        return store
+
+    def _wait(self) -> None:
+        self.entered.set()
+        assert self.release.wait(30), "the test never released the store"
 
 
 @pytest.fixture
@@ -81,4 +94,36 @@ def test_another_namespace_is_served_while_one_is_being_opened(gate: _Gate) -> N
             gate.release.set()
             opener.join(30)
             for client in (fast, *opened, *second):
+                client.close()
+
+
+def test_another_namespace_is_served_while_an_idle_one_is_reclaimed(gate: _Gate) -> None:
+    """At the namespace limit an open reclaims an idle namespace, whose store then closes
+    (its memory unmapped, its disk synced): here a close that waits for the test."""
+    config = ServerConfig(port=0, host_capacity=64 << 20, max_namespaces=2)
+    with CacheServer(config) as server:
+        fast = StoreClient(server.address, block_bytes=BB, namespace="fast")
+        StoreClient(server.address, block_bytes=BB, namespace="old").close()  # idle now
+        opened: list[StoreClient] = []
+        opener = threading.Thread(
+            target=lambda: opened.append(
+                StoreClient(server.address, block_bytes=BB, namespace="new", timeout=30)
+            )
+        )
+        try:
+            opener.start()
+            assert gate.entered.wait(20), "the open never reclaimed the idle namespace"
+            ks = keys(20, 23)
+            assert all(fast.put(ks, payloads(ks, BB)))
+            out = np.zeros((3, BB), np.uint8)
+            fast.get(ks, out)
+            np.testing.assert_array_equal(out, payloads(ks, BB))
+            assert not opened and opener.is_alive()  # while the old store was closing
+            gate.release.set()
+            opener.join(30)
+            assert len(opened) == 1 and opened[0].match_prefix(ks) == 0  # another namespace
+        finally:
+            gate.release.set()
+            opener.join(30)
+            for client in (fast, *opened):
                 client.close()

@@ -112,7 +112,11 @@ class NamespaceTable:
                 ns = self._opened(caller, name, block_bytes, tenant, alive)
                 if ns is not None:  # made by the open this one waited for
                     return ns
-                settings = self._prepare(name, block_bytes, tenant)
+                reclaimed = self._make_room(block_bytes, tenant)
+            if reclaimed is not None:
+                self._retire(reclaimed)  # its store closes: no lock held
+            with self._state:
+                settings = self._settings(name, block_bytes, tenant)
             store = TieredStore(block_bytes, **settings)  # no lock held: the slow part
             try:
                 with self._state:
@@ -158,22 +162,12 @@ class NamespaceTable:
         ns.openers[caller.session] = caller.principal
         return ns
 
-    def _prepare(self, name: bytes, block_bytes: int, tenant: Tenant) -> dict[str, Any]:
-        """The settings of a new namespace's store, once room is made for it (checked
-        before anything is reclaimed). Under the state lock."""
+    def _settings(self, name: bytes, block_bytes: int, tenant: Tenant) -> dict[str, Any]:
+        """The settings of a new namespace's store, its disk directory made room for.
+        Under the state lock, after :meth:`_make_room`."""
         cfg = self._config
-        host_share = cfg.host_capacity // cfg.max_namespaces
-        if host_share < block_bytes:
-            raise StoreFull(f"a namespace's {host_share} bytes of host memory hold no block")
-        disk_share = _data_share(cfg)
-        if cfg.disk_path is not None and not blocks_within(disk_share, block_bytes):
-            raise StoreFull(
-                f"a namespace's {disk_share} bytes of disk hold no {block_bytes}-byte block "
-                "beside LMDB's records"
-            )
-        self._make_room(tenant)
         return {
-            "host_capacity": host_share,
+            "host_capacity": cfg.host_capacity // cfg.max_namespaces,
             "namespace": name,
             "pin_ttl": cfg.lease_ttl,
             "policy": cfg.policy,
@@ -211,24 +205,44 @@ class NamespaceTable:
     def _quota(self, tenant: Tenant) -> int:
         return tenant.max_namespaces or self._config.max_namespaces
 
-    def _make_room(self, tenant: Tenant) -> None:
-        """Room for one more namespace of ``tenant``: at its quota, its own least recently
-        used idle namespace goes; with the server full (quotas that add up to more than it
-        serves), anyone's. :class:`TooManyRequests` or :class:`StoreFull` if none can."""
+    def _make_room(self, block_bytes: int, tenant: Tenant) -> Namespace | None:
+        """Room for one more namespace of ``tenant`` (its shares checked first, before
+        anything is reclaimed): at its quota, its own least recently used idle namespace
+        goes; with the server full (quotas that add up to more than it serves), anyone's.
+        The one that goes is returned, out of the table, for :meth:`_retire`.
+        :class:`TooManyRequests` or :class:`StoreFull` if none can. Under the state lock."""
+        self._check_shares(block_bytes)
         served = self._config.max_namespaces
         quota = self._quota(tenant)
         owned = [n for n in self._by_handle.values() if n.owner == tenant.name]
         if len(owned) >= quota:  # at its quota: only its own may make way
-            if self._reclaim(owned):
-                return
+            reclaimed = self._reclaim(owned)
+            if reclaimed is not None:
+                return reclaimed
             if quota < served:
                 raise TooManyRequests(
                     f"tenant {tenant.label} holds {len(owned)} namespaces, all in use "
                     f"(at most {quota}): close a client of one first"
                 )
-        elif len(self._by_handle) < served or self._reclaim(list(self._by_handle.values())):
-            return
+        elif len(self._by_handle) < served:
+            return None
+        else:
+            reclaimed = self._reclaim(list(self._by_handle.values()))
+            if reclaimed is not None:
+                return reclaimed
         raise StoreFull(f"the server serves at most {served} namespaces, all in use")
+
+    def _check_shares(self, block_bytes: int) -> None:
+        cfg = self._config
+        host_share = cfg.host_capacity // cfg.max_namespaces
+        if host_share < block_bytes:
+            raise StoreFull(f"a namespace's {host_share} bytes of host memory hold no block")
+        disk_share = _data_share(cfg)
+        if cfg.disk_path is not None and not blocks_within(disk_share, block_bytes):
+            raise StoreFull(
+                f"a namespace's {disk_share} bytes of disk hold no {block_bytes}-byte block "
+                "beside LMDB's records"
+            )
 
     def _disk_settings(self, name: bytes, block_bytes: int, tenant: Tenant) -> dict[str, Any]:
         """The disk tier of a new namespace, its directory made room for (``_disk_dirs``)."""
@@ -245,10 +259,10 @@ class NamespaceTable:
             "write_through": True,
         }
 
-    def _reclaim(self, among: list[Namespace]) -> bool:
-        """Close the least recently used namespace of ``among`` that no live session has
-        open and that holds no lease (a disk tier keeps its blocks for the next open);
-        ``False`` if there is none."""
+    def _reclaim(self, among: list[Namespace]) -> Namespace | None:
+        """The least recently used namespace of ``among`` that no live session has open
+        and that holds no lease, unregistered and out of the table (no request or frame
+        reaches it any more); ``None`` if there is none. Under the state lock."""
         for ns in sorted(among, key=lambda n: n.last_used):
             ns.sweep()
             if not ns.idle or ns.region is None:
@@ -260,14 +274,18 @@ class NamespaceTable:
             with self._lock:
                 del self._by_handle[ns.handle]
                 del self._by_name[ns.name]
-            ns.close()
-            if self._dirs is not None:
-                self._dirs.used(_disk_path(ns))  # kept, the most recently used
-            self._events.refused(
-                "reclaimed", logging.INFO, "namespace %s reclaimed (handle %d)", ns.label, ns.handle
-            )
-            return True
-        return False
+            return ns
+        return None
+
+    def _retire(self, ns: Namespace) -> None:
+        """A reclaimed namespace's store closes (its memory unmapped, its disk synced and
+        kept for the next open), without the state lock: nothing reaches it any more."""
+        ns.close()
+        if self._dirs is not None:
+            self._dirs.used(_disk_path(ns))  # kept, the most recently used
+        self._events.refused(
+            "reclaimed", logging.INFO, "namespace %s reclaimed (handle %d)", ns.label, ns.handle
+        )
 
 
 def _check_geometry(name: bytes, block_bytes: int) -> None:
