@@ -343,7 +343,7 @@ def test_a_refused_open_reclaims_nothing(transport: str) -> None:
         (ns,) = namespaces(server)
 
         def idle() -> bool:
-            with ns.state:
+            with ns.lock:
                 return ns.idle
 
         until(idle, "tenant-a's session ended: its namespace is idle")

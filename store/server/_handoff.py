@@ -7,7 +7,7 @@ first read, at the deadline, or oldest first once holds would fill more than hal
 namespace's memory (so pushes alone cannot fill it with pins), or more than the committing
 tenant's share of that half (so one tenant's pushes cannot take what another's leave). A
 tenant's holds count against its share of the namespace (``CacheServer._tenant_room``).
-A namespace owns one :class:`HandoffHolds`; the server calls it under its state lock.
+A namespace owns one :class:`HandoffHolds`; the server calls it under the namespace's lock.
 """
 
 from __future__ import annotations

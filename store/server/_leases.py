@@ -26,6 +26,7 @@ import numpy as np
 
 from .._errors import LeaseExpired
 from ..local._pins import Lease
+from ._lease_counts import LeaseCounts
 
 Use = tuple[str, int]
 """A lease as transfers in flight name it: ``("stage", id)`` or ``("pin", id)`` (the two
@@ -61,19 +62,18 @@ class _Holder:
 
 class LeaseBook:
     """One namespace's open leases, by id, and what each session holds. Not thread-safe:
-    the server calls it under its state lock."""
+    the server calls it under the namespace's lock. Each lease it records was counted in
+    ``counts`` (the server's, every namespace together) before it opened; its end gives
+    that back."""
 
-    def __init__(self) -> None:
+    def __init__(self, counts: LeaseCounts) -> None:
+        self._counts = counts
         self.stagings: dict[int, Staged] = {}
         self.pins: dict[int, Pinned] = {}
-        self.leases: Counter[int] = Counter()
-        """Open leases per session."""
         self.held: Counter[int] = Counter()
         """Slots held per session (staged and pinned)."""
-        self.leases_by: Counter[str] = Counter()
-        """Open leases per principal (a tenant: all its sessions together)."""
         self.held_by: Counter[str] = Counter()
-        """Slots held per principal."""
+        """Slots held per principal (a tenant: all its sessions together)."""
         self._readable: dict[int, dict[int, dict[int, bytes]]] = {}
         """session -> slot -> {read lease id: the key pinned there}."""
         self._inflight: Counter[Use] = Counter()
@@ -196,14 +196,11 @@ class LeaseBook:
         return len(self.stagings) + len(self.pins)
 
     def _hold(self, holder: _Holder) -> None:
-        self.leases[holder.session] += 1
-        self.leases_by[holder.principal] += 1
         self.held[holder.session] += holder.slots
         self.held_by[holder.principal] += holder.slots
 
     def _drop(self, lease: Use, holder: _Holder) -> None:
-        _take(self.leases, holder.session, 1)
-        _take(self.leases_by, holder.principal, 1)
+        self._counts.give(holder.session, holder.principal)
         if self._inflight[lease] > 0:  # still being read or written: counted until done
             self._ended[lease] = holder
         else:

@@ -1,8 +1,10 @@
 """The cache server's namespace table: opening by name, handles, and reclaiming idle ones.
 
-The table changes under the server's state lock (and its own lock, for readers on other
-threads: metrics, stats); an open makes a new namespace's store outside both (``open``).
-See ``_namespaces`` for what a namespace is and who may use its handle.
+The table has a lock of its own, for its short steps: finding, admitting and reclaiming a
+namespace, and making a session one of a namespace's openers (with that namespace's lock
+inside it: the order is table, then namespace). No request or frame of a namespace takes
+it, and an open makes a new namespace's store, and a reclaim closes an old one, outside it
+(``open``). See ``_namespaces`` for what a namespace is and who may use its handle.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ..local._store import TieredStore
 from ..local.disk._tier import DiskTier, blocks_within
 from ._config import MIN_BLOCK_BYTES, ServerConfig
 from ._disk_dirs import FILES_BESIDE_DATA, NamespaceDirs
+from ._lease_counts import LeaseCounts
 from ._namespaces import Namespace
 from ._tenants import Tenant
 
@@ -42,20 +45,23 @@ class NamespaceTable:
         self,
         config: ServerConfig,
         engine: TransferEngine,
-        state: threading.Lock,
+        counts: LeaseCounts,
         clock: Callable[[], float],
     ) -> None:
         self._config = config
         self._clock = clock
         self._engine = engine
-        self._state = state
+        self._counts = counts
         self._by_handle: dict[int, Namespace] = {}
         self._by_name: dict[bytes, int] = {}
         self._handles = itertools.count(1)
         self._lock = threading.Lock()
+        """The table's: held for its short steps only (never while a store opens or
+        closes, never by a namespace's request or frame)."""
         self._opening = threading.Lock()
-        """Held by an open that creates a namespace, while its store is made (never the
-        state lock then): creations one at a time, and an open of the same name after."""
+        """Held by an open that creates a namespace while it reclaims an idle one and makes
+        the new store (never the table's lock then): creations one at a time, and an open
+        of the same name after."""
         self._events = BoundedLog(_log)  # a client may open and close as fast as it likes
         self._dirs = (
             None
@@ -73,12 +79,19 @@ class NamespaceTable:
             return list(self._by_handle.values())
 
     def get(self, caller: Caller, handle: int) -> Namespace:
-        """The namespace ``handle`` names, if ``caller``'s session has it open."""
+        """The namespace ``handle`` names, if ``caller``'s session has it open (a request
+        checks that again under the namespace's lock: ``check_opener``)."""
         ns = self._by_handle.get(handle)
         if ns is None or caller.session not in ns.openers:
             raise UnknownNamespace(f"no namespace {handle} open in this session: open it first")
         ns.last_used = time.monotonic()
         return ns
+
+    def check_opener(self, caller: Caller, ns: Namespace) -> None:
+        """That ``caller``'s session still has ``ns`` open (under the namespace's lock: a
+        namespace reclaimed since :meth:`get` found it has no openers left)."""
+        if caller.session not in ns.openers:
+            raise UnknownNamespace(f"no namespace {ns.handle} open in this session: open it first")
 
     def open(
         self,
@@ -90,12 +103,13 @@ class NamespaceTable:
     ) -> Namespace:
         """Open (or create) the namespace ``name`` for ``caller``'s session, of ``tenant``;
         every check comes before anything changes (a refused open reclaims nothing).
-        Called without the server's state lock: it takes it for each short step, and makes
-        a new namespace's store (its host memory prefaulted, its LMDB opened: up to seconds
-        with large shares) outside it, so that no other namespace's request or frame waits
-        for an open. Opens that create run one at a time (``_opening``); an open of a
-        namespace being created waits for it there. ``alive()`` says whether the caller's
-        session is still open (checked under the state lock before it is made an opener).
+        The table's lock is held for each short step only: a new namespace's store (its
+        host memory prefaulted, its LMDB opened: up to seconds with large shares) is made,
+        and a reclaimed one closed, outside it. Opens that create run one at a time
+        (``_opening``); an open of a namespace being created waits for it there.
+        ``alive()`` says whether the caller's session is still open (checked under the
+        namespace's lock as it is made an opener: a session that ends after that is
+        cleaned up after it).
 
         A namespace belongs to the tenant that created it. A tenant holds at most its
         ``max_namespaces`` (open or idle, in memory and on disk): a new one takes the place
@@ -103,23 +117,23 @@ class NamespaceTable:
         tenants' quotas add up to more than the server serves (the operator's choice). A
         read-only tenant creates nothing: it opens namespaces that are in memory."""
         _check_geometry(name, block_bytes)
-        with self._state:
+        with self._lock:
             ns = self._opened(caller, name, block_bytes, tenant, alive)
         if ns is not None:
             return ns
         with self._opening:
-            with self._state:
+            with self._lock:
                 ns = self._opened(caller, name, block_bytes, tenant, alive)
                 if ns is not None:  # made by the open this one waited for
                     return ns
                 reclaimed = self._make_room(block_bytes, tenant)
             if reclaimed is not None:
                 self._retire(reclaimed)  # its store closes: no lock held
-            with self._state:
+            with self._lock:
                 settings = self._settings(name, block_bytes, tenant)
             store = TieredStore(block_bytes, **settings)  # no lock held: the slow part
             try:
-                with self._state:
+                with self._lock:
                     return self._admit(caller, name, store, tenant, alive)
             except BaseException:
                 store.close()
@@ -140,7 +154,7 @@ class NamespaceTable:
         alive: Callable[[], bool],
     ) -> Namespace | None:
         """The namespace ``name`` opened for ``caller`` if it exists; ``None`` if it is to
-        be created (each refusal first). Under the state lock."""
+        be created (each refusal first). Under the table's lock."""
         if not alive():
             raise BadRequest(f"session {caller.session} has ended")
         handle = self._by_name.get(name)
@@ -159,12 +173,13 @@ class NamespaceTable:
                     f"tenant {tenant.label} is read-only: it opens namespaces in memory only"
                 )
             return None
-        ns.openers[caller.session] = caller.principal
+        with ns.lock:  # the guard and the session's end read the openers under it
+            ns.openers[caller.session] = caller.principal
         return ns
 
     def _settings(self, name: bytes, block_bytes: int, tenant: Tenant) -> dict[str, Any]:
         """The settings of a new namespace's store, its disk directory made room for.
-        Under the state lock, after :meth:`_make_room`."""
+        Under the table's lock, after :meth:`_make_room`."""
         cfg = self._config
         return {
             "host_capacity": cfg.host_capacity // cfg.max_namespaces,
@@ -185,18 +200,17 @@ class NamespaceTable:
         alive: Callable[[], bool],
     ) -> Namespace:
         """A store made for ``name`` served as a namespace, ``caller`` its first opener.
-        Under the state lock."""
+        Under the table's lock."""
         if not alive():
             raise BadRequest(f"session {caller.session} has ended")
-        ns = Namespace(next(self._handles), name, store, self._state, owner=tenant.name)
+        ns = Namespace(next(self._handles), name, store, self._counts, owner=tenant.name)
         top = store.tiers[0]
         assert isinstance(top, SlotTier)
         memory = top.memory.array  # type: ignore[attr-defined]
         ns.region = self._engine.register(memory, access="rw", guard=ns.guard)
-        with self._lock:
-            self._by_handle[ns.handle] = ns
-            self._by_name[name] = ns.handle
-        ns.openers[caller.session] = caller.principal
+        ns.openers[caller.session] = caller.principal  # nobody else sees it yet
+        self._by_handle[ns.handle] = ns
+        self._by_name[name] = ns.handle
         self._events.refused(
             "opened", logging.INFO, "namespace %s opened (handle %d)", ns.label, ns.handle
         )
@@ -210,7 +224,7 @@ class NamespaceTable:
         anything is reclaimed): at its quota, its own least recently used idle namespace
         goes; with the server full (quotas that add up to more than it serves), anyone's.
         The one that goes is returned, out of the table, for :meth:`_retire`.
-        :class:`TooManyRequests` or :class:`StoreFull` if none can. Under the state lock."""
+        :class:`TooManyRequests` or :class:`StoreFull` if none can. Under the table's lock."""
         self._check_shares(block_bytes)
         served = self._config.max_namespaces
         quota = self._quota(tenant)
@@ -262,24 +276,25 @@ class NamespaceTable:
     def _reclaim(self, among: list[Namespace]) -> Namespace | None:
         """The least recently used namespace of ``among`` that no live session has open
         and that holds no lease, unregistered and out of the table (no request or frame
-        reaches it any more); ``None`` if there is none. Under the state lock."""
+        reaches it any more: it has no openers, and only this lock makes one); ``None`` if
+        there is none. Under the table's lock."""
         for ns in sorted(among, key=lambda n: n.last_used):
-            ns.sweep()
-            if not ns.idle or ns.region is None:
-                continue
-            try:
-                self._engine.unregister(ns.region)  # refused while a transfer still uses it
-            except Exception:
-                continue
-            with self._lock:
-                del self._by_handle[ns.handle]
-                del self._by_name[ns.name]
+            with ns.lock:
+                ns.sweep()
+                if not ns.idle or ns.region is None:
+                    continue
+                try:
+                    self._engine.unregister(ns.region)  # refused while a transfer uses it
+                except Exception:
+                    continue
+            del self._by_handle[ns.handle]
+            del self._by_name[ns.name]
             return ns
         return None
 
     def _retire(self, ns: Namespace) -> None:
         """A reclaimed namespace's store closes (its memory unmapped, its disk synced and
-        kept for the next open), without the state lock: nothing reaches it any more."""
+        kept for the next open), with no lock held: nothing reaches it any more."""
         ns.close()
         if self._dirs is not None:
             self._dirs.used(_disk_path(ns))  # kept, the most recently used

@@ -2,6 +2,9 @@
 guard that decides which remote op may touch its memory.
 
 A namespace (model, layout, tenant) is opened by name; the server answers with a handle.
+Each namespace has a lock of its own (:attr:`Namespace.lock`): every request and every
+remote frame of the namespace takes it, and only it (with, for a moment, the server's
+lease counts: ``_lease_counts``), so that no namespace ever waits for another's.
 Handles are never reused, and a handle works only for a session that opened it: knowing
 (or guessing) a number gives no access to another tenant's blocks. A namespace that no live
 session has open and that holds no lease can be reclaimed (closed; a disk tier keeps its
@@ -23,6 +26,7 @@ from ..local._remote import RemoteAccess
 from ..local._store import TieredStore
 from ._events import EventPublisher, EventStream
 from ._handoff import HandoffHolds
+from ._lease_counts import LeaseCounts
 from ._leases import LeaseBook, Pinned, Use
 from ._puts import PutsInProgress
 
@@ -39,12 +43,16 @@ class Namespace:
     handle: int
     name: bytes
     store: TieredStore
-    state: threading.Lock
-    """The server's state lock (leases are read by the guard on serving threads)."""
+    counts: LeaseCounts
+    """The server's open leases of every namespace (a session's and a tenant's bounds)."""
     owner: str = ""
     """The tenant that created it (its quota counts it; see ``_namespace_table``)."""
     region: Region | None = None
-    book: LeaseBook = field(default_factory=LeaseBook)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    """Taken by every request and every remote frame of this namespace (the guard, on
+    serving threads), and by nothing of another namespace: below it everything here is
+    not thread-safe."""
+    book: LeaseBook = field(init=False)
     openers: dict[int, str] = field(default_factory=dict)
     """Sessions that opened the namespace and have not ended, each with its principal."""
     last_used: float = field(default_factory=time.monotonic)
@@ -58,6 +66,7 @@ class Namespace:
     """Its event stream, from the first session that asked for it (``_events``)."""
 
     def __post_init__(self) -> None:
+        self.book = LeaseBook(self.counts)
         self.remote = RemoteAccess(self.store)
         self.holds = HandoffHolds(self.store, self.slots // 2)
         self.puts = PutsInProgress(self.blocks, self.store.clock)
@@ -154,7 +163,7 @@ class Namespace:
         refused = Admission(np.zeros(len(offsets), dtype=bool))
         if int((last - first + 1).sum()) > len(offsets) + self.request_blocks:
             return refused  # more than any request covers (ops cut in slices count once each)
-        with self.state:
+        with self.lock:
             if caller.session not in self.openers:
                 return refused
             if access == "w":
@@ -176,7 +185,7 @@ class Namespace:
 
         def end() -> None:
             release()
-            with self.state:
+            with self.lock:
                 self.book.end_use(uses)
 
         return end

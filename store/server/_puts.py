@@ -13,7 +13,7 @@ server answers how many are new and how many new blocks fit beside the put's sto
 (the client refuses the put whole, ``StoreFull``, when they do not), and records the keys
 here. Each staging of the put then protects them from eviction until its commit. A record
 ends with the put's ``last`` staging, at its deadline (the lease TTL), or with its session.
-The server calls this under its state lock.
+The server calls this under the namespace's lock.
 """
 
 from __future__ import annotations

@@ -3,8 +3,10 @@
 Clients reach the server's engine (``StoreClient`` dials ``host:port``); their control
 requests ride the engine's authenticated, signed ``call`` channel and run on its call
 threads (each session's in order, sessions side by side), each a few store operations under
-the server's state lock. A pin first reads the blocks that only the disk holds without that
-lock (``prefetch``), so a client lifting from disk does not hold up the others. Bytes
+its namespace's lock, the one lock a request or a remote frame of that namespace takes: no
+namespace waits for another's (the locks, their order and the threads: ARCHITECTURE.md). A
+pin first reads the blocks that only the disk holds without that lock (``prefetch``), so a
+client lifting from disk does not hold up the others. Bytes
 never pass through the control path: a client writes blocks straight into staged slots of
 the namespace's host slab, and reads pinned slots straight out of it, with the engine.
 
@@ -32,7 +34,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -59,6 +60,7 @@ from ..local._placement import Prefetched
 from ._config import ServerConfig, event_bounds
 from ._event_ledger import Holder, Quota
 from ._events import EventPublisher
+from ._lease_counts import LeaseCounts, Reservation
 from ._metrics import ServerMetrics, metrics_token
 from ._namespace_table import NamespaceTable
 from ._namespaces import Namespace
@@ -68,13 +70,15 @@ from ._tenants import Tenant, default_tenant
 _log = logging.getLogger("kvbridge.server")
 _WRITE_OPS = frozenset({"room", "stage", "commit", "abort", "remove", "clear"})
 """Ops a read-only tenant may not send."""
-_OUTSIDE_OPS = frozenset({"open"})
-"""Ops whose handler takes the state lock itself, only for its short steps (an open makes
-a namespace's store without it: ``NamespaceTable.open``)."""
 _QUIET = (BlockNotFound,)  # refusals that are the normal course of things (a cache miss)
 _QUICK_OPS = frozenset({"contains", "match", "pin", "release", "abort", "stats"})
 """Ops that never touch the disk (a pin only when its blocks are in memory): answered on
-the control thread when the state lock is free, saving the hop to a call thread."""
+the control thread when their namespace's lock is free, saving the hop to a call thread."""
+
+ServerOp = Callable[[Caller, dict[str, Any]], dict[str, Any]]
+"""An op of no namespace (``open``, ``stats``): it takes no namespace's lock."""
+NamespaceOp = Callable[[Caller, "Namespace", dict[str, Any]], dict[str, Any]]
+"""An op on the namespace the request names, called under that namespace's lock."""
 
 
 class CacheServer:
@@ -98,8 +102,8 @@ class CacheServer:
             keepalive=cfg.keepalive,
             data_port=cfg.data_port,
         )
-        self._state = threading.Lock()  # leases and stores: control and serving threads
-        self._namespaces = NamespaceTable(cfg, self.engine, self._state, clock)
+        self._counts = LeaseCounts(cfg.max_leases_per_client)
+        self._namespaces = NamespaceTable(cfg, self.engine, self._counts, clock)
         self._started = time.time()
         self._refusals = BoundedLog(_log)
         self.metrics = ServerMetrics(self._store_stats, lambda: self.engine.stats()["refused"])
@@ -120,8 +124,8 @@ class CacheServer:
         self.events_port = None if self._events is None else self._events.port
         """Where the namespaces' event streams are published (``docs/EVENTS.md``)."""
         self.address = self.engine.address
-        self._ops: dict[str, Callable[[Caller, dict[str, Any]], dict[str, Any]]] = {
-            "open": self._open,
+        self._server_ops: dict[str, ServerOp] = {"open": self._open, "stats": self._stats}
+        self._ns_ops: dict[str, NamespaceOp] = {
             "contains": self._contains,
             "match": self._match,
             "room": self._room_for,
@@ -132,7 +136,6 @@ class CacheServer:
             "release": self._release,
             "remove": self._remove,
             "clear": self._clear,
-            "stats": self._stats,
             "events": self._subscribe,
             "keys": self._keys,
         }
@@ -174,7 +177,7 @@ class CacheServer:
 
     def _quick(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any] | None:
         """Answer on the control thread when it costs no wait: an op that never touches
-        the disk (a pin only of blocks in memory), with the state lock free at once.
+        the disk (a pin only of blocks in memory), with its namespace's lock free at once.
         ``None`` leaves the request to a call thread."""
         if body.get("op") not in _QUICK_OPS:
             return None
@@ -182,48 +185,60 @@ class CacheServer:
 
     def _answer(self, caller: Caller, body: dict[str, Any], *, wait: bool) -> dict[str, Any] | None:
         op = body.get("op")
-        handler = self._ops.get(op) if isinstance(op, str) else None
-        label = op if handler is not None and isinstance(op, str) else "unknown"
+        known = isinstance(op, str) and (op in self._server_ops or op in self._ns_ops)
+        label = op if known and isinstance(op, str) else "unknown"
         start = time.perf_counter()
-        answered = True
+        reply: dict[str, Any] | None = None
         try:
-            if handler is None:
-                raise BadRequest(f"unknown op {op!r}; known: {sorted(self._ops)}")
-            if op == "pin" and wait:  # disk reads first, outside the lock all requests need
-                handler = functools.partial(self._pin, early=self._prefetch(caller, body))
+            if not known:
+                ops = sorted([*self._server_ops, *self._ns_ops])
+                raise BadRequest(f"unknown op {op!r}; known: {ops}")
             if op in _WRITE_OPS and self._tenant(caller).read_only:
                 raise NotPermitted(f"tenant {self._tenant(caller).label} is read-only: no {op}")
-            if op in _OUTSIDE_OPS:  # takes the state lock itself, for its short steps
-                return handler(caller, body)
-            if not self._state.acquire(blocking=wait):
-                answered = False
-                return None
-            try:
-                # Checked under the state lock: a session that ends after this is cleaned
-                # up after this request (_end_session waits for the lock), never before.
+            server_op = self._server_ops.get(label)
+            if server_op is not None:
                 if not self.engine.session_alive(caller):
                     raise BadRequest(f"session {caller.session} has ended")
-                if op == "pin" and not wait and not self._in_memory(caller, body):
-                    answered = False
-                    return None
-                return handler(caller, body)
-            finally:
-                self._state.release()
+                reply = server_op(caller, body)
+            else:
+                reply = self._in_namespace(caller, label, body, wait=wait)
+            return reply
         except StoreError as exc:
             self._refused(caller, label, exc)
-            return error_reply(exc)
+            reply = error_reply(exc)
+            return reply
         except Exception as exc:  # a bug here, not the client's fault: say so, keep serving
             _log.exception("internal error in %s from session %d", label, caller.session)
             self.metrics.errors.labels(label, "InternalError").inc()
-            return error_reply(InternalError(f"{type(exc).__name__} in {label}"))
+            reply = error_reply(InternalError(f"{type(exc).__name__} in {label}"))
+            return reply
         finally:
-            if answered:
+            if reply is not None:
                 self.metrics.requests.labels(label).observe(time.perf_counter() - start)
 
-    def _in_memory(self, caller: Caller, body: dict[str, Any]) -> bool:
-        """Whether every block a pin names is in the namespace's top (memory) tier now."""
-        top = self._namespace(caller, body).store.tiers[0].index
-        return all(key in top for key in keys_field(body))
+    def _in_namespace(
+        self, caller: Caller, op: str, body: dict[str, Any], *, wait: bool
+    ) -> dict[str, Any] | None:
+        """Run ``op`` under its namespace's lock; ``None`` when ``wait`` is false and the
+        lock is taken, or a pin finds blocks that are not in memory."""
+        ns = self._namespace(caller, body)
+        handler = self._ns_ops[op]
+        if op == "pin" and wait:  # disk reads first, outside the namespace's lock
+            handler = functools.partial(self._pin, early=self._prefetch(ns, body))
+        if not ns.lock.acquire(blocking=wait):
+            return None
+        try:
+            # Checked under the namespace's lock: a session that ends after this is cleaned
+            # up after this request (_end_session waits for the lock), never before; a
+            # namespace reclaimed since it was looked up has no openers.
+            if not self.engine.session_alive(caller):
+                raise BadRequest(f"session {caller.session} has ended")
+            self._namespaces.check_opener(caller, ns)
+            if op == "pin" and not wait and not _in_memory(ns, body):
+                return None
+            return handler(caller, ns, body)
+        finally:
+            ns.lock.release()
 
     def _refused(self, caller: Caller, op: str, exc: StoreError) -> None:
         """Count a refused request; log it at a bounded rate per op and kind (a client may
@@ -252,11 +267,13 @@ class CacheServer:
             raise NotifyRefused(f"{reply['kind']}: {reply['message']}", reply["error"])
 
     def _end_session(self, caller: Caller) -> None:
-        """A client's session ended (it closed, or was killed): its leases end now."""
-        with self._state:
-            for ns in self._namespaces.snapshot():
+        """A client's session ended (it closed, or was killed): its leases end now, each
+        namespace's under its lock (a request of the session that holds one is answered
+        first; one that comes after finds the session ended)."""
+        for ns in self._namespaces.snapshot():
+            with ns.lock:
                 ns.end_session(caller.session)
-            self._snapshots.drop(caller.session)
+        self._snapshots.drop(caller.session)
         _log.debug("session %d (%s) ended", caller.session, caller.peer)
 
     def _namespace(self, caller: Caller, body: dict[str, Any]) -> Namespace:
@@ -266,16 +283,24 @@ class CacheServer:
         """The tenant a session proved at its handshake (the engine admits no other)."""
         return self._tenants[caller.principal]
 
-    def _room(self, caller: Caller, ns: Namespace, blocks: int) -> None:
-        """Refuse a request that would take more than its share (TooManyRequests)."""
+    def _reserved(self, caller: Caller, ns: Namespace, blocks: int) -> Reservation:
+        """A lease of ``blocks`` slots counted for ``caller`` (keep it once the lease
+        opens), or TooManyRequests when it would take more than a share: the session's or
+        its tenant's open leases over every namespace (``_lease_counts``), then its slots
+        of this namespace."""
         ns.sweep()
-        leases = sum(n.book.leases[caller.session] for n in self._namespaces.snapshot())
-        if leases >= self.config.max_leases_per_client:
-            raise TooManyRequests(
-                f"session {caller.session} holds {leases} open leases "
-                f"(at most {self.config.max_leases_per_client}): commit or release some"
-            )
-        self._tenant_room(caller, ns, blocks)
+        tenant = self._tenant(caller)
+        reservation = self._counts.reserve(caller.session, tenant)
+        try:
+            self._check_slots(caller, tenant, ns, blocks)
+        except BaseException:
+            reservation.cancel()
+            raise
+        return reservation
+
+    def _check_slots(self, caller: Caller, tenant: Tenant, ns: Namespace, blocks: int) -> None:
+        """A request's slots within its share of ``ns``: one request's, the session's, and
+        (every session of it together: more sessions gain nothing) the tenant's."""
         if blocks > ns.request_blocks:
             raise TooManyRequests(
                 f"{blocks} blocks in one request; at most {ns.request_blocks} in {ns.label}"
@@ -286,17 +311,6 @@ class CacheServer:
                 f"session {caller.session} holds {held} slots of {ns.label}; with {blocks} "
                 f"more it would pass its share of {ns.session_blocks}: release some first"
             )
-
-    def _tenant_room(self, caller: Caller, ns: Namespace, blocks: int) -> None:
-        """The tenant's shares: every session of it together (more sessions gain nothing)."""
-        tenant = self._tenant(caller)
-        if tenant.max_leases is not None:
-            leases = sum(n.book.leases_by[tenant.name] for n in self._namespaces.snapshot())
-            if leases >= tenant.max_leases:
-                raise TooManyRequests(
-                    f"tenant {tenant.label} holds {leases} open leases "
-                    f"(at most {tenant.max_leases}): commit or release some"
-                )
         share = int(ns.slots * tenant.slots)
         held = ns.book.held_by[tenant.name] + ns.holds.of(tenant.name)  # its pushes' holds too
         if tenant.slots < 1 and held + blocks > share:
@@ -326,19 +340,16 @@ class CacheServer:
             "request_blocks": ns.request_blocks,
         }
 
-    def _contains(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
-        ns = self._namespace(caller, body)
+    def _contains(self, caller: Caller, ns: Namespace, body: dict[str, Any]) -> dict[str, Any]:
         return {"present": ns.store.contains(keys_field(body))}
 
-    def _match(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
-        ns = self._namespace(caller, body)
+    def _match(self, caller: Caller, ns: Namespace, body: dict[str, Any]) -> dict[str, Any]:
         return {"count": ns.store.match_prefix(keys_field(body))}
 
-    def _room_for(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
+    def _room_for(self, caller: Caller, ns: Namespace, body: dict[str, Any]) -> dict[str, Any]:
         """How many of the keys are new and how many new blocks fit beside the stored ones;
         with ``put``, a put of several requests: its keys are kept from eviction by its
         own stagings (``_puts``), when they fit."""
-        ns = self._namespace(caller, body)
         keys = keys_field(body)
         new, room = ns.remote.room_for(keys)
         put = _put_id(body)
@@ -347,8 +358,7 @@ class CacheServer:
             ns.puts.begin(caller.session, put, keys, ttl, principal=caller.principal)
         return {"new": new, "room": room}
 
-    def _stage(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
-        ns = self._namespace(caller, body)
+    def _stage(self, caller: Caller, ns: Namespace, body: dict[str, Any]) -> dict[str, Any]:
         keys = keys_field(body)
         put, last = _put_id(body), optional_field(body, "last", bool)
         ttl = self.config.lease_ttl
@@ -357,17 +367,17 @@ class CacheServer:
             ns.puts.end(caller.session, put)  # its last staging protects them till its commit
         if not keys:
             return {"lease": 0, "slots": [], "saved_bytes": 0}
-        self._room(caller, ns, len(keys))
-        lease, slots = ns.remote.stage(keys, ttl=ttl, owner=caller.session, protect=protect)
+        with self._reserved(caller, ns, len(keys)) as reservation:
+            lease, slots = ns.remote.stage(keys, ttl=ttl, owner=caller.session, protect=protect)
+            if lease:  # else every block was stored already: no lease, nothing counted
+                taken = sum(s is not None for s in slots)
+                ns.book.add_staging(caller.session, lease, taken, caller.principal)
+                reservation.keep()
         saved = (len(keys) - sum(slot is not None for slot in slots)) * ns.store.block_bytes
         self.metrics.saved.inc(saved)
-        if lease:
-            taken = sum(s is not None for s in slots)
-            ns.book.add_staging(caller.session, lease, taken, caller.principal)
         return {"lease": lease, "slots": slots, "saved_bytes": saved}
 
-    def _commit(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
-        ns = self._namespace(caller, body)
+    def _commit(self, caller: Caller, ns: Namespace, body: dict[str, Any]) -> dict[str, Any]:
         lease = message_field(body, "lease", int)
         staged = ns.book.stagings.get(lease)
         mine = staged is not None and staged.session == caller.session
@@ -381,8 +391,7 @@ class CacheServer:
         ns.holds.hand_off(keys, ttl, tenant.name, tenant.slots)
         return {"stored": stored}
 
-    def _abort(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
-        ns = self._namespace(caller, body)
+    def _abort(self, caller: Caller, ns: Namespace, body: dict[str, Any]) -> dict[str, Any]:
         lease = message_field(body, "lease", int)
         staged = ns.book.stagings.get(lease)
         if staged is not None and staged.session == caller.session:  # else: nothing to give
@@ -390,32 +399,33 @@ class CacheServer:
             ns.remote.abort(lease)
         return {}
 
-    def _prefetch(self, caller: Caller, body: dict[str, Any]) -> Prefetched | None:
-        """A pin's blocks that only the disk holds, read without the state lock (a hint:
-        ``None`` when the request is bad, the locked pin then says why)."""
+    def _prefetch(self, ns: Namespace, body: dict[str, Any]) -> Prefetched | None:
+        """A pin's blocks that only the disk holds, read without the namespace's lock (a
+        hint: ``None`` when the request is bad, the locked pin then says why)."""
         try:
-            with self._state:
-                ns = self._namespace(caller, body)
-                keys = keys_field(body)
+            keys = keys_field(body)
             return ns.remote.prefetch(keys) if len(keys) <= ns.request_blocks else None
         except StoreError:
             return None
 
     def _pin(
-        self, caller: Caller, body: dict[str, Any], early: Prefetched | None = None
+        self,
+        caller: Caller,
+        ns: Namespace,
+        body: dict[str, Any],
+        early: Prefetched | None = None,
     ) -> dict[str, Any]:
-        ns = self._namespace(caller, body)
         keys = keys_field(body)
         if not keys:
             return {"lease": 0, "slots": []}  # nothing to read: no lease to count
-        self._room(caller, ns, len(keys))
-        lease, slots = ns.remote.pin_resident(keys, ttl=self.config.lease_ttl, early=early)
-        ns.book.add_pin(caller.session, lease, slots, caller.principal)
+        with self._reserved(caller, ns, len(keys)) as reservation:
+            lease, slots = ns.remote.pin_resident(keys, ttl=self.config.lease_ttl, early=early)
+            ns.book.add_pin(caller.session, lease, slots, caller.principal)
+            reservation.keep()
         ns.holds.take(keys)  # their first read: the handoff holds have done their job
         return {"lease": lease.id, "slots": slots}
 
-    def _release(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
-        ns = self._namespace(caller, body)
+    def _release(self, caller: Caller, ns: Namespace, body: dict[str, Any]) -> dict[str, Any]:
         lease_id = message_field(body, "lease", int)
         lease = ns.book.take_pin(lease_id, caller.session).lease
         expired = lease.expired
@@ -424,8 +434,7 @@ class CacheServer:
             raise LeaseExpired(f"read lease {lease_id} expired before its release")
         return {}
 
-    def _remove(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
-        ns = self._namespace(caller, body)
+    def _remove(self, caller: Caller, ns: Namespace, body: dict[str, Any]) -> dict[str, Any]:
         keys = keys_field(body)
         holds = ns.holds.take(keys)  # a handoff hold must not make removal fail
         try:
@@ -434,18 +443,16 @@ class CacheServer:
             ns.holds.restore(holds)
             raise
 
-    def _clear(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
+    def _clear(self, caller: Caller, ns: Namespace, body: dict[str, Any]) -> dict[str, Any]:
         """Every block of the namespace that no reader has pinned; handoff holds end."""
-        ns = self._namespace(caller, body)
         ns.holds.take(ns.holds.keys())
         return {"removed": ns.store.clear()}
 
-    def _subscribe(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
+    def _subscribe(self, caller: Caller, ns: Namespace, body: dict[str, Any]) -> dict[str, Any]:
         """A ticket to the namespace's event stream (``_events``): only a session that
         opened the namespace gets one, and it subscribes one connection, once. It counts
         against the session's and its tenant's caps (``_event_ledger``), until the
         subscriber it became is gone: ``TooManyRequests`` past one."""
-        ns = self._namespace(caller, body)
         if self._events is None:
             raise BadRequest("this server publishes no events (kvbridge serve --events-port)")
         stream = ns.events(self._events)
@@ -454,10 +461,9 @@ class CacheServer:
         ticket = stream.ticket(holder, Quota(tenant.max_tickets, tenant.max_subscribers))
         return {"port": self._events.port, "topic": stream.topic, "ticket": ticket}
 
-    def _keys(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
+    def _keys(self, caller: Caller, ns: Namespace, body: dict[str, Any]) -> dict[str, Any]:
         """A page of a snapshot of the namespace's keys (``_snapshots``): without
         ``snapshot`` the first page of a new one, with it the page at ``offset``."""
-        ns = self._namespace(caller, body)
         sid = optional_field(body, "snapshot", int)
         offset = optional_field(body, "offset", int) or 0
         if sid is None:
@@ -504,6 +510,12 @@ class CacheServer:
 
     def _store_stats(self) -> dict[str, StoreStats]:
         return {ns.label: ns.store.stats() for ns in self._namespaces.snapshot()}
+
+
+def _in_memory(ns: Namespace, body: dict[str, Any]) -> bool:
+    """Whether every block a pin names is in the namespace's top (memory) tier now."""
+    top = ns.store.tiers[0].index
+    return all(key in top for key in keys_field(body))
 
 
 def _put_id(body: dict[str, Any]) -> int | None:
