@@ -173,8 +173,9 @@ class NamespaceTable:
                     f"tenant {tenant.label} is read-only: it opens namespaces in memory only"
                 )
             return None
-        with ns.lock:  # the guard and the session's end read the openers under it
-            ns.openers[caller.session] = caller.principal
+        # One dict store, without the namespace's lock (a busy namespace must not hold the
+        # table's lock): the session's end comes after this (the table's lock, alive()).
+        ns.openers[caller.session] = caller.principal
         return ns
 
     def _settings(self, name: bytes, block_bytes: int, tenant: Tenant) -> dict[str, Any]:
@@ -279,7 +280,9 @@ class NamespaceTable:
         reaches it any more: it has no openers, and only this lock makes one); ``None`` if
         there is none. Under the table's lock."""
         for ns in sorted(among, key=lambda n: n.last_used):
-            with ns.lock:
+            if ns.openers or not ns.lock.acquire(blocking=False):
+                continue  # in use, or busy: never wait for it under the table's lock
+            try:
                 ns.sweep()
                 if not ns.idle or ns.region is None:
                     continue
@@ -287,6 +290,8 @@ class NamespaceTable:
                     self._engine.unregister(ns.region)  # refused while a transfer uses it
                 except Exception:
                     continue
+            finally:
+                ns.lock.release()
             del self._by_handle[ns.handle]
             del self._by_name[ns.name]
             return ns

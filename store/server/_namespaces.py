@@ -144,7 +144,7 @@ class Namespace:
 
     def open_for(self, principal: str) -> bool:
         """Whether a live session of ``principal`` has the namespace open."""
-        return principal in self.openers.values()
+        return principal in list(self.openers.values())  # a copy: opens add without the lock
 
     @property
     def idle(self) -> bool:

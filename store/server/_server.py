@@ -71,9 +71,10 @@ _log = logging.getLogger("kvbridge.server")
 _WRITE_OPS = frozenset({"room", "stage", "commit", "abort", "remove", "clear"})
 """Ops a read-only tenant may not send."""
 _QUIET = (BlockNotFound,)  # refusals that are the normal course of things (a cache miss)
-_QUICK_OPS = frozenset({"contains", "match", "pin", "release", "abort", "stats"})
+_QUICK_OPS = frozenset({"contains", "match", "pin", "release", "abort"})
 """Ops that never touch the disk (a pin only when its blocks are in memory): answered on
-the control thread when their namespace's lock is free, saving the hop to a call thread."""
+the control thread when their namespace's lock is free, saving the hop to a call thread.
+Never ``stats``: it reads every store, and a store is locked while a commit writes to disk."""
 
 ServerOp = Callable[[Caller, dict[str, Any]], dict[str, Any]]
 """An op of no namespace (``open``, ``stats``): it takes no namespace's lock."""
@@ -271,8 +272,12 @@ class CacheServer:
         namespace's under its lock (a request of the session that holds one is answered
         first; one that comes after finds the session ended)."""
         for ns in self._namespaces.snapshot():
-            with ns.lock:
-                ns.end_session(caller.session)
+            # Only the namespaces it opened (a session with none, as a dial's probe, takes
+            # no lock: it runs on the control thread). Openers are added under the table's
+            # lock with the session alive, and the snapshot is taken after it ended.
+            if caller.session in ns.openers:
+                with ns.lock:
+                    ns.end_session(caller.session)
         self._snapshots.drop(caller.session)
         _log.debug("session %d (%s) ended", caller.session, caller.peer)
 
