@@ -17,64 +17,23 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
+from gated_stores import GatedStores, gated_stores
 from helpers import keys, payloads, until
 
-from kvbridge.store import BlockKey, CacheServer, ServerConfig, StoreClient, TieredStore
-from kvbridge.store.server import _namespace_table
+from kvbridge.store import CacheServer, ServerConfig, StoreClient
 
 BB = 4096
 
 
-class _Gate:
-    """The store of the namespace named ``slow`` waits, while being made, for
-    ``release``; the store of ``old`` waits so while it closes; the disk tier of ``disk``
-    waits so while it writes a block."""
-
-    def __init__(self) -> None:
-        self.entered = threading.Event()
-        self.release = threading.Event()
-
-    def store(self, block_bytes: int, **settings: Any) -> TieredStore:
-        if settings.get("namespace") == b"slow":
-            self._wait()
-        store = TieredStore(block_bytes, **settings)
-        if settings.get("namespace") == b"old":
-            close = store.close
-
-            def waiting_close() -> None:
-                self._wait()
-                close()
-
-            store.close = waiting_close  # type: ignore[method-assign]
-        if settings.get("namespace") == b"disk":
-            disk = store.tiers[-1]
-            write = disk.store
-
-            def waiting_write(key: BlockKey, src: Any) -> None:
-                self._wait()
-                write(key, src)
-
-            disk.store = waiting_write  # type: ignore[method-assign]
-        return store
-
-    def _wait(self) -> None:
-        self.entered.set()
-        assert self.release.wait(30), "the test never released the store"
-
-
 @pytest.fixture
-def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Gate]:
-    gate = _Gate()
-    monkeypatch.setattr(_namespace_table, "TieredStore", gate.store)
-    yield gate
-    gate.release.set()
+def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[GatedStores]:
+    yield from gated_stores(monkeypatch)
 
 
-def test_another_namespace_is_served_while_one_is_being_opened(gate: _Gate) -> None:
+def test_another_namespace_is_served_while_one_is_being_opened(gate: GatedStores) -> None:
     with CacheServer(ServerConfig(port=0, host_capacity=64 << 20)) as server:
         fast = StoreClient(server.address, block_bytes=BB, namespace="fast")
         opened: list[StoreClient] = []
@@ -114,7 +73,7 @@ def test_another_namespace_is_served_while_one_is_being_opened(gate: _Gate) -> N
                 client.close()
 
 
-def test_another_namespace_is_served_while_an_idle_one_is_reclaimed(gate: _Gate) -> None:
+def test_another_namespace_is_served_while_an_idle_one_is_reclaimed(gate: GatedStores) -> None:
     """At the namespace limit an open reclaims an idle namespace, whose store then closes
     (its memory unmapped, its disk synced): here a close that waits for the test."""
     config = ServerConfig(port=0, host_capacity=64 << 20, max_namespaces=2)
@@ -147,7 +106,7 @@ def test_another_namespace_is_served_while_an_idle_one_is_reclaimed(gate: _Gate)
 
 
 def test_another_namespace_is_served_while_a_commit_writes_to_disk(
-    gate: _Gate, tmp_path: Path
+    gate: GatedStores, tmp_path: Path
 ) -> None:
     """A commit writes its blocks through to the disk tier under its own namespace's lock
     (the store's, inside it): the write here waits for the test."""

@@ -1,4 +1,5 @@
-"""Adversarial checks of issue 35's claim that no namespace waits for another's.
+"""Adversarial checks of issue 35's claim that no namespace waits for another's (each
+failed on the first per-namespace locks, ``9f85efd``).
 
 Each test holds one namespace's lock (and its store's lock) for as long as the test likes:
 a commit whose write-through to LMDB waits on a gate (as in test_namespace_locks). A client
@@ -14,44 +15,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from gated_stores import GatedStores, gated_stores
 from helpers import keys, payloads, until
 
-from kvbridge.store import BlockKey, CacheServer, ServerConfig, StoreClient, TieredStore
-from kvbridge.store.server import _namespace_table
+from kvbridge.store import CacheServer, ServerConfig, StoreClient, StoreStats, TieredStore
 
 BB = 4096
 STALL_S = 5.0  # a request of an unrelated namespace answered in more than this is stalled
 
 
-class _Gate:
-    """The disk tier of namespace ``disk`` waits for ``release`` while it writes a block
-    (the commit then holds that namespace's lock and its store's lock)."""
-
-    def __init__(self) -> None:
-        self.entered = threading.Event()
-        self.release = threading.Event()
-
-    def store(self, block_bytes: int, **settings: Any) -> TieredStore:
-        store = TieredStore(block_bytes, **settings)
-        if settings.get("namespace") == b"disk":
-            disk = store.tiers[-1]
-            write = disk.store
-
-            def waiting_write(key: BlockKey, src: Any) -> None:
-                self.entered.set()
-                assert self.release.wait(60), "the test never released the write"
-                write(key, src)
-
-            disk.store = waiting_write  # type: ignore[method-assign]
-        return store
-
-
 @pytest.fixture
-def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Gate]:
-    gate = _Gate()
-    monkeypatch.setattr(_namespace_table, "TieredStore", gate.store)
-    yield gate
-    gate.release.set()
+def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[GatedStores]:
+    yield from gated_stores(monkeypatch)
 
 
 def _config(tmp_path: Path) -> ServerConfig:
@@ -74,7 +49,7 @@ def _in_thread(work: Callable[[], object]) -> tuple[threading.Thread, list[objec
     return thread, done
 
 
-def _stuck_commit(gate: _Gate, slow: StoreClient) -> threading.Thread:
+def _stuck_commit(gate: GatedStores, slow: StoreClient) -> threading.Thread:
     ks = keys(30, 32)
     writer, _ = _in_thread(lambda: slow.put(ks, payloads(ks, BB)))
     assert gate.entered.wait(20), "the commit never wrote to the disk"
@@ -89,13 +64,12 @@ def _served(client: StoreClient, what: str) -> None:
     assert done == [0]
 
 
-def test_quick_stats_during_a_slow_commit_stalls_every_namespace(
-    gate: _Gate, tmp_path: Path
+def test_another_namespace_is_served_while_a_client_asks_stats(
+    gate: GatedStores, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``stats`` is a quick op: answered on the control thread, which reads every store's
-    stats under each store's lock (no try-lock now: the old code gave up when the state
-    lock was busy). The disk commit holds its store's lock, so the control thread waits,
-    and every client of every namespace with it."""
+    """``stats`` reads every store's figures under each store's lock. It used to be a
+    quick op, answered on the control thread: behind the disk commit's store lock the
+    control thread waited, and every client of every namespace with it."""
     with (
         CacheServer(_config(tmp_path)) as server,
         StoreClient(server.address, block_bytes=BB, namespace="fast", timeout=60) as fast,
@@ -103,13 +77,13 @@ def test_quick_stats_during_a_slow_commit_stalls_every_namespace(
         StoreClient(server.address, block_bytes=BB, namespace="watch", timeout=60) as watch,
     ):
         entered = threading.Event()
-        stats = server._server_ops["stats"]
+        stats = TieredStore.stats
 
-        def watched_stats(caller: Any, body: dict[str, Any]) -> dict[str, Any]:
-            entered.set()
-            return stats(caller, body)
+        def watched_stats(store: TieredStore) -> StoreStats:
+            entered.set()  # the server reads the stores' figures for a stats request
+            return stats(store)
 
-        server._server_ops["stats"] = watched_stats
+        monkeypatch.setattr(TieredStore, "stats", watched_stats)
         writer = _stuck_commit(gate, slow)
         try:
             _served(fast, "fast served while the disk commit waits (control)")
@@ -121,14 +95,14 @@ def test_quick_stats_during_a_slow_commit_stalls_every_namespace(
             writer.join(60)
 
 
-def test_a_client_dialing_during_a_slow_commit_stalls_every_namespace(
-    gate: _Gate, tmp_path: Path
+def test_another_namespace_is_served_while_a_new_client_dials(
+    gate: GatedStores, tmp_path: Path
 ) -> None:
     """Every dial makes a throwaway handshake session and says ``bye``
-    (``TransferEngine.dial``): the server ends it on the control thread, and
-    ``_end_session`` takes the lock of every namespace in turn (blocking), the busy one's
-    too, though that session opened none. The control thread waits for the commit, and
-    every client of every namespace with it: one client connecting anywhere is enough."""
+    (``TransferEngine.dial``): the server ends it on the control thread. Its end used to
+    take the lock of every namespace in turn, the busy one's too, though that session
+    opened none: the control thread waited for the commit, and every client of every
+    namespace with it. Now it takes only the locks of the namespaces it opened."""
     late: list[object] = []
     with (
         CacheServer(_config(tmp_path)) as server,
@@ -161,7 +135,7 @@ def test_a_client_dialing_during_a_slow_commit_stalls_every_namespace(
                     client.close()
 
 
-def test_an_open_of_a_busy_namespace_stalls_no_open(gate: _Gate, tmp_path: Path) -> None:
+def test_opens_complete_while_a_namespace_is_busy(gate: GatedStores, tmp_path: Path) -> None:
     """An open of an existing namespace used to make the session an opener under that
     namespace's lock, inside the table's lock (``NamespaceTable._opened``): an open of the
     busy one held the table's lock until the commit ended, and an open of any other

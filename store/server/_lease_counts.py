@@ -58,10 +58,6 @@ class LeaseCounts:
             _take(self._sessions, session)
             _take(self._tenants, tenant)
 
-    def of_session(self, session: int) -> int:
-        with self._lock:
-            return self._sessions[session]
-
 
 class Reservation:
     """One lease counted ahead of its opening: :meth:`keep` it once the lease opened (its

@@ -1,10 +1,11 @@
 """The cache server's namespace table: opening by name, handles, and reclaiming idle ones.
 
 The table has a lock of its own, for its short steps: finding, admitting and reclaiming a
-namespace, and making a session one of a namespace's openers (with that namespace's lock
-inside it: the order is table, then namespace). No request or frame of a namespace takes
-it, and an open makes a new namespace's store, and a reclaim closes an old one, outside it
-(``open``). See ``_namespaces`` for what a namespace is and who may use its handle.
+namespace, and making a session one of a namespace's openers. It never waits for a
+namespace's lock (a reclaim takes one only if it is free at once). No request or frame of
+a namespace takes it, and an open makes a new namespace's store, and a reclaim closes an
+old one, outside it (``open``). See ``_namespaces`` for what a namespace is and who may use
+its handle.
 """
 
 from __future__ import annotations
@@ -108,8 +109,8 @@ class NamespaceTable:
         and a reclaimed one closed, outside it. Opens that create run one at a time
         (``_opening``); an open of a namespace being created waits for it there.
         ``alive()`` says whether the caller's session is still open (checked under the
-        namespace's lock as it is made an opener: a session that ends after that is
-        cleaned up after it).
+        table's lock as it is made an opener: a session that ends after that finds it
+        among the openers and is cleaned up there).
 
         A namespace belongs to the tenant that created it. A tenant holds at most its
         ``max_namespaces`` (open or idle, in memory and on disk): a new one takes the place
