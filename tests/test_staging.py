@@ -112,60 +112,6 @@ def test_a_commit_racing_a_put_of_the_same_key_stores_it_once() -> None:
         assert remote.stage(keys(1, 4))[0] > 0  # the duplicate's slot was freed
 
 
-def test_writes_are_admitted_only_for_the_owner_of_an_open_staging() -> None:
-    with TieredStore(BB, host_capacity=4 * BB) as store:
-        remote = RemoteAccess(store)
-        lease, slots = remote.stage(keys(0, 2), owner=5)
-        assert slots == [0, 1]
-        first, last = np.array([0, 1, 0, 2, 0, 5]), np.array([0, 1, 1, 2, 2, 5])
-        allowed, held = remote.admit_writes(5, first, last)
-        assert allowed.tolist() == [True, True, True, False, False, False]
-        assert held == []  # a batch with a refused range holds nothing
-        assert not remote.admit_writes(6, first[:3], last[:3])[0].any()  # another session
-        assert not remote.admit_writes(0, first[:3], last[:3])[0].any()  # nobody's
-        local, _ = remote.stage(keys(2, 3))  # staged without an owner: no remote writes
-        assert not remote.admit_writes(0, np.array([2]), np.array([2]))[0].any()
-        remote.abort(local)
-        remote.commit(lease)
-        assert not remote.admit_writes(5, first[:3], last[:3])[0].any()  # committed: over
-
-
-def test_an_ended_staging_keeps_its_slots_until_admitted_writes_land() -> None:
-    """A late write (its lease aborted or expired while its bytes arrive) must not land in
-    a slot that was handed to someone else: the slots come back only after it."""
-    with TieredStore(BB, host_capacity=4 * BB) as store:
-        remote = RemoteAccess(store)
-        lease, slots = remote.stage(keys(0, 2), owner=5)
-        allowed, held = remote.admit_writes(5, np.array([0, 1]), np.array([0, 1]))
-        assert allowed.all() and held == [lease]
-        assert remote.staging_busy(lease)
-        remote.abort(lease)  # the lease ends with the write still in flight
-        assert not remote.admit_writes(5, np.array([0]), np.array([0]))[0].any()
-        _, other = remote.stage(keys(2, 4), owner=6)
-        assert set(other).isdisjoint(slots)  # the slots being written are not handed out
-        with pytest.raises(StoreFull):
-            remote.stage(keys(4, 6), owner=6)
-        remote.end_writes(held)  # the late bytes are in: now the slots come back
-        assert not remote.staging_busy(lease)
-        _, reused = remote.stage(keys(4, 6), owner=6)
-        assert sorted(reused) == sorted(slots)  # type: ignore[type-var]
-
-
-def test_an_expired_staging_keeps_its_slots_until_admitted_writes_land() -> None:
-    clock = FakeClock()
-    with TieredStore(BB, host_capacity=2 * BB, clock=clock) as store:
-        remote = RemoteAccess(store)
-        lease, slots = remote.stage(keys(0, 2), owner=5, ttl=1.0)
-        _, held = remote.admit_writes(5, np.array([0]), np.array([1]))
-        assert held == [lease]
-        clock.advance(1.0)  # expired mid-write
-        assert not remote.admit_writes(5, np.array([0]), np.array([0]))[0].any()
-        with pytest.raises(StoreFull):
-            remote.stage(keys(2, 4), owner=6)  # sweeps the expired lease, slots still held
-        remote.end_writes(held)
-        assert sorted(remote.stage(keys(2, 4), owner=6)[1]) == sorted(slots)  # type: ignore[type-var]
-
-
 def test_pin_resident_lifts_blocks_from_disk_into_memory(tmp_path: Path) -> None:
     with TieredStore(BB, host_capacity=2 * BB, disk_path=tmp_path, disk_capacity=8 * BB) as store:
         remote = RemoteAccess(store)

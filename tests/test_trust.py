@@ -80,7 +80,7 @@ def test_a_late_write_never_lands_in_a_slot_handed_to_someone_else(
         stream.start_write(slot_ops(attacker, slots))
         stream.send(b"\xaa" * BB)  # half of the payload: the first op's
         (ns,) = [n for n in namespaces(server) if n.handle == raw(attacker).ns]
-        until(lambda: ns.remote.staging_busy(lease), "the server admitted the write")
+        until(lambda: ns.leases.in_flight(lease) > 0, "the server admitted the write")
         if ending == "abort":
             raw(attacker).op("abort", lease=lease)
         else:  # the session says goodbye mid-write: its leases end with it

@@ -94,12 +94,15 @@ def test_namespaces_per_session_are_capped_and_idle_ones_reclaimed(transport: st
         until(opens_c, "first's session ended with its streams: 'a' is idle and makes way")
         with thirds[0] as third:
             third.put(keys(0, 1), payloads(keys(0, 1), BB))
-        opened = [
-            second.peer.call({"op": "open", "namespace": f"n{i}".encode(), "block_bytes": BB})
-            for i in range(3)
-        ]
-        assert "error" not in opened[0]  # "c" (idle) made way
-        assert all("error" in reply for reply in opened[1:])  # the table is full again
+
+        def opens(name: str) -> bool:
+            body = {"op": "open", "namespace": name.encode(), "block_bytes": BB}
+            return "error" not in second.peer.call(body)
+
+        # third's goodbye may lose its race with a loaded machine: then its streams' end
+        # ends the session a moment later
+        until(lambda: opens("n0"), "third's session ended: 'c' is idle and makes way")
+        assert not opens("n1") and not opens("n2")  # the table is full again
         second.close()
     finally:
         server.kill()
@@ -375,7 +378,7 @@ def test_a_refused_remove_keeps_the_handoff_holds(transport: str) -> None:
         with pytest.raises(BlockPinned):
             prefill.remove(pushed + pinned)
         ns = namespaces(srv)[0]
-        assert pushed[0] in ns.holds  # still held for its first read
+        assert pushed[0] in ns.leases.holds  # still held for its first read
         assert ns.store.placement.pins.is_pinned(pushed[0])
 
 

@@ -98,10 +98,7 @@ class Placement:
         """Each tier's eviction order less its pinned blocks (``tier.policy`` is the same)."""
         for tier, order in zip(tiers, self.orders, strict=True):
             tier.policy = order  # the tier tells it what happens; pinned keys leave its walk
-        top = tiers[0]
-        self.staging = StagingTable(
-            top.capacity if isinstance(top, SlotTier) else 0, clock=self.pins.clock
-        )
+        self.staging = StagingTable(clock=self.pins.clock)
         self.stats = StoreStats()
         self.tier_evictions = [0] * len(tiers)
         self.closed = False

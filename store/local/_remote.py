@@ -1,20 +1,16 @@
 """What a cache server hands to remote clients: staged puts and resident pins.
 
 A staged put (``stage`` .. ``commit``/``abort``) reserves top-tier slots for someone else to
-fill; only the staging's owner may write them (``admit_writes``), and slots of a staging
-that ended while a write was in flight come back only once it landed (``end_writes``).
-``commit`` makes the blocks visible all at once or not at all. ``pin_resident`` lifts blocks
-into the top memory tier and pins them for someone else to read; ``hold`` pins blocks the
-caller already holds, check-free, for the length of one transfer.
+fill; ``commit`` makes the blocks visible all at once or not at all. ``pin_resident`` lifts
+blocks into the top memory tier and pins them for someone else to read. Who that someone
+is, and which remote transfer may touch which slot, is not the store's to know: a cache
+server's ledger (``store/server/_ledger.py``) lends the slots and pins to its sessions.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Container, Sequence
-from typing import TYPE_CHECKING, cast
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from .._errors import (
     BlockNotFound,
@@ -26,7 +22,7 @@ from .._keys import BlockKey, check_keys
 from ._pins import Lease
 from ._placement import Keep, Prefetched
 from ._slots import SlotTier
-from ._staging import NO_OWNER, Staging
+from ._staging import Staging
 from .disk._tier import DiskTier
 
 if TYPE_CHECKING:
@@ -47,15 +43,12 @@ class RemoteAccess:
         keys: Sequence[bytes],
         *,
         ttl: float | None = None,
-        owner: int = NO_OWNER,
         protect: Container[BlockKey] = frozenset(),
     ) -> tuple[int, list[int | None]]:
         """Reserve top-tier slots for the keys not yet stored, for someone else to fill.
 
-        ``owner`` (a cache server's session number) is who may write the slots remotely:
-        see :meth:`admit_writes`. ``protect``: blocks no room is made by evicting (the
-        rest of a put that takes several stagings, so that none evicts another's), until
-        the commit.
+        ``protect``: blocks no room is made by evicting (the rest of a put that takes
+        several stagings, so that none evicts another's), until the commit.
 
         Returns a lease id and, per key, the slot to write (``None`` for a key already
         stored, which counts as a use, or repeated earlier in ``keys``). The blocks become
@@ -93,7 +86,7 @@ class RemoteAccess:
                 for i in fresh.values():
                     slots.append(top.take_slot())
                     positions[i] = slots[-1]
-            staging = self._p.staging.add(tuple(fresh), tuple(slots), lifetime, owner, protect)
+            staging = self._p.staging.add(tuple(fresh), tuple(slots), lifetime, protect)
             return staging.id, positions
 
     def room_for(self, keys: Sequence[bytes]) -> tuple[int, int]:
@@ -159,44 +152,11 @@ class RemoteAccess:
             return len(adopted)
 
     def abort(self, lease_id: int) -> None:
-        """Give back the slots of a staged put (unknown or expired leases are fine); slots
-        still being written come back once those writes are done."""
+        """Give back the slots of a staged put (unknown or expired leases are fine)."""
         with self._p.lock:
             staging = self._p.staging.pop(lease_id)
             if staging is not None:
-                self._free_slots(self._p.staging.freeable(staging))
-
-    def admit_writes(
-        self, owner: int, first: np.ndarray, last: np.ndarray
-    ) -> tuple[np.ndarray, list[int]]:
-        """Per slot range ``first..last`` of the top tier: whether ``owner`` may write it
-        now (it lies in slots of open staged puts of that owner). When all may, the staged
-        puts are held until :meth:`end_writes` with the returned ids: a staged put that ends
-        meanwhile (abort, expiry) keeps its slots out of use until then."""
-        with self._p.lock:
-            return self._p.staging.admit(owner, first, last)
-
-    def end_writes(self, leases: Sequence[int]) -> None:
-        """Writes admitted by :meth:`admit_writes` have landed or failed."""
-        with self._p.lock:
-            self._free_slots(self._p.staging.release(leases))
-
-    def staging_open(self, lease_id: int) -> bool:
-        """Whether the staged put is open: not committed, aborted or past its deadline."""
-        with self._p.lock:
-            staging = self._p.staging.get(lease_id)
-            return staging is not None and staging.deadline > self._p.clock()
-
-    def staged_keys(self, lease_id: int) -> tuple[BlockKey, ...]:
-        """The keys an open staged put will make visible (none for any other lease)."""
-        with self._p.lock:
-            staging = self._p.staging.get(lease_id)
-            return () if staging is None else staging.keys
-
-    def staging_busy(self, lease_id: int) -> bool:
-        """Whether admitted writes into the staged put's slots are still in flight."""
-        with self._p.lock:
-            return self._p.staging.busy(lease_id)
+                self._free_slots(staging.slots)
 
     def prefetch(self, keys: Sequence[bytes]) -> Prefetched:
         """Read the blocks of ``keys`` that only a disk tier holds, holding the store's lock
@@ -260,14 +220,6 @@ class RemoteAccess:
             lease = Lease(self._p.release, self._p.pins.clock, lease_id, tuple(checked), deadline)
             return lease, [top.position(key) for key in checked]
 
-    def hold(self, keys: Sequence[bytes]) -> Lease:
-        """Pin keys the caller knows are present and valid (already pinned by a lease of
-        its own) until released: :meth:`pin` without its checks, for a hot path."""
-        held = cast(tuple[BlockKey, ...], tuple(keys))  # the guard's keys came from leases
-        with self._p.lock:
-            lease_id, deadline = self._p.pins.add(held, math.inf)
-            return Lease(self._p.release, self._p.pins.clock, lease_id, held, deadline)
-
     def _slot_top(self) -> SlotTier:
         top = self._p.tiers[0]
         if not isinstance(top, SlotTier):
@@ -275,9 +227,9 @@ class RemoteAccess:
         return top
 
     def _sweep_staged(self) -> None:
-        """Reclaim the slots of staged puts whose lease expired (not yet those being written)."""
+        """Reclaim the slots of staged puts whose lease expired."""
         for staging in self._p.staging.expired():
-            self._free_slots(self._p.staging.freeable(staging))
+            self._free_slots(staging.slots)
 
     def _free_slots(self, slots: Sequence[int]) -> None:
         if slots and not self._p.closed:
@@ -288,12 +240,12 @@ class RemoteAccess:
 
     def _give_back(self, staging: Staging, adopted: Sequence[BlockKey]) -> None:
         """End a staged put that is not committed: the blocks it adopted leave every tier
-        and all its slots go back (once no admitted write into them is in flight)."""
+        and all its slots go back."""
         top = self._slot_top()
         for key in adopted:
             top.disown(key)
         self._p.withdraw(adopted)
-        self._free_slots(self._p.staging.freeable(staging))
+        self._free_slots(staging.slots)
 
 
 class _Both:

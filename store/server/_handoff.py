@@ -6,8 +6,8 @@ drop them first. So a commit pins its new blocks for ``ttl`` seconds; the pin go
 first read, at the deadline, or oldest first once holds would fill more than half of the
 namespace's memory (so pushes alone cannot fill it with pins), or more than the committing
 tenant's share of that half (so one tenant's pushes cannot take what another's leave). A
-tenant's holds count against its share of the namespace (``CacheServer._tenant_room``).
-A namespace owns one :class:`HandoffHolds`; the server calls it under the namespace's lock.
+tenant's holds count against its share of the namespace (``CacheServer._check_slots``).
+A namespace's ledger (``_ledger``) owns one :class:`HandoffHolds`, under the namespace's lock.
 """
 
 from __future__ import annotations

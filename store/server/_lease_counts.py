@@ -7,7 +7,7 @@ request takes its namespace's lock, then (for a moment) this one, never the reve
 
 A request that may open a lease first :meth:`LeaseCounts.reserve` s one (refused when a bound
 is reached); the reservation is kept when the lease opens and given back otherwise. The
-namespace's lease book gives a kept one back when its lease ends (:meth:`LeaseCounts.give`).
+namespace's lease ledger gives a kept one back when its lease ends (:meth:`LeaseCounts.give`).
 """
 
 from __future__ import annotations

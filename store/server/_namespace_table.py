@@ -284,7 +284,7 @@ class NamespaceTable:
             if ns.openers or not ns.lock.acquire(blocking=False):
                 continue  # in use, or busy: never wait for it under the table's lock
             try:
-                ns.sweep()
+                ns.leases.sweep()
                 if not ns.idle or ns.region is None:
                     continue
                 try:

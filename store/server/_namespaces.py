@@ -13,6 +13,7 @@ blocks for the next open) when a new namespace needs its place.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import threading
 import time
@@ -22,13 +23,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...transfer import Admission, Caller, Region
-from ..local._remote import RemoteAccess
 from ..local._store import TieredStore
 from ._events import EventPublisher, EventStream
-from ._handoff import HandoffHolds
 from ._lease_counts import LeaseCounts
-from ._leases import LeaseBook, Pinned, Use
-from ._puts import PutsInProgress
+from ._ledger import Leases
 
 REQUEST_SHARE = 4
 """One request stages or pins at most 1/4 of a namespace's memory slots, so that a single
@@ -52,24 +50,16 @@ class Namespace:
     """Taken by every request and every remote frame of this namespace (the guard, on
     serving threads), and by nothing of another namespace: below it everything here is
     not thread-safe."""
-    book: LeaseBook = field(init=False)
+    leases: Leases = field(init=False)
+    """Its one lease ledger: staged puts, read leases, puts in progress, handoff holds."""
     openers: dict[int, str] = field(default_factory=dict)
     """Sessions that opened the namespace and have not ended, each with its principal."""
     last_used: float = field(default_factory=time.monotonic)
-    remote: RemoteAccess = field(init=False)
-    """The lease protocol over ``store``: staged puts, resident pins, write admission."""
-    holds: HandoffHolds = field(init=False)
-    """Committed blocks held for their first read (``_handoff``)."""
-    puts: PutsInProgress = field(init=False)
-    """Puts of several requests in progress, and the blocks each keeps (``_puts``)."""
     stream: EventStream | None = None
     """Its event stream, from the first session that asked for it (``_events``)."""
 
     def __post_init__(self) -> None:
-        self.book = LeaseBook(self.counts)
-        self.remote = RemoteAccess(self.store)
-        self.holds = HandoffHolds(self.store, self.slots // 2)
-        self.puts = PutsInProgress(self.blocks, self.store.clock)
+        self.leases = Leases(self.store, self.counts, blocks=self.blocks)
 
     def events(self, publisher: EventPublisher) -> EventStream:
         """Its event stream, started the first time a session asks (a namespace nobody
@@ -125,22 +115,10 @@ class Namespace:
         """Most slots one session may hold at once."""
         return max(self.request_blocks, self.slots // SESSION_SHARE)
 
-    def sweep(self) -> None:
-        """End the leases past their deadline (their slots and pins are already void)."""
-        self._finish(*self.book.expired(self.remote.staging_open))
-        self.puts.sweep()
-
     def end_session(self, session: int) -> None:
         """The session ended: it no longer has the namespace open, and its leases end."""
         self.openers.pop(session, None)
-        self.puts.end_session(session)
-        self._finish(*self.book.end_session(session))
-
-    def _finish(self, staged: list[int], pinned: list[Pinned]) -> None:
-        for lease_id in staged:
-            self.remote.abort(lease_id)  # slots still being written come back after that
-        for entry in pinned:
-            entry.lease.release()
+        self.leases.end_session(session)
 
     def open_for(self, principal: str) -> bool:
         """Whether a live session of ``principal`` has the namespace open."""
@@ -149,7 +127,7 @@ class Namespace:
     @property
     def idle(self) -> bool:
         """No live session has it open and nothing is leased: it may be reclaimed."""
-        return not self.openers and not len(self.book)
+        return not self.openers and not len(self.leases)
 
     def guard(
         self, caller: Caller, access: str, offsets: np.ndarray, lengths: np.ndarray
@@ -166,26 +144,12 @@ class Namespace:
         with self.lock:
             if caller.session not in self.openers:
                 return refused
-            if access == "w":
-                allowed, staged = self.remote.admit_writes(caller.session, first, last)
-                if not allowed.all():
-                    return Admission(allowed)
-                uses: list[Use] = [("stage", lease) for lease in staged]
-                self.book.begin_use(uses)
-                return Admission(allowed, self._ender(uses, lambda: self.remote.end_writes(staged)))
-            allowed, keys, uses = self.book.readable(caller.session, first, last)
-            if not allowed.all():
-                return Admission(allowed)
-            hold = self.remote.hold(keys)  # no slot is reused mid-send
-            self.book.begin_use(uses)
-            return Admission(allowed, self._ender(uses, hold.release))
+            allowed, leases = self.leases.admit(caller.session, access, first, last)
+        if not leases:
+            return Admission(allowed)
+        return Admission(allowed, functools.partial(self._done, leases))
 
-    def _ender(self, uses: list[Use], release: Callable[[], None]) -> Callable[[], None]:
-        """What ends an admitted transfer: release what it held, then stop counting it."""
-
-        def end() -> None:
-            release()
-            with self.lock:
-                self.book.end_use(uses)
-
-        return end
+    def _done(self, leases: list[int]) -> None:
+        """An admitted transfer's bytes moved (or failed): its leases count it no more."""
+        with self.lock:
+            self.leases.done(leases)

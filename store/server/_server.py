@@ -42,7 +42,7 @@ import msgpack
 
 from ..._bounded_log import BoundedLog
 from ...transfer import Caller, NotifyRefused, TransferEngine
-from .._errors import BlockNotFound, BlockPinned, LeaseExpired, StoreError
+from .._errors import BlockNotFound, BlockPinned, StoreError
 from .._stats import StoreStats
 from .._wire import (
     MAX_KEYS_PER_REQUEST,
@@ -235,6 +235,7 @@ class CacheServer:
             if not self.engine.session_alive(caller):
                 raise BadRequest(f"session {caller.session} has ended")
             self._namespaces.check_opener(caller, ns)
+            ns.leases.sweep()  # leases past their deadline end before anything else
             if op == "pin" and not wait and not _in_memory(ns, body):
                 return None
             return handler(caller, ns, body)
@@ -293,7 +294,6 @@ class CacheServer:
         opens), or TooManyRequests when it would take more than a share: the session's or
         its tenant's open leases over every namespace (``_lease_counts``), then its slots
         of this namespace."""
-        ns.sweep()
         tenant = self._tenant(caller)
         reservation = self._counts.reserve(caller.session, tenant)
         try:
@@ -310,14 +310,14 @@ class CacheServer:
             raise TooManyRequests(
                 f"{blocks} blocks in one request; at most {ns.request_blocks} in {ns.label}"
             )
-        held = ns.book.held[caller.session]
+        held = ns.leases.held[caller.session]
         if held + blocks > ns.session_blocks:
             raise TooManyRequests(
                 f"session {caller.session} holds {held} slots of {ns.label}; with {blocks} "
                 f"more it would pass its share of {ns.session_blocks}: release some first"
             )
         share = int(ns.slots * tenant.slots)
-        held = ns.book.held_by[tenant.name] + ns.holds.of(tenant.name)  # its pushes' holds too
+        held = ns.leases.tenant_held(tenant.name)  # its pushes' handoff holds too
         if tenant.slots < 1 and held + blocks > share:
             raise TooManyRequests(
                 f"tenant {tenant.label} holds {held} slots of {ns.label}; with {blocks} more "
@@ -355,28 +355,20 @@ class CacheServer:
         """How many of the keys are new and how many new blocks fit beside the stored ones;
         with ``put``, a put of several requests: its keys are kept from eviction by its
         own stagings (``_puts``), when they fit."""
-        keys = keys_field(body)
-        new, room = ns.remote.room_for(keys)
-        put = _put_id(body)
-        if put is not None and new <= room:
-            ttl = self.config.lease_ttl
-            ns.puts.begin(caller.session, put, keys, ttl, principal=caller.principal)
+        keys, put, ttl = keys_field(body), _put_id(body), self.config.lease_ttl
+        new, room = ns.leases.room_for(caller.session, caller.principal, keys, put, ttl)
         return {"new": new, "room": room}
 
     def _stage(self, caller: Caller, ns: Namespace, body: dict[str, Any]) -> dict[str, Any]:
         keys = keys_field(body)
         put, last = _put_id(body), optional_field(body, "last", bool)
         ttl = self.config.lease_ttl
-        protect = set() if put is None else ns.puts.keys_of(caller.session, put, ttl)
-        if put is not None and last:
-            ns.puts.end(caller.session, put)  # its last staging protects them till its commit
+        protect = ns.leases.protect(caller.session, put, bool(last), ttl)
         if not keys:
             return {"lease": 0, "slots": [], "saved_bytes": 0}
         with self._reserved(caller, ns, len(keys)) as reservation:
-            lease, slots = ns.remote.stage(keys, ttl=ttl, owner=caller.session, protect=protect)
+            lease, slots = ns.leases.stage(caller.session, caller.principal, keys, ttl, protect)
             if lease:  # else every block was stored already: no lease, nothing counted
-                taken = sum(s is not None for s in slots)
-                ns.book.add_staging(caller.session, lease, taken, caller.principal)
                 reservation.keep()
         saved = (len(keys) - sum(slot is not None for slot in slots)) * ns.store.block_bytes
         self.metrics.saved.inc(saved)
@@ -384,24 +376,12 @@ class CacheServer:
 
     def _commit(self, caller: Caller, ns: Namespace, body: dict[str, Any]) -> dict[str, Any]:
         lease = message_field(body, "lease", int)
-        staged = ns.book.stagings.get(lease)
-        mine = staged is not None and staged.session == caller.session
-        if mine and ns.remote.staging_busy(lease):
-            raise BadRequest(f"lease {lease}: a commit while writes into it are in flight")
-        ns.book.take_staging(lease, caller.session)
-        keys = ns.remote.staged_keys(lease)
-        stored = ns.remote.commit(lease)
         ttl = min(self.config.handoff_ttl, self.config.lease_ttl)
-        tenant = self._tenant(caller)
-        ns.holds.hand_off(keys, ttl, tenant.name, tenant.slots)
-        return {"stored": stored}
+        share = self._tenant(caller).slots
+        return {"stored": ns.leases.commit(caller.session, lease, handoff_ttl=ttl, share=share)}
 
     def _abort(self, caller: Caller, ns: Namespace, body: dict[str, Any]) -> dict[str, Any]:
-        lease = message_field(body, "lease", int)
-        staged = ns.book.stagings.get(lease)
-        if staged is not None and staged.session == caller.session:  # else: nothing to give
-            ns.book.take_staging(lease, caller.session)
-            ns.remote.abort(lease)
+        ns.leases.abort(caller.session, message_field(body, "lease", int))
         return {}
 
     def _prefetch(self, ns: Namespace, body: dict[str, Any]) -> Prefetched | None:
@@ -409,7 +389,7 @@ class CacheServer:
         hint: ``None`` when the request is bad, the locked pin then says why)."""
         try:
             keys = keys_field(body)
-            return ns.remote.prefetch(keys) if len(keys) <= ns.request_blocks else None
+            return ns.leases.prefetch(keys) if len(keys) <= ns.request_blocks else None
         except StoreError:
             return None
 
@@ -423,34 +403,28 @@ class CacheServer:
         keys = keys_field(body)
         if not keys:
             return {"lease": 0, "slots": []}  # nothing to read: no lease to count
+        ttl = self.config.lease_ttl
         with self._reserved(caller, ns, len(keys)) as reservation:
-            lease, slots = ns.remote.pin_resident(keys, ttl=self.config.lease_ttl, early=early)
-            ns.book.add_pin(caller.session, lease, slots, caller.principal)
+            lease, slots = ns.leases.pin(caller.session, caller.principal, keys, ttl, early)
             reservation.keep()
-        ns.holds.take(keys)  # their first read: the handoff holds have done their job
-        return {"lease": lease.id, "slots": slots}
+        return {"lease": lease, "slots": slots}
 
     def _release(self, caller: Caller, ns: Namespace, body: dict[str, Any]) -> dict[str, Any]:
-        lease_id = message_field(body, "lease", int)
-        lease = ns.book.take_pin(lease_id, caller.session).lease
-        expired = lease.expired
-        lease.release()
-        if expired:
-            raise LeaseExpired(f"read lease {lease_id} expired before its release")
+        ns.leases.release(caller.session, message_field(body, "lease", int))
         return {}
 
     def _remove(self, caller: Caller, ns: Namespace, body: dict[str, Any]) -> dict[str, Any]:
         keys = keys_field(body)
-        holds = ns.holds.take(keys)  # a handoff hold must not make removal fail
+        holds = ns.leases.holds.take(keys)  # a handoff hold must not make removal fail
         try:
             return {"removed": ns.store.remove(keys)}
         except BlockPinned:  # refused: the holds it released come back, nothing changed
-            ns.holds.restore(holds)
+            ns.leases.holds.restore(holds)
             raise
 
     def _clear(self, caller: Caller, ns: Namespace, body: dict[str, Any]) -> dict[str, Any]:
         """Every block of the namespace that no reader has pinned; handoff holds end."""
-        ns.holds.take(ns.holds.keys())
+        ns.leases.holds.take(ns.leases.holds.keys())
         return {"removed": ns.store.clear()}
 
     def _subscribe(self, caller: Caller, ns: Namespace, body: dict[str, Any]) -> dict[str, Any]:
@@ -501,7 +475,7 @@ class CacheServer:
                 "address": self.address,
                 "uptime_s": time.time() - self._started,
                 "transports": list(self.engine.stats()["transports"]),
-                "open_leases": sum(len(ns.book) for ns in namespaces),
+                "open_leases": sum(len(ns.leases) for ns in namespaces),
             },
             "namespaces": [
                 {
