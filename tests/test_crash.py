@@ -61,6 +61,7 @@ def _run_and_kill(path: Path, write_through: bool, lines_before_kill: int) -> se
     return committed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("write_through", [False, True])
 @pytest.mark.parametrize("lines_before_kill", [7, 40])
 def test_sigkill_loses_nothing_committed(

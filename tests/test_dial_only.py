@@ -44,6 +44,7 @@ def server(request: pytest.FixtureRequest) -> Iterator[tuple[ServeProcess, str]]
     proc.kill()
 
 
+@pytest.mark.slow
 def test_a_client_opens_no_listening_socket_and_no_serving_thread(
     server: tuple[ServeProcess, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

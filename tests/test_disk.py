@@ -110,6 +110,7 @@ def test_check_repair_drops_bad_blocks(tmp_path: Path) -> None:
         assert s.check().ok
 
 
+@pytest.mark.slow
 def test_large_batches_commit_in_pieces(tmp_path: Path) -> None:
     big = 1 << 20
     ks = keys(0, 80)  # 80 MiB: more than one 64 MiB commit

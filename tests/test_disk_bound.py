@@ -37,6 +37,7 @@ def _server(disk: Path) -> ServeProcess:
     )
 
 
+@pytest.mark.slow
 def test_one_block_in_each_of_many_namespaces_stays_within_the_capacity(tmp_path: Path) -> None:
     disk = tmp_path / "disk"
     server = _server(disk)
@@ -59,6 +60,7 @@ def test_one_block_in_each_of_many_namespaces_stays_within_the_capacity(tmp_path
     assert _used(disk) <= CAPACITY
 
 
+@pytest.mark.slow
 def test_a_namespace_filled_many_times_over_stays_within_its_share(tmp_path: Path) -> None:
     disk = tmp_path / "disk"
     server = _server(disk)
@@ -87,6 +89,7 @@ def test_a_namespace_filled_many_times_over_stays_within_its_share(tmp_path: Pat
     assert _used(disk) <= CAPACITY // NAMESPACES
 
 
+@pytest.mark.slow
 def test_directories_of_an_earlier_run_count_against_the_capacity(tmp_path: Path) -> None:
     disk = tmp_path / "disk"
     server = _server(disk)
@@ -136,6 +139,7 @@ def test_a_share_too_small_for_a_block_is_refused_at_open(tmp_path: Path) -> Non
         server.stop()
 
 
+@pytest.mark.slow
 def test_a_restart_with_a_smaller_capacity_prunes_the_disk_at_start(tmp_path: Path) -> None:
     disk = tmp_path / "disk"
     server = _server(disk)  # 4 namespaces of 16 MiB

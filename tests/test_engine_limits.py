@@ -135,6 +135,7 @@ def _refused(engine: TransferEngine) -> int:
     return int(engine.stats()["refused"].get("streams_full", 0))
 
 
+@pytest.mark.slow
 def test_a_connection_flood_is_capped_and_leaves_room_afterwards(
     pair: tuple[TransferEngine, TransferEngine], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -174,6 +175,7 @@ def test_connections_that_say_nothing_cost_no_stream_and_are_capped() -> None:
             s.close()
 
 
+@pytest.mark.slow
 def test_a_slow_loris_before_its_greeting_is_dropped(
     pair: tuple[TransferEngine, TransferEngine],
 ) -> None:
@@ -257,6 +259,7 @@ def _unregistered(engine: TransferEngine, region: Any) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_done_means_the_buffers_are_free(pair: tuple[TransferEngine, TransferEngine]) -> None:
     """Eight threads each register, write, wait and unregister at once, many times: a batch
     reports done only after it released its regions, so unregister never finds one busy."""

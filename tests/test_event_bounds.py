@@ -112,6 +112,7 @@ def _client(
     )
 
 
+@pytest.mark.slow
 def test_unread_subscribers_hold_no_more_than_their_bound(server: ServeProcess) -> None:
     """24 subscribers (3 sessions of 8 tickets) renew every second and never read while
     the namespace is filled and cleared 28 times. At every round the server's resident
@@ -214,6 +215,7 @@ class _Listener:
         self.heard |= {bytes(key) for key, stored in message.changes if stored}
 
 
+@pytest.mark.slow
 def test_a_ticket_flood_from_one_tenant_leaves_another_tenants_stream_alone(
     tenants_server: ServeProcess,
 ) -> None:

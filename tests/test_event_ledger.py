@@ -196,6 +196,7 @@ def _unread(pub: EventPublisher, ticket: bytes) -> tuple[zmq.Socket[bytes], byte
     return socket, routing_id
 
 
+@pytest.mark.slow
 def test_a_subscriber_that_stops_reading_is_dropped_named_and_let_go_once_gone(
     publisher: tuple[EventPublisher, list[bytes]],
 ) -> None:

@@ -77,6 +77,7 @@ def _churn(client: StoreClient, start: int, rounds: int) -> list[bytes]:
     return touched
 
 
+@pytest.mark.slow
 def test_a_mirror_ends_with_the_servers_keys(server: ServeProcess) -> None:
     with _client(server) as client, _mirror(server) as mirror:
         assert mirror.wait_ready(20)
@@ -87,6 +88,7 @@ def test_a_mirror_ends_with_the_servers_keys(server: ServeProcess) -> None:
         )  # blocks 1-6 of the last put (0, 7 went)
 
 
+@pytest.mark.slow
 def test_a_restarted_subscriber_starts_from_a_snapshot(server: ServeProcess) -> None:
     with _client(server) as client:
         universe = _churn(client, 0, 2)
@@ -97,6 +99,7 @@ def test_a_restarted_subscriber_starts_from_a_snapshot(server: ServeProcess) -> 
             until(_converged(mirror, client, universe), "the second, from its snapshot")
 
 
+@pytest.mark.slow
 def test_a_mirror_follows_a_server_restarted_on_its_disk(tmp_path: Path) -> None:
     disk = ("--disk-path", str(tmp_path), "--disk-capacity", str(16 * CAPACITY))
     args = ("--events-port", "0", *_SMALL, *disk)
@@ -133,6 +136,7 @@ for line in sys.stdin:  # each line: print what the mirror holds, and how often 
 """
 
 
+@pytest.mark.slow
 def test_a_frozen_subscriber_the_server_dropped_messages_for_resyncs() -> None:
     """The subscriber's process is stopped (SIGSTOP) while a burst of changes goes out:
     its socket fills, the server's high-water mark (1 message here) drops what follows.
@@ -171,6 +175,7 @@ def test_a_frozen_subscriber_the_server_dropped_messages_for_resyncs() -> None:
         served.kill()
 
 
+@pytest.mark.slow
 def test_a_subscription_that_lapsed_is_told_so_at_its_next_renewal() -> None:
     """A subscriber that renewed nothing for longer than the server's 5 s (frozen, paused)
     is dropped; its next renewal is answered ``LAPSED`` and it learns at once that it must
@@ -196,6 +201,7 @@ def test_a_subscription_that_lapsed_is_told_so_at_its_next_renewal() -> None:
             until(lambda: lapsing.receive(0.05) is None and False, "the lapse was answered")
 
 
+@pytest.mark.slow
 def test_only_a_session_that_opened_the_namespace_hears_it(server: ServeProcess) -> None:
     """Nobody without a ticket hears a stream: a SUB to every topic, a DEALER that brings
     nothing, a made-up ticket, the ticket once it was used, a valid ticket from a peer
@@ -264,6 +270,7 @@ def test_a_server_without_an_events_port_says_so() -> None:
         served.kill()
 
 
+@pytest.mark.slow
 def test_kvbridge_events_prints_json_lines_and_one_line_errors(server: ServeProcess) -> None:
     """``kvbridge events``: a snapshot, then each message as a JSON line (keys in hex);
     against a server without events, one line and exit status 1."""

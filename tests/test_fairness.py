@@ -224,6 +224,7 @@ def test_a_session_flooding_calls_is_refused_past_its_queue() -> None:
         context.term()
 
 
+@pytest.mark.slow
 def test_prefetches_beside_writes_that_grow_the_map_and_a_close(tmp_path: Path) -> None:
     """Prefetch reads run outside the store's lock while other threads write (the map grows
     under them: LMDB forbids that beside an open read) and finally close the store: no

@@ -25,6 +25,7 @@ from kvbridge.store.local._order import StampOrder
 BB = 128
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(8))
 def test_stamp_order_matches_a_sorted_model(seed: int) -> None:
     """Random stamps, removals, holds and releases: the walk is always the unheld keys in

@@ -132,22 +132,26 @@ def test_a_forgotten_port_fails_at_once_in_the_client_and_the_engine() -> None:
         assert kind == "BadAddress" and repr(address) in message
 
 
+@pytest.mark.slow
 def test_stats_without_a_port_fails_with_one_line() -> None:
     line = _one_line_error(_kvbridge("stats", "127.0.0.1"), 1)
     assert line.startswith("kvbridge stats: ") and "'127.0.0.1'" in line and "port" in line
 
 
+@pytest.mark.slow
 def test_stats_of_a_port_nobody_listens_on_ends_with_one_line() -> None:
     line = _one_line_error(_kvbridge("stats", "127.0.0.1:1", timeout=30), 1)
     assert "127.0.0.1:1" in line
 
 
+@pytest.mark.slow
 def test_stats_with_a_missing_secret_file_fails_with_one_line(tmp_path: Path) -> None:
     missing = str(tmp_path / "nowhere")
     line = _one_line_error(_kvbridge("stats", "127.0.0.1:1", "--secret-file", missing), 2)
     assert missing in line
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag", ["--port", "--metrics-port"])
 def test_serve_on_a_port_in_use_fails_with_one_line(busy_port: int, flag: str) -> None:
     args = ["--port", "0", flag, str(busy_port)] if flag != "--port" else [flag, str(busy_port)]
@@ -175,6 +179,7 @@ _BAD_SERVE_FLAGS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags", list(_BAD_SERVE_FLAGS.values()), ids=list(_BAD_SERVE_FLAGS))
 def test_serve_refuses_bad_settings_with_one_line(tmp_path: Path, flags: list[str]) -> None:
     files = {
@@ -323,6 +328,7 @@ def test_ctrl_c_in_a_subcommand_is_status_130_without_a_traceback() -> None:
     assert _one_line_error(result, 130) == "kvbridge: interrupted"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args",
     [["hash", "1.5"], ["hash", "+1"], ["hash", "1_0"], ["hash", "\u0663"], ["stats", "--nope"]],
@@ -387,6 +393,7 @@ def test_prefix_hashes_still_takes_every_int_form() -> None:
     assert prefix_hashes([5, 3], 1, extra=None) == prefix_hashes([5, 3], 1, extra=b"")
 
 
+@pytest.mark.slow
 def test_hash_command_matches_the_library_and_refuses_floats() -> None:
     result = _kvbridge("hash", "--block-tokens", "1", "--namespace", "m", "0", "1")
     assert result.returncode == 0, result.stderr

@@ -164,6 +164,7 @@ print(",".join(k.hex() for k in keys))
 """
 
 
+@pytest.mark.slow
 def test_same_keys_in_other_processes_and_hash_seeds() -> None:
     outputs = set()
     for seed in ("0", "1", "12345", "random"):

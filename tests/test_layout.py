@@ -55,18 +55,6 @@ def _cited() -> list[tuple[str, str, str | None]]:
     return found
 
 
-def test_the_docs_cite_paths() -> None:
-    assert len(_cited()) > 50
-
-
-@pytest.mark.parametrize(("doc", "path", "name"), _cited())
-def test_a_cited_path_exists(doc: str, path: str, name: str | None) -> None:
-    target = ROOT / path.rstrip("/")
-    assert target.exists(), f"{doc} cites {path}, which is not in the repository"
-    if name is not None and target.suffix == ".py":
-        assert _defines(target, name), f"{doc} cites {path}: {name}, which it does not define"
-
-
 _FILE = re.compile(r"`([A-Za-z0-9_.-]+\.(?:md|py|sh|toml|json|txt))`")
 """A bare file name in backquotes (``ENGINE_FACTS.md``, ``_metrics.py``)."""
 
@@ -86,9 +74,29 @@ def _repository_files() -> set[str]:
     return names
 
 
-@pytest.mark.parametrize(("doc", "name"), _bare_names())
-def test_a_cited_file_name_is_a_file_of_the_repository(doc: str, name: str) -> None:
-    assert name in _repository_files(), f"{doc} cites {name}, which is not in the repository"
+def _bad_path(doc: str, path: str, name: str | None) -> str | None:
+    """What is wrong with ``doc`` citing ``path`` (and ``name`` in it), or None."""
+    target = ROOT / path.rstrip("/")
+    if not target.exists():
+        return f"{doc} cites {path}, which is not in the repository"
+    if name is not None and target.suffix == ".py" and not _defines(target, name):
+        return f"{doc} cites {path}: {name}, which it does not define"
+    return None
+
+
+def test_every_path_and_file_name_the_docs_cite_exists() -> None:
+    """Every cited path exists and defines the name cited with it, and every bare file name
+    is a file of the repository; each bad citation is listed."""
+    cited = _cited()
+    assert len(cited) > 50
+    wrong = [why for why in (_bad_path(*citation) for citation in cited) if why is not None]
+    files = _repository_files()
+    wrong += [
+        f"{doc} cites {name}, which is not in the repository"
+        for doc, name in _bare_names()
+        if name not in files
+    ]
+    assert not wrong, f"{len(wrong)} bad citations:\n" + "\n".join(wrong)
 
 
 def _defines(path: Path, dotted: str) -> bool:

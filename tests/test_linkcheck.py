@@ -56,6 +56,7 @@ def test_stale_namespaces_of_dead_processes_are_removed() -> None:
     assert name not in _netns.names()
 
 
+@pytest.mark.slow
 @needs_netns
 def test_linkcheck_on_a_shaped_link() -> None:
     done = subprocess.run(
@@ -83,6 +84,7 @@ def test_linkcheck_on_a_shaped_link() -> None:
     assert not [n for n in _ours() if n.startswith(f"{_netns.PREFIX}{os.getpid()}")]
 
 
+@pytest.mark.slow
 @needs_netns
 def test_sigterm_mid_run_still_removes_the_namespaces() -> None:
     proc = subprocess.Popen(
@@ -101,6 +103,7 @@ def test_sigterm_mid_run_still_removes_the_namespaces() -> None:
     assert not any(n.startswith(prefix) for n in _netns.names())
 
 
+@pytest.mark.slow
 def test_linkcheck_on_loopback_says_so() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "kvbridge", "linkcheck", "--loopback", "--seconds", "0.3"],
@@ -112,6 +115,7 @@ def test_linkcheck_on_loopback_says_so() -> None:
     assert "loopback, unshaped" in done.stdout and "Gbit/s" in done.stdout
 
 
+@pytest.mark.slow
 def test_bench_command_reports_rows_with_baselines() -> None:
     done = subprocess.run(
         [

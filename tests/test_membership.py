@@ -56,6 +56,7 @@ def test_a_member_appears_and_goes_at_once_when_it_stops(etcd: EtcdProcess) -> N
         view.stop()
 
 
+@pytest.mark.slow
 def test_a_killed_member_goes_when_its_lease_expires(etcd: EtcdProcess) -> None:
     code = (
         "import sys, time; from kvbridge.store.cluster._etcd import EtcdGateway; "
@@ -79,6 +80,7 @@ def test_a_killed_member_goes_when_its_lease_expires(etcd: EtcdProcess) -> None:
         child.wait()
 
 
+@pytest.mark.slow
 def test_etcd_down_keeps_the_last_view_and_both_sides_recover(
     etcd: EtcdProcess, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -103,6 +105,7 @@ def test_etcd_down_keeps_the_last_view_and_both_sides_recover(
         server.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "record",
     [
@@ -158,6 +161,7 @@ def test_an_unreachable_etcd_is_an_error_at_start() -> None:
         Registrar(dead, PREFIX + b"x", b"{}").start()
 
 
+@pytest.mark.slow
 def test_servers_join_with_their_address_and_leave_on_sigterm_or_by_expiry(
     etcd: EtcdProcess,
 ) -> None:
@@ -188,6 +192,7 @@ def _serve_cluster(url: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_serve_with_an_unreachable_etcd_is_one_line() -> None:
     done = _serve_cluster("etcd://127.0.0.1:1")
     assert done.returncode != 0
@@ -199,6 +204,7 @@ def test_serve_with_an_unreachable_etcd_is_one_line() -> None:
         assert bad.returncode != 0 and "is not etcd://HOST:PORT" in bad.stderr
 
 
+@pytest.mark.slow
 def test_a_replaced_etcd_gets_the_records_back_without_a_restart(etcd: EtcdProcess) -> None:
     """etcd comes back empty (its data lost, the leases with it): the registrar notices its
     lease is gone and registers again; the view lists again (new revision history)."""

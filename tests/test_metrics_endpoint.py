@@ -57,6 +57,7 @@ def _closed_by_server(sock: socket.socket, timeout: float) -> bool:
         return isinstance(exc, ConnectionResetError)
 
 
+@pytest.mark.slow
 def test_silent_connections_hold_no_thread_and_a_scrape_is_answered(
     server: tuple[ServeProcess, int],
 ) -> None:

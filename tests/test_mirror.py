@@ -164,6 +164,7 @@ def test_malformed_messages_cost_a_resync_never_a_wrong_key(
         until(lambda: _in_step(publisher, mirror), "and still following the stream")
 
 
+@pytest.mark.slow
 def test_a_flood_of_bad_messages_costs_at_most_a_snapshot_a_second(
     publisher: _Publisher,
 ) -> None:
@@ -175,6 +176,7 @@ def test_a_flood_of_bad_messages_costs_at_most_a_snapshot_a_second(
         assert publisher.snapshots <= 2 + 20  # bounded by time (1 s apart), not by messages
 
 
+@pytest.mark.slow
 def test_silence_subscribes_again(publisher: _Publisher) -> None:
     mirror = KeyMirror(lambda: publisher, silence=0.5)
     try:

@@ -8,9 +8,12 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_wheel_holds_only_the_kvbridge_package(tmp_path: Path) -> None:
     subprocess.run(
         [

@@ -44,6 +44,7 @@ def test_pools_and_the_link_budget() -> None:
         make_plan(PRESETS["llama-3-8b"], Traffic(1, 1, 1.0, hit_rate=1.5))
 
 
+@pytest.mark.slow
 def test_plan_command_json_and_dtype() -> None:
     done = subprocess.run(
         [

@@ -189,6 +189,7 @@ def test_bad_flags_are_one_line_errors(
     assert err.count("\n") == 1 and err.startswith("kvbridge proxy: ") and says in err, err
 
 
+@pytest.mark.slow
 def test_port_0_takes_a_free_port_and_prints_it_and_sigterm_stops_cleanly() -> None:
     async def scenario() -> None:
         async with Deployment() as d:  # instances for the proxy process to check
@@ -213,6 +214,7 @@ def test_port_0_takes_a_free_port_and_prints_it_and_sigterm_stops_cleanly() -> N
     asyncio.run(scenario())
 
 
+@pytest.mark.slow
 def test_a_port_in_use_is_a_one_line_error_before_anything_else() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -63,6 +63,7 @@ async def _leave(clients: list[asyncio.Task[Any]]) -> None:
 # -- a client that leaves frees its upstream request and connection ------------------------
 
 
+@pytest.mark.slow
 def test_clients_that_leave_end_their_upstream_requests(tmp_path: Path) -> None:
     """Three rounds of 40 clients leave while decode is silent (no status yet) or holds its
     stream; after each round the decode instance has nothing in progress (the proxy closed
@@ -88,6 +89,7 @@ async def _clients_that_leave(tmp_path: Path) -> None:
 # -- prefill and decode do not starve each other --------------------------------------------
 
 
+@pytest.mark.slow
 def test_long_decode_streams_do_not_hold_up_new_requests(tmp_path: Path) -> None:
     """130 streams at once, each held by decode after its first event: every one gets that
     first event (its prefill and decode ran beside the others), then each ends whole."""
@@ -118,6 +120,7 @@ async def _long_streams(tmp_path: Path) -> None:
 # -- bodies over 1 MiB ------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_bodies_over_one_mib_reach_the_instances(tmp_path: Path) -> None:
     """A 2 MiB image chat request and a 1.5 MiB token-id prompt (vLLM takes both) pass."""
     asyncio.run(_large_bodies(tmp_path))
@@ -193,6 +196,7 @@ ODD_PREFILLS = {
 }
 
 
+@pytest.mark.slow
 def test_an_odd_prefill_answer_falls_back_to_decode(tmp_path: Path) -> None:
     """A prefill that answers 200 with a list (or anything that is not a JSON object with
     ``kv_transfer_params``), errs, or drops the connection: decode computes the prompt, the
@@ -217,6 +221,7 @@ async def _odd_prefills(tmp_path: Path) -> None:
 # -- a client that leaves is one quiet line, counted ------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_client_that_leaves_is_counted_without_an_error_log(tmp_path: Path) -> None:
     """Five clients leave streams that are still flowing: the proxy counts five client
     disconnects, ends the five upstream requests, and logs no error or traceback."""

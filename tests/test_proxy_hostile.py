@@ -98,6 +98,7 @@ def _closed(metrics: Metrics, reason: str) -> float:
 # -- a flood of half heads ----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_half_head_flood_does_not_stop_completions_and_the_log_stays_bounded(
     tmp_path: Path,
 ) -> None:
@@ -134,6 +135,7 @@ async def _half_head_flood(tmp_path: Path) -> None:
 # -- stderr that nobody reads -------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_stderr_on_a_pipe_nobody_reads_blocks_nothing(tmp_path: Path) -> None:
     """The proxy's stderr is a pipe nobody reads, and 64 requests with 4 KiB paths make
     256 KiB of log (the pipe takes 64 KiB at most): every request is still answered, completions
@@ -168,6 +170,7 @@ def _takes_more(fd: int) -> bool:
 # -- heads, bodies and keep-alive connections that never end ------------------------------
 
 
+@pytest.mark.slow
 def test_a_head_that_never_ends_is_closed_at_its_deadline(tmp_path: Path) -> None:
     """With ``--head-timeout 0.5``: half a head and then nothing, nothing at all, and a
     head trickled one byte every 0.1 s (never whole) are each closed by the proxy; a
@@ -202,6 +205,7 @@ async def _trickle(sock: socket.socket) -> int:
     raise AssertionError("the proxy took 10,000 bytes of a head that never ends")
 
 
+@pytest.mark.slow
 def test_a_body_that_stops_is_cut_a_slow_one_is_not_and_idle_connections_close(
     tmp_path: Path,
 ) -> None:
@@ -258,6 +262,7 @@ def _connect(port: int) -> socket.socket:
 # -- the cap: the quietest waiting connection goes first ----------------------------------
 
 
+@pytest.mark.slow
 def test_past_the_cap_the_quietest_waiting_connection_goes_first(tmp_path: Path) -> None:
     """With ``--max-client-connections 4`` and a completion being answered (its decode
     holds the stream open): A and B send half a head, C finishes a request and idles.
@@ -312,6 +317,7 @@ async def _others(port: int, expected: int) -> bool:
 # -- what a client may not set: kv_transfer_params, request ids ----------------------------
 
 
+@pytest.mark.slow
 def test_a_clients_kv_transfer_params_and_request_ids_never_reach_the_instances(
     tmp_path: Path,
 ) -> None:

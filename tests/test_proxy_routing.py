@@ -96,6 +96,7 @@ async def _stream(session: ClientSession, url: str, decode: str) -> bytes:
 # -- health ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_health_checks_take_an_instance_out_and_bring_it_back() -> None:
     """Out while its /health answers 503, hangs past the timeout, or its socket is closed;
     back each time it answers 200 again; no request reaches it while it is out."""

@@ -88,6 +88,7 @@ class _Tally:
     wrong: list[str] = dataclasses.field(default_factory=list)
 
 
+@pytest.mark.slow
 def test_proxy_soak(tmp_path: Path) -> None:
     seed = int(os.environ.get("KVBRIDGE_PROXY_SOAK_SEED", random.randrange(1 << 32)))
     print(f"proxy soak: seed {seed}, {SOAK_S} s")

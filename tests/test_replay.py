@@ -25,6 +25,7 @@ needs_traces = pytest.mark.skipif(
 )
 
 
+@pytest.mark.slow
 @needs_traces
 @pytest.mark.parametrize(
     ("trace", "capacity", "policy", "expected"),
@@ -44,6 +45,7 @@ def test_reference_figures(trace: Path, capacity: float, policy: str, expected: 
     assert round(result.hit_rate, 3) == expected
 
 
+@pytest.mark.slow
 @needs_traces
 def test_reuse_policy_beats_lru() -> None:
     conversation = load_requests(str(CONVERSATION))
@@ -78,6 +80,7 @@ def test_from_request_counts_only_later_requests(tmp_path: Path) -> None:
         parse_tokens("lots")
 
 
+@pytest.mark.slow
 def test_replay_command(tmp_path: Path) -> None:
     trace = tmp_path / "t.jsonl"
     trace.write_text(
@@ -145,6 +148,7 @@ def test_the_store_runs_the_reuse_policy() -> None:
         assert store.contains(ks) == [True, False, False, True, True]
 
 
+@pytest.mark.slow
 @needs_traces
 def test_policy_bounds_study(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """benches/policy_bounds.py: its rows, its LRU equal to replay's, and the density

@@ -51,6 +51,7 @@ def server(transport: str) -> Iterator[ServeProcess]:
         s.stop(signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_push_from_one_client_pull_from_another_with_dedup(
     server: ServeProcess, transport: str
 ) -> None:
@@ -75,6 +76,7 @@ def test_push_from_one_client_pull_from_another_with_dedup(
         assert stats.puts == 40 and stats.duplicates == 30 and stats.hits == 43
 
 
+@pytest.mark.slow
 def test_zero_copy_variants_move_registered_regions(server: ServeProcess, transport: str) -> None:
     ks = keys(100, 108)
     data = payloads(ks, BB)
@@ -88,6 +90,7 @@ def test_zero_copy_variants_move_registered_regions(server: ServeProcess, transp
         np.testing.assert_array_equal(dst_buffer, data.reshape(-1))
 
 
+@pytest.mark.slow
 def test_missing_blocks_and_bad_requests_are_typed_and_change_nothing(
     server: ServeProcess, transport: str
 ) -> None:
@@ -108,6 +111,7 @@ def test_missing_blocks_and_bad_requests_are_typed_and_change_nothing(
         assert client.contains(ks) == [True, True, False, False]
 
 
+@pytest.mark.slow
 def test_a_client_cannot_write_outside_its_staged_slots(
     server: ServeProcess, transport: str
 ) -> None:
@@ -149,6 +153,7 @@ _HOLD_LEASES = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_one_client_holds_at_most_its_share_and_a_killed_ones_leases_end_with_it(
     transport: str,
 ) -> None:
@@ -229,6 +234,7 @@ def test_everything_pinned_means_store_full_fast(transport: str) -> None:
         client.put(ks[4:], payloads(ks[4:], BB))  # the holders are gone: so are their pins
 
 
+@pytest.mark.slow
 def test_restart_on_the_same_disk_serves_the_same_blocks(tmp_path: Path, transport: str) -> None:
     args = (
         *("--host-capacity", "4MiB", "--disk-path", str(tmp_path), "--disk-capacity", "64MiB"),
@@ -254,6 +260,7 @@ def test_restart_on_the_same_disk_serves_the_same_blocks(tmp_path: Path, transpo
         second.stop(signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_a_killed_server_loses_no_committed_block(tmp_path: Path, transport: str) -> None:
     args = (
         *("--host-capacity", "4MiB", "--disk-path", str(tmp_path), "--disk-capacity", "64MiB"),
@@ -276,6 +283,7 @@ def test_a_killed_server_loses_no_committed_block(tmp_path: Path, transport: str
         second.stop(signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_stats_command_prints_the_table(server: ServeProcess, transport: str) -> None:
     with client_of(server, "llama", transport) as client:
         client.put(keys(0, 2), payloads(keys(0, 2), BB))
@@ -291,6 +299,7 @@ def test_stats_command_prints_the_table(server: ServeProcess, transport: str) ->
     assert f"sha256:{hashlib.sha256(b'llama').hexdigest()[:12]}/65536" in done.stdout
 
 
+@pytest.mark.slow
 def test_code_written_for_tieredstore_runs_against_a_server(
     server: ServeProcess, transport: str
 ) -> None:
@@ -312,6 +321,7 @@ def test_code_written_for_tieredstore_runs_against_a_server(
         assert workload(remote) == expected
 
 
+@pytest.mark.slow
 def test_async_twins(server: ServeProcess, transport: str) -> None:
     import asyncio  # noqa: PLC0415
 
@@ -383,6 +393,7 @@ def _port_of(server: ServeProcess) -> str:
     return server.address.rsplit(":", 1)[1]
 
 
+@pytest.mark.slow
 def test_after_a_restart_a_client_opens_its_namespace_again_first_time(transport: str) -> None:
     """Another client opened its namespace first on the restarted server: the first call
     carries the new session's handle (not the old one), and is answered."""
@@ -401,6 +412,7 @@ def test_after_a_restart_a_client_opens_its_namespace_again_first_time(transport
             again.kill()
 
 
+@pytest.mark.slow
 def test_a_refused_reopen_is_tried_again_on_the_next_call(transport: str) -> None:
     """The restarted server is full (one namespace, held by another session) when the
     client comes back: that call fails; once there is room, the next call opens the
@@ -433,6 +445,7 @@ def test_a_refused_reopen_is_tried_again_on_the_next_call(transport: str) -> Non
             again.kill()
 
 
+@pytest.mark.slow
 def test_a_deadline_bounds_a_call_of_many_requests(
     monkeypatch: pytest.MonkeyPatch, transport: str
 ) -> None:

@@ -79,6 +79,7 @@ def test_a_call_after_the_kill(served: tuple[ServeProcess, StoreClient]) -> None
     assert time.monotonic() - started < NOTICED
 
 
+@pytest.mark.slow
 def test_a_call_waiting_for_its_answer(served: tuple[ServeProcess, StoreClient]) -> None:
     """The server is frozen (SIGSTOP) so that the lookup surely waits, then killed."""
     server, client = served
@@ -89,6 +90,7 @@ def test_a_call_waiting_for_its_answer(served: tuple[ServeProcess, StoreClient])
     assert took < NOTICED
 
 
+@pytest.mark.slow
 def test_a_get_whose_bytes_are_on_their_way(served: tuple[ServeProcess, StoreClient]) -> None:
     """The kill lands once the first bytes of a 256 MiB get are in: its pin is done, its
     bytes stream in (over UCX the data stream reports nothing, the control connection's

@@ -172,6 +172,7 @@ _SETTINGS = (
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setting", _SETTINGS)
 def test_a_setting_from_the_environment_reaches_the_server(tmp_path: Path, setting: str) -> None:
     env, check = _case(tmp_path)[setting]
@@ -194,6 +195,7 @@ def _as_flags(env: dict[str, str]) -> list[str]:
     return flags
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setting", _SETTINGS)
 def test_a_setting_from_a_flag_reaches_the_server(tmp_path: Path, setting: str) -> None:
     env, check = _case(tmp_path)[setting]
@@ -207,6 +209,7 @@ def test_a_setting_from_a_flag_reaches_the_server(tmp_path: Path, setting: str) 
         started.stop()
 
 
+@pytest.mark.slow
 def test_kvbridge_secret_is_the_servers_secret() -> None:
     started = _serve({"KVBRIDGE_SECRET": "sesame, from the environment"})
     try:
@@ -223,6 +226,7 @@ def test_kvbridge_secret_is_the_servers_secret() -> None:
         started.stop()
 
 
+@pytest.mark.slow
 def test_a_secret_file_flag_wins_over_kvbridge_secret(tmp_path: Path) -> None:
     secret_file = tmp_path / "secret"
     secret_file.write_text("from the flag\n")

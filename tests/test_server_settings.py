@@ -28,6 +28,7 @@ from kvbridge.transfer import AuthenticationError
 BB = 64 << 10
 
 
+@pytest.mark.slow
 def test_auth_accepted_and_refused(tmp_path: Path) -> None:
     secret = tmp_path / "secret"
     secret.write_text("correct horse battery staple\n")
@@ -99,6 +100,7 @@ def test_metrics_endpoint_exposes_the_store_figures() -> None:
     assert 'kvbridge_request_seconds_count{op="stage"}' in text
 
 
+@pytest.mark.slow
 def test_environment_variables_reach_the_server_process() -> None:
     env = {**os.environ, "KVBRIDGE_HOST_CAPACITY": "3MiB"}
     proc = subprocess.Popen(

@@ -47,6 +47,7 @@ def _outcome(fn: object) -> object:
         return (type(exc), exc.op_index)
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None)
 @given(st.lists(_op, min_size=1, max_size=SMALL_OPS), st.sampled_from(["r", "w"]))
 def test_the_small_plan_decides_as_the_general_one(
@@ -101,6 +102,7 @@ def _bytes_moved(spans: list[tuple[int, int, int, int]]) -> list[tuple[int, int,
     return merged
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None)
 @given(
     st.lists(

@@ -42,6 +42,7 @@ def _round_trip(address: str, number: int) -> None:
         assert client.subscription().ticket  # the events op answers too
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("port", ["control", "events", "data", "metrics"])
 def test_a_flood_of_strangers_leaves_room_for_a_real_client(
     server: tuple[ServeProcess, dict[str, int]], port: str

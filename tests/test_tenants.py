@@ -274,6 +274,7 @@ def test_more_sessions_give_a_tenant_no_more_leases(server: ServeProcess) -> Non
         second.close()
 
 
+@pytest.mark.slow
 def test_the_tenants_file_is_checked_at_start(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     for text, why in [
@@ -314,6 +315,7 @@ def disk_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Serv
     server.kill()
 
 
+@pytest.mark.slow
 def test_one_tenants_churn_keeps_anothers_idle_namespaces(
     disk_server: tuple[ServeProcess, Path],
 ) -> None:
@@ -333,6 +335,7 @@ def test_one_tenants_churn_keeps_anothers_idle_namespaces(
         assert (out == payloads(ks, BB)).all()
 
 
+@pytest.mark.slow
 def test_namespace_churn_writes_a_few_log_lines(tmp_path: Path) -> None:
     (tmp_path / "tenants.toml").write_text(TENANTS)
     (tmp_path / "beta.secret").write_text(SECRETS["beta"] + "\n")

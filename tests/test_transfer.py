@@ -88,6 +88,7 @@ def test_write_then_read_back_a_large_op(pair: tuple[TransferEngine, TransferEng
     assert stats["peers"][0]["transport"] in TRANSPORTS
 
 
+@pytest.mark.slow
 @settings(max_examples=8, deadline=None)
 @given(st.data())
 def test_many_small_shuffled_ops_land_exactly(data: st.DataObject) -> None:

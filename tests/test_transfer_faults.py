@@ -84,6 +84,7 @@ def _big_write(engine: TransferEngine, metadata: bytes) -> tuple[Peer, tuple[_Op
     return peer, (ops, src)
 
 
+@pytest.mark.slow
 def test_killed_peer_fails_pending_handles_and_others_keep_working(
     target: tuple[subprocess.Popen[str], bytes],
 ) -> None:
@@ -111,6 +112,7 @@ def test_killed_peer_fails_pending_handles_and_others_keep_working(
         engine.connect(other.metadata()).write([(src, 0, dst.id, 0, MiB)]).wait(10)
 
 
+@pytest.mark.slow
 def test_frozen_peer_times_out(target: tuple[subprocess.Popen[str], bytes]) -> None:
     proc, metadata = target
     with _engine(metadata, "initiator", 1.0) as engine:
@@ -220,6 +222,7 @@ sys.stdin.read()
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
 def test_an_idle_client_that_dies_or_freezes_loses_its_session(transport: str, fault: int) -> None:
@@ -240,6 +243,7 @@ def test_an_idle_client_that_dies_or_freezes_loses_its_session(transport: str, f
             reap(client)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_an_idle_stream_that_keeps_its_peer_alive_lives_on(transport: str) -> None:
     """The other side of the bound: a live client idle for many keepalive limits keeps its
@@ -268,6 +272,7 @@ sys.stdin.read()
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
 def test_a_client_notices_its_idle_server_died_or_froze(transport: str, fault: int) -> None:

@@ -103,6 +103,7 @@ def test_a_late_write_never_lands_in_a_slot_handed_to_someone_else(
         stream.close()
 
 
+@pytest.mark.slow
 def test_a_session_cannot_write_another_sessions_staged_slots(
     server: ServeProcess, transport: str
 ) -> None:
@@ -156,6 +157,7 @@ def _send_pages(stream: RawStream, data: bytes) -> None:
     stream.send_payload(data, [BB // PAGES] * (len(data) * PAGES // BB))
 
 
+@pytest.mark.slow
 def test_a_run_of_pages_into_a_neighbours_slot_is_refused_whole(
     server: ServeProcess, transport: str
 ) -> None:
@@ -189,6 +191,7 @@ def test_a_run_of_pages_into_a_neighbours_slot_is_refused_whole(
         own_stream.close()
 
 
+@pytest.mark.slow
 def test_a_read_of_pages_is_refused_whole_for_one_page_not_pinned(
     server: ServeProcess, transport: str
 ) -> None:
@@ -220,6 +223,7 @@ def _engine_ops(client: StoreClient, slots: list[int]) -> np.ndarray:
 # -- reads ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_reads_only_from_slots_pinned_for_the_reading_session(
     server: ServeProcess, transport: str
 ) -> None:
@@ -254,6 +258,7 @@ def test_reads_only_from_slots_pinned_for_the_reading_session(
         own.close()
 
 
+@pytest.mark.slow
 def test_a_namespace_handle_works_only_for_a_session_that_opened_it(
     server: ServeProcess, transport: str
 ) -> None:
@@ -273,6 +278,7 @@ def test_a_namespace_handle_works_only_for_a_session_that_opened_it(
 # -- sessions ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_session_id_seen_on_the_wire_is_worth_nothing(
     server: ServeProcess, transport: str
 ) -> None:
@@ -299,6 +305,7 @@ def test_a_session_id_seen_on_the_wire_is_worth_nothing(
     assert gone["ok"] is False and "unknown or ended session" in gone["error"]
 
 
+@pytest.mark.slow
 def test_the_clients_own_engine_exposes_nothing(server: ServeProcess, transport: str) -> None:
     """A StoreClient's engine only dials: it has no control socket, no data listener, no
     metadata a local process could connect with (``test_dial_only.py`` counts the sockets),
@@ -315,6 +322,7 @@ def test_the_clients_own_engine_exposes_nothing(server: ServeProcess, transport:
         assert not buffer.any()
 
 
+@pytest.mark.slow
 def test_thousands_of_handshakes_and_a_hello_flood_log_nobody_out(
     server: ServeProcess, transport: str
 ) -> None:
@@ -356,6 +364,7 @@ def test_thousands_of_handshakes_and_a_hello_flood_log_nobody_out(
 # -- garbage on the control port, from a socket and signed as a client ------------------
 
 
+@pytest.mark.slow
 def test_fuzzed_control_port_while_a_client_keeps_working(
     server: ServeProcess, transport: str
 ) -> None:

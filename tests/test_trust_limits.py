@@ -52,6 +52,7 @@ def server(transport: str) -> Iterator[ServeProcess]:
 # -- fair sharing -----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_limits_per_request_per_session_and_on_block_size(
     server: ServeProcess, transport: str
 ) -> None:
@@ -72,6 +73,7 @@ def test_limits_per_request_per_session_and_on_block_size(
             StoreClient(server.address, block_bytes=tiny, namespace="tiny", transports=transport)
 
 
+@pytest.mark.slow
 def test_namespaces_per_session_are_capped_and_idle_ones_reclaimed(transport: str) -> None:
     server = ServeProcess(
         *("--host-capacity", str(64 * BB), "--max-namespaces", "2", "--transports", transport)
@@ -108,6 +110,7 @@ def test_namespaces_per_session_are_capped_and_idle_ones_reclaimed(transport: st
         server.kill()
 
 
+@pytest.mark.slow
 def test_one_session_opens_at_most_eight_namespaces(transport: str) -> None:
     server = ServeProcess(
         *("--host-capacity", str(64 * BB), "--max-namespaces", "12", "--transports", transport)
@@ -193,6 +196,7 @@ def test_metrics_need_the_token_when_the_server_has_a_secret(transport: str) -> 
         assert "kvbridge_hits" in text and "tenant-x" in text  # the operator sees names
 
 
+@pytest.mark.slow
 def test_a_client_reconnects_after_the_server_restarts(tmp_path: Path, transport: str) -> None:
     """The old session died with the old server: the client authenticates again on its next
     request, and reads what the restarted server kept on disk."""
@@ -222,6 +226,7 @@ def test_a_client_reconnects_after_the_server_restarts(tmp_path: Path, transport
         second.kill()
 
 
+@pytest.mark.slow
 def test_a_full_disk_is_store_full_for_that_put_and_the_server_lives(
     tmp_path: Path, transport: str
 ) -> None:
@@ -283,6 +288,7 @@ def test_blocks_larger_than_a_slice_move_through_the_guard(transport: str) -> No
         np.testing.assert_array_equal(out, payloads(ks, big))
 
 
+@pytest.mark.slow
 def test_a_namespace_that_is_not_bytes_or_str_is_refused_everywhere(
     server: ServeProcess, transport: str
 ) -> None:
@@ -301,6 +307,7 @@ def test_a_namespace_that_is_not_bytes_or_str_is_refused_everywhere(
             TieredStore(BB, host_capacity=BB, namespace=wrong)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_kvbridge_serve_logs_its_events_on_stderr_and_never_the_secret(
     tmp_path: Path, transport: str
 ) -> None:
@@ -382,6 +389,7 @@ def test_a_refused_remove_keeps_the_handoff_holds(transport: str) -> None:
         assert ns.store.placement.pins.is_pinned(pushed[0])
 
 
+@pytest.mark.slow
 def test_a_read_stalled_on_a_released_lease_still_counts_against_the_share(
     transport: str,
 ) -> None:

@@ -37,6 +37,7 @@ _TRANSFER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @needs_ucx
 def test_one_host_uses_shared_memory_without_user_settings() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}

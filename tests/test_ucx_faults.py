@@ -70,6 +70,7 @@ def _opens(address: str, namespace: str) -> bool:
 _KEEPALIVE_S = 1.0
 
 
+@pytest.mark.slow
 @needs_ucx
 def test_a_killed_ucx_client_gives_its_namespace_back() -> None:
     """``kvbridge serve --max-namespaces 1`` over UCX: a client SIGKILLed while idle held
@@ -145,6 +146,7 @@ def _landing(buffer: np.ndarray) -> None:
     until(lambda: bool(buffer[::SAMPLE].any()), "the transfer started", pause=0.0005)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_failed_read_lets_no_byte_land_after_its_failure(transport: str) -> None:
     """The server is stopped mid-read; the read fails with its timeout; the server resumes
@@ -183,6 +185,7 @@ def _hold_ended(engine: TransferEngine, region: Region) -> bool:
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_stalled_write_lets_no_byte_land_after_its_hold_ended(transport: str) -> None:
     """A writer is stopped mid-write; the frame's deadline ends the stream and the write's
@@ -214,6 +217,7 @@ def _posted(engine: TransferEngine) -> int:
     return int(engine._transports["ucx"].posted())  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow
 @needs_ucx
 def test_streams_that_never_greet_leave_nothing_posted() -> None:
     """A peer opens streams and never greets: once the greeting timeout ends them, the
@@ -268,6 +272,7 @@ def _stranger_sends(
         raw.close()
 
 
+@pytest.mark.slow
 @needs_ucx
 def test_no_message_a_stranger_sends_opens_a_stream_or_stops_the_listener() -> None:
     """A stranger (no kvbridge, no connect key) sends the server's UCX worker garbage on
@@ -357,6 +362,7 @@ def test_channels_peers_choose_never_cross_two_streams(
     assert (target[:half] == 1).all() and (target[half:] == 2).all()
 
 
+@pytest.mark.slow
 @needs_ucx
 def test_a_connect_on_the_listeners_channel_is_refused(
     monkeypatch: pytest.MonkeyPatch,
