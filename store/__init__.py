@@ -1,27 +1,26 @@
-"""kvbridge.store: block keys, tiers and the tiered KV-block store.
+"""kvbridge.store: the three stores, the contract they keep, keys, errors and settings.
 
-Public surface:
+Public surface (what a user needs; the building blocks live in the subpackages):
 
+- :class:`BlockStore`, the store contract (``put``, ``get``, ``contains``,
+  ``match_prefix``, ``pin``, ``remove``, ``clear``, ``close``), and :class:`Lease`, what
+  every store's ``pin`` returns. Three stores keep it:
+
+  - :class:`TieredStore`: device/host/disk tiers in this process, with dedup, eviction,
+    pins and checksums (its tiers, policies and slabs: ``kvbridge.store.local``);
+  - :class:`StoreClient`: a cache server, :class:`CacheServer` (``kvbridge serve``), with
+    its settings (:class:`ServerConfig`, :func:`load_config`; tenants and the server's
+    building blocks: ``kvbridge.store.server``);
+  - :class:`ClusterClient`: the servers of a cluster found in etcd (``kvbridge serve
+    --cluster``), with its registered buffers (:class:`ClusterRegion`).
 - :func:`prefix_hashes` and :data:`BlockKey`: chained, deterministic block keys.
-- :class:`TieredStore`: device/host/disk tiers with dedup, eviction, pins and checksums;
-  :class:`RemoteAccess`, the lease protocol a cache server runs over one (staged puts,
-  resident pins, write admission).
-- Tiers and their building blocks, for custom stacks: :class:`SlotTier`, :class:`HostSlab`,
-  :class:`DeviceSlab`, :class:`DiskTier`, :class:`EvictionPolicy` and the policies.
-- The cache server and its client: :class:`CacheServer` (``kvbridge serve``), its
-  settings (:class:`ServerConfig`, :func:`load_config`), and :class:`StoreClient`, which has
-  the surface of a local :class:`TieredStore`; :class:`ClusterClient`, the same surface
-  over a cluster of servers found in etcd (``kvbridge serve --cluster``), with its
-  registered buffers (:class:`ClusterRegion`) and pins (:class:`ClusterLease`).
 - The namespaces' event streams (``kvbridge serve --events-port``, ``docs/EVENTS.md``):
   :class:`KeyMirror`, a namespace's keys kept from its stream, and
   :class:`EventSubscriber`, one subscription read message by message; :func:`decode_events`, a
   message read (:class:`MalformedEvent` if it is none), :func:`encode_events` and
   :func:`pack_events`, one written; :class:`Subscription` and :class:`KeySnapshot`, what
   :class:`StoreClient` hands a subscriber; :data:`EVENT_TICKET_PREFIX`.
-- Tenants (:class:`Tenant`, :func:`load_tenants`, ``kvbridge serve --tenants``): each
-  with a secret of its own, the namespaces it may open, and its share of the server.
-- Typed errors, all subclasses of :class:`StoreError`.
+- Typed errors, all subclasses of :class:`StoreError`; :class:`StoreStats`.
 
 The layout (``docs/ARCHITECTURE.md``): the keys, errors, wire and settings every part
 shares here; ``local/`` (the store in one process, ``local/disk/`` its LMDB tier),
@@ -33,6 +32,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .._lazy import lazy
+from ._contract import BlockStore
 from ._errors import (
     BlockNotFound,
     BlockPinned,
@@ -48,6 +48,7 @@ from ._errors import (
     TierUnavailable,
 )
 from ._keys import KEY_BYTES, BlockKey, HashAlgo, InvalidNamespace, prefix_hashes
+from ._lease import Lease
 from ._sizes import parse_size
 from ._stats import StoreStats, TierStats
 from ._stream import TICKET_PREFIX as EVENT_TICKET_PREFIX
@@ -63,65 +64,24 @@ from ._wire import (
     TooManyRequests,
     UnknownNamespace,
 )
-from .local import (
-    DEFAULT_PIN_TTL_S,
-    FIFO,
-    LRU,
-    POLICIES,
-    CheckReport,
-    DeviceSlab,
-    DiskTier,
-    EvictionPolicy,
-    HostSlab,
-    Lease,
-    RemoteAccess,
-    ReuseLRU,
-    SlotMemory,
-    SlotTier,
-    Tier,
-    TieredStore,
-)
+from .local import TieredStore
 from .settings import ConfigError, read_secret
 
 if TYPE_CHECKING:
-    from .client import (
-        SERVER_FAULTS,
-        ClientPool,
-        EventSubscriber,
-        KeyMirror,
-        Lent,
-        StoreClient,
-        SubscriptionLost,
-    )
-    from .cluster import ClusterClient, ClusterLease, ClusterRegion
-    from .server import (
-        CacheServer,
-        ServerConfig,
-        Tenant,
-        TenantError,
-        load_config,
-        load_tenants,
-        metrics_token,
-    )
+    from .client import EventSubscriber, KeyMirror, StoreClient, SubscriptionLost
+    from .cluster import ClusterClient, ClusterRegion
+    from .server import CacheServer, ServerConfig, load_config
 
 _LAZY = {
     "StoreClient": ".client",
-    "ClientPool": ".client",
-    "Lent": ".client",
     "KeyMirror": ".client",
     "EventSubscriber": ".client",
     "SubscriptionLost": ".client",
-    "SERVER_FAULTS": ".client",
     "ClusterClient": ".cluster",
-    "ClusterLease": ".cluster",
     "ClusterRegion": ".cluster",
     "CacheServer": ".server",
     "ServerConfig": ".server",
-    "Tenant": ".server",
-    "TenantError": ".server",
     "load_config": ".server",
-    "load_tenants": ".server",
-    "metrics_token": ".server",
 }
 """The client, the cluster and the server load on first use (the transfer engine, pyzmq,
 prometheus-client): ``import kvbridge.store`` for a local store does not pay for them."""
@@ -131,31 +91,20 @@ __getattr__ = lazy(__name__, _LAZY, globals())
 
 
 __all__ = [
-    "DEFAULT_PIN_TTL_S",
     "DEFAULT_PORT",
     "EVENT_TICKET_PREFIX",
-    "FIFO",
     "KEY_BYTES",
-    "LRU",
-    "POLICIES",
-    "SERVER_FAULTS",
     "BadRequest",
     "BlockKey",
     "BlockNotFound",
     "BlockPinned",
+    "BlockStore",
     "CacheServer",
-    "CheckReport",
-    "ClientPool",
     "ClusterClient",
-    "ClusterLease",
     "ClusterRegion",
     "ConfigError",
-    "DeviceSlab",
-    "DiskTier",
     "EventSubscriber",
-    "EvictionPolicy",
     "HashAlgo",
-    "HostSlab",
     "IncompatibleStore",
     "InternalError",
     "InvalidBlock",
@@ -166,15 +115,10 @@ __all__ = [
     "KeySnapshot",
     "Lease",
     "LeaseExpired",
-    "Lent",
     "MalformedEvent",
     "Message",
     "NotPermitted",
-    "RemoteAccess",
-    "ReuseLRU",
     "ServerConfig",
-    "SlotMemory",
-    "SlotTier",
     "StoreClient",
     "StoreClosed",
     "StoreCorrupt",
@@ -183,9 +127,6 @@ __all__ = [
     "StoreStats",
     "Subscription",
     "SubscriptionLost",
-    "Tenant",
-    "TenantError",
-    "Tier",
     "TierStats",
     "TierUnavailable",
     "TieredStore",
@@ -194,8 +135,6 @@ __all__ = [
     "decode_events",
     "encode_events",
     "load_config",
-    "load_tenants",
-    "metrics_token",
     "pack_events",
     "parse_size",
     "prefix_hashes",

@@ -13,7 +13,8 @@ import zmq
 from helpers import keys, payloads, until
 from serve import ServeProcess
 
-from kvbridge.store import SERVER_FAULTS, ClientPool, StoreClient, StoreError
+from kvbridge.store import StoreClient, StoreError
+from kvbridge.store.client import SERVER_FAULTS, ClientPool
 from kvbridge.transfer import TransferEngine
 
 BB = 64 << 10

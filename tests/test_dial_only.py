@@ -63,7 +63,7 @@ def test_a_client_opens_no_listening_socket_and_no_serving_thread(
         c.get(ks, out)
         np.testing.assert_array_equal(out, payloads(ks, BB))
         lease = c.pin(ks)
-        c.release(lease)
+        lease.release()
         assert c.engine.stats()["calls_queued"] == 0
 
 

@@ -64,7 +64,8 @@ _ON_TINY_FS = (
 import json
 import numpy as np
 from helpers import keys, payload, payloads
-from kvbridge.store import BlockNotFound, RemoteAccess, StoreFull, TieredStore
+from kvbridge.store import BlockNotFound, StoreFull, TieredStore
+from kvbridge.store.local import RemoteAccess
 BB = 64 << 10
 def readable(store, ks):
     out = np.empty((1, BB), np.uint8)

@@ -14,8 +14,9 @@ import pytest
 import zmq
 from helpers import FakeClock, keys, until
 
-from kvbridge.store import ServerConfig, TooManyRequests, load_tenants
+from kvbridge.store import ServerConfig, TooManyRequests
 from kvbridge.store._stream import LAPSED, RENEW, TICKET_PREFIX, decode
+from kvbridge.store.server import load_tenants
 from kvbridge.store.server._event_bounds import (
     MESSAGE_BATCH_BYTES,
     MESSAGE_BYTES,

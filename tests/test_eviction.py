@@ -8,17 +8,8 @@ import numpy as np
 import pytest
 from helpers import FakeClock, key, payloads
 
-from kvbridge.store import (
-    FIFO,
-    LRU,
-    DiskTier,
-    HostSlab,
-    Lease,
-    SlotTier,
-    StoreFull,
-    Tier,
-    TieredStore,
-)
+from kvbridge.store import Lease, StoreFull, TieredStore
+from kvbridge.store.local import FIFO, LRU, DiskTier, HostSlab, SlotTier, Tier
 
 BB = 128
 K = [key(i) for i in range(20)]

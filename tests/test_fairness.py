@@ -17,13 +17,8 @@ import pytest
 import zmq
 from helpers import keys, payloads, until
 
-from kvbridge.store import (
-    CacheServer,
-    RemoteAccess,
-    ServerConfig,
-    StoreClient,
-    TieredStore,
-)
+from kvbridge.store import CacheServer, ServerConfig, StoreClient, TieredStore
+from kvbridge.store.local import RemoteAccess
 from kvbridge.store.local.disk import _reads as _disk_reads
 from kvbridge.store.local.disk._tier import DiskTier
 from kvbridge.transfer import Caller, TransferEngine

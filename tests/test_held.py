@@ -11,15 +11,8 @@ import numpy as np
 import pytest
 from helpers import FakeClock, key, keys, payloads
 
-from kvbridge.store import (
-    POLICIES,
-    BlockKey,
-    HostSlab,
-    RemoteAccess,
-    SlotTier,
-    StoreFull,
-    TieredStore,
-)
+from kvbridge.store import BlockKey, StoreFull, TieredStore
+from kvbridge.store.local import POLICIES, HostSlab, RemoteAccess, SlotTier
 from kvbridge.store.local._order import StampOrder
 
 BB = 128

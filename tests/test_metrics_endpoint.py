@@ -16,7 +16,7 @@ import pytest
 from helpers import free_port
 from serve import ServeProcess
 
-from kvbridge.store import metrics_token
+from kvbridge.store.server import metrics_token
 
 SILENT = 200
 SECRET = b"metrics test secret"

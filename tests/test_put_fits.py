@@ -13,13 +13,13 @@ from helpers import keys, payloads
 
 from kvbridge.store import (
     CacheServer,
-    RemoteAccess,
     ServerConfig,
     StoreClient,
     StoreFull,
     TieredStore,
     TooManyRequests,
 )
+from kvbridge.store.local import RemoteAccess
 
 BB = 4096
 SLOTS = 16
@@ -102,7 +102,7 @@ def test_pinned_blocks_shrink_the_room_for_a_long_put(client: StoreClient) -> No
         assert client.contains(ks) == [False] * len(ks)
         assert client.contains(pinned) == [True] * 8  # nothing was evicted for it
     finally:
-        client.release(lease)
+        lease.release()
 
 
 def test_a_put_of_several_requests_evicts_none_of_its_own_blocks(client: StoreClient) -> None:
@@ -180,7 +180,7 @@ def test_a_put_that_fails_midway_leaves_no_record_behind(client: StoreClient) ->
                 client.put(ks, payloads(ks, BB))
     finally:
         for lease in leases:
-            client.release(lease)
+            lease.release()
     assert client.put(ks, payloads(ks, BB)) == [True] * 10
 
 

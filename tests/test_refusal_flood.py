@@ -16,7 +16,8 @@ from attack import data_address
 from helpers import free_port, keys, payloads
 from serve import ServeProcess
 
-from kvbridge.store import StoreClient, metrics_token
+from kvbridge.store import StoreClient
+from kvbridge.store.server import metrics_token
 from kvbridge.transfer._protocol import Connection, Role
 
 BB = 64 << 10

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from helpers import keys, payloads
 
-from kvbridge.store import BlockKey, ReuseLRU, TieredStore
+from kvbridge.store import BlockKey, TieredStore
+from kvbridge.store.local import ReuseLRU
 from kvbridge.tools._replay import load_requests, parse_tokens, replay
 
 TRACES = Path(__file__).parent / "data" / "traces"

@@ -508,7 +508,7 @@ def test_clear_empties_one_namespace_and_spares_a_readers_pin(transport: str) ->
         out = np.zeros(BB, np.uint8)
         reader.get(ks[:1], out)  # the pinned block is still whole
         np.testing.assert_array_equal(out, payloads(ks[:1], BB)[0])
-        reader.release(lease)
+        lease.release()
         assert b.match_prefix(ks) == 6  # another namespace is untouched
         assert a.put(ks, payloads(ks, BB)) == [False] + [True] * 5
 

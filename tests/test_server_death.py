@@ -15,7 +15,8 @@ import pytest
 from helpers import until
 from serve import TRANSPORTS, ServeProcess
 
-from kvbridge.store import SERVER_FAULTS, StoreClient, prefix_hashes
+from kvbridge.store import StoreClient, prefix_hashes
+from kvbridge.store.client import SERVER_FAULTS
 
 TIMEOUT = 30.0
 """The clients' timeout: a call that waited it out would fail the bound below."""

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvbridge.store import HostSlab, TierUnavailable
-from kvbridge.store.local import _slab
+from kvbridge.store import TierUnavailable
+from kvbridge.store.local import HostSlab, _slab
 
 
 def _refusing_cupy() -> SimpleNamespace:

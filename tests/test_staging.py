@@ -9,14 +9,8 @@ import numpy as np
 import pytest
 from helpers import FakeClock, keys, payload, payloads
 
-from kvbridge.store import (
-    BlockKey,
-    BlockNotFound,
-    LeaseExpired,
-    RemoteAccess,
-    StoreFull,
-    TieredStore,
-)
+from kvbridge.store import BlockKey, BlockNotFound, LeaseExpired, StoreFull, TieredStore
+from kvbridge.store.local import RemoteAccess
 
 BB = 4096
 

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from helpers import keys, payload, payloads
 
-from kvbridge.store import BlockNotFound, RemoteAccess, StoreFull, TieredStore
+from kvbridge.store import BlockNotFound, StoreFull, TieredStore
 from kvbridge.store._errors import StoreCorrupt
+from kvbridge.store.local import RemoteAccess
 from kvbridge.store.local.disk import _tier as disk_module
 
 BB = 4096

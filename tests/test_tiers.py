@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from helpers import keys, payloads
 
-from kvbridge.store import LRU, HostSlab, SlotTier, TieredStore, TierUnavailable, parse_size
+from kvbridge.store import TieredStore, TierUnavailable, parse_size
 from kvbridge.store._buffers import cupy_module
+from kvbridge.store.local import LRU, HostSlab, SlotTier
 
 
 def test_host_slab_is_page_aligned_and_views_are_zero_copy() -> None:

@@ -23,7 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvbridge.store import POLICIES, BlockKey
+from kvbridge.store import BlockKey
+from kvbridge.store.local import POLICIES
 
 from ._workload import TRACE_BLOCK_TOKENS
 

@@ -18,7 +18,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..._closing import Closing
-from ...store import BlockKey, ClientPool, StoreClient
+from ...store import BlockKey, Lease, StoreClient
+from ...store.client import ClientPool
 from ...transfer import DEFAULT_STREAMS
 from ._device import Device
 from ._moves import PageMoves, server_mover
@@ -28,10 +29,10 @@ from ._pages import PageLayout
 class Backend(Protocol):
     def lookup(self, keys: Sequence[BlockKey]) -> int: ...
 
-    def pin(self, keys: Sequence[BlockKey], start: int = 0) -> object | None:
-        """A hold on the blocks, or ``None`` when one is gone already."""
+    def pin(self, keys: Sequence[BlockKey], start: int = 0) -> Lease | None:
+        """A lease on the blocks, or ``None`` when one is gone already."""
 
-    def unpin(self, hold: object) -> None: ...
+    def unpin(self, hold: Lease) -> None: ...
 
     def attach(self, memory: PageLayout, device: Device) -> None:
         """The engine memory that ``load`` and ``save`` move blocks of (worker side), on
@@ -107,27 +108,17 @@ class ServerBackend(Closing):
         with self._lease() as client:
             return client.match_prefix(keys)
 
-    def pin(self, keys: Sequence[BlockKey], start: int = 0) -> object | None:
-        """One lease per request-sized chunk (a server bounds what one request pins)."""
-        leases: list[int] = []
+    def pin(self, keys: Sequence[BlockKey], start: int = 0) -> Lease | None:
+        """On the pool's first client: a lease on the server belongs to its session."""
         with self._pool.lease(self._address, first=True) as (client, _):
-            step = client.request_keys
             try:
-                for first in range(0, len(keys), step):
-                    leases.append(client.pin(keys[first : first + step]))
-            except BaseException as exc:
-                for lease in leases:  # all or nothing
-                    client.release(lease)
-                if isinstance(exc, LookupError):  # BlockNotFound: evicted since the lookup
-                    return None
-                raise
-        return leases or None
+                return client.pin(keys)  # all or nothing
+            except LookupError:  # BlockNotFound: evicted since the lookup
+                return None
 
-    def unpin(self, hold: object) -> None:
-        assert isinstance(hold, list)
-        with self._pool.lease(self._address, first=True) as (client, _):
-            for lease in hold:
-                client.release(lease)
+    def unpin(self, hold: Lease) -> None:
+        with self._pool.lease(self._address, first=True):  # its turn on the client
+            hold.release()
 
     def attach(self, memory: PageLayout, device: Device) -> None:
         self._moves.attach(memory, device)

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..._closing import Closing
-from ...store import BlockKey, BlockNotFound, ClusterClient, ClusterLease
+from ...store import BlockKey, BlockNotFound, ClusterClient, Lease
 from ._device import Device
 from ._moves import PageMoves, Route, cluster_mover
 from ._pages import LayoutError, PageLayout
@@ -76,15 +76,14 @@ class ClusterBackend(Closing):
     def lookup(self, keys: Sequence[BlockKey]) -> int:
         return self._client.match_prefix(keys)
 
-    def pin(self, keys: Sequence[BlockKey], start: int = 0) -> object | None:
+    def pin(self, keys: Sequence[BlockKey], start: int = 0) -> Lease | None:
         try:
             return self._client.pin(keys, chain_start=start)
         except BlockNotFound:  # evicted since the lookup
             return None
 
-    def unpin(self, hold: object) -> None:
-        assert isinstance(hold, ClusterLease)
-        self._client.release(hold)
+    def unpin(self, hold: Lease) -> None:
+        hold.release()
 
     def attach(self, memory: PageLayout, device: Device) -> None:
         self._moves.attach(memory, device)

@@ -19,16 +19,17 @@ from typing import Any
 
 from ..._closing import Closing
 from ...store import (
-    SERVER_FAULTS,
     BlockKey,
     CacheServer,
     ConfigError,
     KeyMirror,
+    Lease,
     StoreClient,
     StoreClosed,
     StoreError,
     prefix_hashes,
 )
+from ...store.client import SERVER_FAULTS
 from ...store.cluster import ClusterMirror
 from ...transfer import is_device
 from ._backend import Backend, ServerBackend
@@ -199,7 +200,7 @@ class ConnectorCore(Closing):
             self.stats.lookup_local()
         return seen
 
-    def pin(self, keys: Sequence[BlockKey], start: int = 0) -> object | None:
+    def pin(self, keys: Sequence[BlockKey], start: int = 0) -> Lease | None:
         """Keep the blocks from eviction until :meth:`unpin` (or the store's lease TTL);
         ``None`` when one of them is gone or the store is unreachable. ``start``: the
         block index of ``keys[0]`` in its prompt (so for every call that takes one)."""
@@ -211,7 +212,7 @@ class ConnectorCore(Closing):
             self._fault("pin", exc)
             return None
 
-    def unpin(self, hold: object | None) -> None:
+    def unpin(self, hold: Lease | None) -> None:
         """Release a pin. Skipped while the store is paused after a fault, or once the
         connection it was taken on is gone: the lease ends with its TTL anyway."""
         backend = self._backend

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..._closing import Closing
+from ...store import Lease
 
-Hit = tuple[int, object | None]
+Hit = tuple[int, Lease | None]
 """A lookup's answer: how many leading blocks the store holds, and the pin on those past
 the first ones the engine has itself (``None``: nothing to pin, or the pin failed)."""
 
@@ -36,9 +37,9 @@ class Store(Protocol):
 
     def lookup(self, keys: Any) -> int: ...
 
-    def pin(self, keys: Any, start: int = 0) -> object | None: ...
+    def pin(self, keys: Any, start: int = 0) -> Lease | None: ...
 
-    def unpin(self, hold: object | None) -> None: ...
+    def unpin(self, hold: Lease | None) -> None: ...
 
 
 class Lookup:
@@ -65,7 +66,7 @@ class Lookup:
         with self._lock:
             return self._answer
 
-    def drop(self) -> object | None:
+    def drop(self) -> Lease | None:
         """Nobody waits for this answer any more. Returns the pin of an answer that came
         already (the caller releases it); a later answer's pin is released when it comes."""
         with self._lock:
@@ -89,7 +90,7 @@ class Lookup:
 
 @dataclass(frozen=True)
 class _Unpin:
-    hold: object
+    hold: Lease
 
 
 _STOP = object()
@@ -121,7 +122,7 @@ class Lookups(Closing):
         self._jobs.put(lookup)
         return lookup
 
-    def unpin(self, hold: object | None) -> None:
+    def unpin(self, hold: Lease | None) -> None:
         """Release a pin, after everything queued before."""
         if hold is not None:
             self._jobs.put(_Unpin(hold))

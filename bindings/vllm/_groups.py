@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ...store import BlockKey
+from ...store import BlockKey, Lease
 
 NULL_BLOCK = 0
 """vLLM's null block: the place of a block a group does not keep (outside its window)."""
@@ -151,30 +151,24 @@ class GroupedStore:
             hit = min(hit, seen)
         return hit
 
-    def pin(self, keys: GroupedKeys, start: int = 0) -> object | None:
+    def pin(self, keys: GroupedKeys, start: int = 0) -> Lease | None:
         """Pin blocks ``start .. start + len(keys)`` of each group that a load of a hit
         ending there reads; ``None`` (nothing held) when one group's pin fails."""
         end = start + len(keys)
-        held = _Holds([])
+        held: list[Lease] = []
         for group, group_keys in zip(self._groups.groups, keys.per_group, strict=True):
             first = max(start, group.first_kept(end, self._block))
             if first >= end:
                 continue
             hold = self._core.pin(group_keys[first - start :], first)
             if hold is None:
-                self.unpin(held)
+                for one in held:
+                    self._core.unpin(one)
                 return None
-            held.holds.append(hold)
-        return held
+            held.append(hold)
+        # one lease for the hit; each group's pin goes back through the core
+        return Lease.joined(held, self._core.unpin)
 
-    def unpin(self, hold: object | None) -> None:
-        if isinstance(hold, _Holds):
-            for one in hold.holds:
-                self._core.unpin(one)
-
-
-@dataclass
-class _Holds:
-    """The pins of one hit, one per group."""
-
-    holds: list[object]
+    def unpin(self, hold: Lease | None) -> None:
+        if hold is not None:
+            hold.release()

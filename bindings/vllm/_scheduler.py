@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...store import BlockKey
+from ...store import BlockKey, Lease
 from ..core._core import ConnectorCore
 from ..core._identity import PROCESS_SALT, weights
 from ..core._lookups import Lookup, Lookups
@@ -59,7 +59,7 @@ class _Request:
     """Tokens vLLM's own prefix cache holds (block-aligned), as of the last lookup."""
     hit: int | None = None
     """Leading blocks the store can give, cached until the request is admitted."""
-    hold: object | None = None
+    hold: Lease | None = None
     asking: Lookup | None = None
     """The lookup in flight on the connector's thread."""
     load: tuple[int, int] | None = None
@@ -104,7 +104,7 @@ class SchedulerSide:
         """Async loads vLLM allocated blocks for, to send with the next step."""
         self._block = core.block_tokens
         self._requests: dict[str, _Request] = {}
-        self._loaded: list[dict[str, object]] = [{} for _ in range(max(1, steps_in_flight))]
+        self._loaded: list[dict[str, Lease]] = [{} for _ in range(max(1, steps_in_flight))]
         """Pins of the loads sent in the last ``steps_in_flight`` steps, by request: a load
         has run once vLLM plans that many steps after it (one, or two with async
         scheduling), so its pin goes then, or at the request's end."""

@@ -38,8 +38,9 @@ from ...transfer import (
     TransferError,
     parse_address,
 )
-from .._errors import InvalidBlock, LeaseExpired, StoreClosed, StoreFull
+from .._errors import LeaseExpired, StoreClosed, StoreFull
 from .._keys import BlockKey, check_keys, namespace_bytes
+from .._lease import Lease
 from .._sizes import positive_int
 from .._stats import StoreStats, TierStats
 from .._stream import KeySnapshot, Subscription
@@ -197,19 +198,29 @@ class StoreClient(Closing):
         checked = check_keys(keys)
         self._get(checked, pages_of_blocks(regions, offsets, len(checked), self.block_bytes))
 
-    def pin(self, keys: Sequence[bytes]) -> int:
+    def pin(self, keys: Sequence[bytes]) -> Lease:
         """Keep the blocks of ``keys`` from eviction for the server's lease TTL (a reader's
-        guard between a lookup and its load); returns the lease for :meth:`release`.
-        Raises :class:`BlockNotFound` when a key is absent."""
+        guard between a lookup and its load), a request's worth of keys at a time; release
+        the lease it returns (or leave its ``with`` block). All or nothing: raises
+        :class:`BlockNotFound`, holding nothing, when a key is absent."""
         checked = check_keys(keys)
-        if len(checked) > self._request_keys:
-            raise InvalidBlock(f"{len(checked)} keys; a pin covers at most {self._request_keys}")
-        return int(self._call({"op": "pin", "ns": self._ns, "keys": list(checked)})["lease"])
+        deadline = self._clock() + self.lease_ttl
+        taken: list[int] = []
+        try:
+            for first in range(0, len(checked), self._request_keys):
+                chunk = list(checked[first : first + self._request_keys])
+                lease = int(self._call({"op": "pin", "ns": self._ns, "keys": chunk})["lease"])
+                taken.append(lease)
+        except BaseException:
+            self._release(taken)
+            raise
+        return Lease(lambda _: self._release(taken), self._clock, 0, tuple(checked), deadline)
 
-    def release(self, lease: int) -> None:
-        """End a :meth:`pin` (an expired one is ignored: it is gone already)."""
-        if lease:
-            self._quietly({"op": "release", "ns": self._ns, "lease": lease})
+    def _release(self, leases: list[int]) -> None:
+        """End the server's read leases (an expired one is ignored: it is gone already)."""
+        for lease in leases:
+            if lease:
+                self._quietly({"op": "release", "ns": self._ns, "lease": lease})
 
     @property
     def request_keys(self) -> int:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from ..._lazy import lazy
 
 if TYPE_CHECKING:
-    from ._client import ClusterClient, ClusterLease, ClusterRegion
+    from ._client import ClusterClient, ClusterRegion
     from ._etcd import EtcdError, EtcdGateway, EtcdUnavailable
     from ._join import DEFAULT_CLUSTER, join, members_prefix
     from ._membership import Member, Membership, Registrar
@@ -25,7 +25,6 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "ClusterClient": "._client",
-    "ClusterLease": "._client",
     "ClusterRegion": "._client",
     "EtcdError": "._etcd",
     "EtcdGateway": "._etcd",
@@ -46,7 +45,6 @@ __getattr__ = lazy(__name__, _LAZY, globals())
 __all__ = [
     "DEFAULT_CLUSTER",
     "ClusterClient",
-    "ClusterLease",
     "ClusterMirror",
     "ClusterRegion",
     "EtcdError",

@@ -31,15 +31,16 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import NamedTuple, TypeVar
+from typing import TypeVar
 
 import numpy as np
 
 from ..._closing import Closing
 from ...transfer import DEFAULT_STREAMS, LocalProtocolError, Region, is_device
 from .._buffers import as_array, copy_into, split_blocks, to_host
-from .._errors import BlockNotFound, InvalidBlock, StoreClosed, StoreError
+from .._errors import BlockNotFound, BlockPinned, InvalidBlock, StoreClosed, StoreError
 from .._keys import BlockKey, check_keys, namespace_bytes
+from .._lease import Lease
 from .._sizes import positive_int
 from ..client import SERVER_FAULTS, ClientPool, Lent, pages_of_blocks
 from ._etcd import EtcdError, EtcdGateway, EtcdUnavailable
@@ -53,7 +54,7 @@ from ._parts import (
 )
 from ._rendezvous import Rendezvous
 
-__all__ = ["ClusterClient", "ClusterLease", "ClusterRegion"]
+__all__ = ["ClusterClient", "ClusterRegion"]
 
 _log = logging.getLogger("kvbridge.cluster")
 _T = TypeVar("_T")
@@ -73,12 +74,6 @@ _Store = Callable[[str, Lent, list[int]], list[bool]]
 """One member's part of a put: its key indices stored through a lent client."""
 _Fetch = Callable[[str, Lent, list[int]], set[int]]
 """One member's part of a read: the key indices it lacked."""
-
-
-class ClusterLease(NamedTuple):
-    """A :meth:`ClusterClient.pin`: the leases taken on each member."""
-
-    leases: dict[str, list[int]]
 
 
 class ClusterClient(Closing):
@@ -330,13 +325,13 @@ class ClusterClient(Closing):
 
     # -- pins --------------------------------------------------------------------------
 
-    def pin(self, keys: Sequence[bytes], *, chain_start: int = 0) -> ClusterLease:
+    def pin(self, keys: Sequence[bytes], *, chain_start: int = 0) -> Lease:
         """Keep the blocks of ``keys`` from eviction on the members that hold them (each
         key on the first of its members that has it, the member a read asks first) for
-        their lease TTL; :meth:`release` ends it. :class:`BlockNotFound` (nothing pinned)
-        when no member holds a key."""
+        their lease TTL; release the lease it returns (or leave its ``with`` block).
+        :class:`BlockNotFound` (nothing pinned) when no member holds a key."""
         checked = check_keys(keys)
-        taken: dict[str, list[int]] = {}
+        taken: dict[str, list[Lease]] = {}
 
         def fetch(address: str, lent: Lent, index: list[int]) -> set[int]:
             leases = taken.setdefault(address, [])
@@ -345,17 +340,18 @@ class ClusterClient(Closing):
         try:
             _all_found(checked, self._rounds(checked, chain_start, fetch, first=True))
         except BaseException:  # all or nothing
-            self.release(ClusterLease(taken))
+            self._release(taken)
             raise
-        return ClusterLease(taken)
+        deadline = min((lease.deadline for held in taken.values() for lease in held), default=0.0)
+        return Lease(lambda _: self._release(taken), time.monotonic, 0, tuple(checked), deadline)
 
-    def release(self, lease: ClusterLease) -> None:
-        """End a :meth:`pin` on every member (a member that is gone took its leases along)."""
-        groups = {address: list(range(len(held))) for address, held in lease.leases.items()}
+    def _release(self, taken: dict[str, list[Lease]]) -> None:
+        """End a pin's leases on every member (a member that is gone took its leases along)."""
+        groups = {address: list(range(len(held))) for address, held in taken.items()}
 
         def give_back(address: str, lent: Lent, index: list[int]) -> list[bool]:
             for i in index:
-                lent.client.release(lease.leases[address][i])
+                taken[address][i].release()
             return []
 
         self._fan_out({a: i for a, i in groups.items() if i}, give_back, first=True)
@@ -378,7 +374,10 @@ class ClusterClient(Closing):
         return next((i for i, p in enumerate(present) if not p), len(present))
 
     def remove(self, keys: Sequence[bytes], *, chain_start: int = 0) -> list[bool]:
-        """Remove each key from every member that may hold it; per key, whether one did."""
+        """Remove each key from every member that may hold it; per key, whether one did.
+        :class:`BlockPinned` when a member refused because a lease pins a block there (that
+        member removed nothing; other members may have dropped their copies). A member that
+        fails otherwise is passed over: what it holds is not served while it is down."""
         checked = check_keys(keys)
         removed = [False] * len(checked)
 
@@ -387,6 +386,8 @@ class ClusterClient(Closing):
 
         groups = self._owners(checked, chain_start).candidates()
         for _, index, result in self._fan_out(groups, drop):
+            if isinstance(result, BlockPinned):
+                raise result
             if not isinstance(result, BaseException):
                 for i, r in zip(index, result, strict=True):
                     removed[i] = removed[i] or r

@@ -11,6 +11,7 @@ import numpy as np
 
 from .._errors import BlockNotFound
 from .._keys import BlockKey
+from .._lease import Lease
 from ..client import StoreClient
 
 __all__ = [
@@ -143,7 +144,7 @@ def get_what_is_there(
 
 
 def pin_what_is_there(
-    client: StoreClient, keys: Sequence[BlockKey], index: list[int], leases: list[int]
+    client: StoreClient, keys: Sequence[BlockKey], index: list[int], leases: list[Lease]
 ) -> set[int]:
     """Pin ``keys[index]`` on one member, a request's worth at a time, appending each lease
     to ``leases``; the indices it lacks."""

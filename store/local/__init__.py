@@ -9,7 +9,8 @@ store. Imports nothing of ``server``, ``client`` or ``cluster``.
 
 from __future__ import annotations
 
-from ._pins import DEFAULT_PIN_TTL_S, Lease
+from .._lease import Lease
+from ._pins import DEFAULT_PIN_TTL_S
 from ._placement import Placement, Prefetched
 from ._policy import FIFO, LRU, POLICIES, EvictionPolicy, ReuseLRU
 from ._remote import RemoteAccess

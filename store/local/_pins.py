@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from ..._closing import Closing
 from .._keys import BlockKey
 
 DEFAULT_PIN_TTL_S = 60.0
@@ -147,36 +146,3 @@ class PinTable:
         if len(self._due) > 2 * len(self._leases) + 64:
             self._due = [(p.deadline, i) for i, p in self._leases.items() if p.deadline != math.inf]
             heapq.heapify(self._due)
-
-
-class Lease(Closing):
-    """A pin on some blocks; release it (or leave the ``with`` block) when done.
-
-    Releasing twice, or after the deadline, is harmless.
-    """
-
-    def __init__(
-        self,
-        release: Callable[[Lease], None],
-        clock: Callable[[], float],
-        lease_id: int,
-        keys: tuple[BlockKey, ...],
-        deadline: float,
-    ) -> None:
-        self._release = release
-        self._clock = clock
-        self.id = lease_id
-        self.keys = keys
-        self.deadline = deadline
-        self.released = False
-
-    @property
-    def expired(self) -> bool:
-        return self._clock() >= self.deadline
-
-    def release(self) -> None:
-        if not self.released:
-            self.released = True
-            self._release(self)
-
-    close = release  # ``with store.pin(keys): ...`` releases on the way out (Closing)

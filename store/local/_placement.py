@@ -26,10 +26,11 @@ from .._errors import (
     StoreFull,
 )
 from .._keys import BlockKey
+from .._lease import Lease
 from .._stats import StoreStats
 from ._changes import Changes, Report, ReportingLock
 from ._held import HeldOrder
-from ._pins import Lease, PinTable
+from ._pins import PinTable
 from ._policy import check_policy
 from ._slab import HostSlab
 from ._slots import SlotTier

@@ -19,7 +19,7 @@ from .._errors import (
     TierUnavailable,
 )
 from .._keys import BlockKey, check_keys
-from ._pins import Lease
+from .._lease import Lease
 from ._placement import Keep, Prefetched
 from ._slots import SlotTier
 from ._staging import Staging

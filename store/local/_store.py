@@ -40,10 +40,11 @@ from .._errors import (
     StoreFull,
 )
 from .._keys import BlockKey, check_keys
+from .._lease import Lease
 from .._stats import StoreStats, TierStats
 from ._build import DiskBound, PolicySpec, build_tiers
 from ._changes import Report
-from ._pins import DEFAULT_PIN_TTL_S, Lease
+from ._pins import DEFAULT_PIN_TTL_S
 from ._placement import Keep, Placement
 from ._spill import spill
 from ._tier import Tier

@@ -58,8 +58,8 @@ import numpy as np
 
 from .._errors import LeaseExpired
 from .._keys import BlockKey
+from .._lease import Lease
 from .._wire import BadRequest
-from ..local._pins import Lease
 from ..local._placement import Prefetched
 from ..local._remote import RemoteAccess
 from ..local._store import TieredStore
