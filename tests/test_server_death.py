@@ -4,8 +4,6 @@ and while the call's bytes are on their way."""
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -86,7 +84,7 @@ def test_a_call_waiting_for_its_answer(served: tuple[ServeProcess, StoreClient])
     server, client = served
     keys = prefix_hashes(range(16 * 8), 16)
     client.put(keys, np.ones(8 * BLOCK, np.uint8))
-    os.kill(server.proc.pid, signal.SIGSTOP)
+    server.freeze()  # every thread stopped: none answers the lookup
     took = _returns_soon(lambda: client.match_prefix(keys), server.kill)
     assert took < NOTICED
 

@@ -170,7 +170,8 @@ def test_metrics_need_the_token_when_the_server_has_a_secret(transport: str) -> 
     import urllib.error  # noqa: PLC0415
     import urllib.request  # noqa: PLC0415
 
-    from kvbridge.store import CacheServer, ServerConfig, metrics_token  # noqa: PLC0415
+    from kvbridge.store import CacheServer, ServerConfig  # noqa: PLC0415
+    from kvbridge.store.server import metrics_token  # noqa: PLC0415
 
     secret = b"metrics-secret"
     config = ServerConfig(
