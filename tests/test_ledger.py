@@ -151,3 +151,44 @@ def test_a_sessions_end_ends_its_leases_only(leases: Leases, store: TieredStore)
         leases.commit(A, staged, handoff_ttl=0, share=1.0)
     leases.release(B, theirs)
     assert store.placement.pins.open_leases == 0 and store.contains(keys(2, 3)) == [False]
+
+
+class _TickingClock(FakeClock):
+    """A clock that also moves by ``step`` each time it is read (time passing inside a
+    call, as on a loaded machine)."""
+
+    step = 0.0
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+def test_a_handoff_hold_ending_never_takes_a_readers_pin() -> None:
+    """A block a reader has pinned gets a handoff hold again (a second writer of it
+    commits); the hold ends (a remove, another reader) just before the deadline its record
+    says, which is just after its pin's deadline in the store (the record read the clock
+    a moment after the store did). The store then unpins "the pin that expires first" on
+    the block: the reader's, its only one while its lease is open. Its block was evicted
+    for another session's staging, and the reader's lease still admitted reads of that
+    slot: the other session's bytes. Found by an attack on 20883bf (a read pins once)."""
+    clock = _TickingClock()
+    with TieredStore(BB, host_capacity=4 * BB, clock=clock) as store:
+        leases = Leases(store, LeaseCounts(per_session=64), blocks=4)
+        block = keys(0, 1)
+        first, _ = leases.stage(A, "", block, TTL, set())
+        second, _ = leases.stage(B, "", block, TTL, set())  # two writers of one new block
+        leases.commit(A, first, handoff_ttl=1.0, share=1.0)
+        reader, slots = leases.pin(7, "", block, TTL)  # its first read: the hold goes
+        clock.step = 0.01  # time moves while the second commit holds the block again
+        leases.commit(B, second, handoff_ttl=1.0, share=1.0)
+        clock.step = 0.0
+        (hold,) = leases.holds._holds.values()
+        in_store = min(pin.deadline for pin in store.placement.pins._leases.values())
+        clock.now = (in_store + hold.deadline) / 2  # the hold's pin is gone, its record not
+        leases.holds.take(block)  # what a remove, or another reader's pin, does first
+        assert leases.in_flight(reader) == 0 and len(leases) == 1  # the lease is open
+        assert store.placement.pins.is_pinned(block[0])  # so its block stays pinned
+        with pytest.raises(StoreFull):  # every slot but the reader's is free: not enough
+            leases.stage(8, "", keys(10, 14), TTL, set())
+        assert leases.admit(7, "r", *_slots(*slots))[0].all()  # it reads its own block

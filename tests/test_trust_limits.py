@@ -11,6 +11,7 @@ from __future__ import annotations
 import signal
 import socket
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -445,3 +446,54 @@ def test_a_request_of_an_ended_session_is_refused(transport: str) -> None:
     with CacheServer(config) as srv:
         reply = handle(srv, Caller(session=12345, peer="gone"), {"op": "stats"})
         assert reply["kind"] == "BadRequest" and "ended" in reply["message"]
+
+
+# -- the lease ledger (attack on 20883bf) ------------------------------------------------
+
+QUIET_TENANT = """
+[[tenant]]
+name = "t"
+secret = "t's secret"
+namespaces = ["t/"]
+max_leases = 2
+"""
+
+
+def test_expired_leases_of_a_quiet_namespace_stop_counting_against_the_tenant(
+    tmp_path: Path, transport: str
+) -> None:
+    """A session of a tenant takes the tenant's last leases in one namespace and goes
+    quiet (alive, sending nothing); nobody else works in that namespace. Once the leases
+    are past their deadline they hold nothing (ACCESS.md: a lease ends at ``lease_ttl``),
+    so another session of the tenant, in another namespace, may take leases again. Before:
+    their count came back only with the next op in the quiet namespace, so the tenant was
+    refused everywhere for as long as that namespace stayed quiet."""
+    (tmp_path / "tenants.toml").write_text(QUIET_TENANT)
+    server = ServeProcess(
+        *("--tenants", str(tmp_path / "tenants.toml"), "--host-capacity", str(32 * BB)),
+        *("--max-namespaces", "2", "--lease-ttl", "1", "--handoff-ttl", "0"),
+        *("--transports", transport),
+    )
+
+    def tenant_client(namespace: str) -> StoreClient:
+        return StoreClient(
+            server.address,
+            block_bytes=BB,
+            namespace=namespace,
+            secret="t's secret",
+            tenant="t",
+            transports=transport,
+            timeout=10,
+        )
+
+    try:
+        with tenant_client("t/quiet") as quiet, tenant_client("t/busy") as busy:
+            for i in range(2):
+                stage(quiet, keys(i, i + 1))
+            with pytest.raises(TooManyRequests, match="open leases"):
+                stage(busy, keys(10, 11))  # the tenant's bound, while they are open
+            time.sleep(1.5)  # both of quiet's leases are past their deadline
+            lease, slots = stage(busy, keys(10, 11))
+            assert lease and slots
+    finally:
+        server.kill()

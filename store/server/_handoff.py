@@ -63,8 +63,10 @@ class HandoffHolds:
         fresh = [key for key, here in zip(candidates, present, strict=True) if here]
         if not fresh:
             return
-        store.pin(fresh, ttl=ttl)
-        deadline = store.clock() + ttl
+        # The store's own deadline, not the clock read again: a hold its record calls live
+        # must still pin in the store, or its end (``unpin``: the pin that expires first)
+        # would take another's pin of the block, a reader's.
+        deadline = store.pin(fresh, ttl=ttl).deadline
         for key in fresh:
             self._holds[key] = Hold(deadline, principal)
             self._by[principal] += 1
@@ -91,8 +93,8 @@ class HandoffHolds:
         now = self._store.clock()
         for key, hold in taken.items():
             if hold.deadline > now:
-                self._store.pin([key], ttl=hold.deadline - now)
-                self._holds[key] = hold
+                pin = self._store.pin([key], ttl=hold.deadline - now)
+                self._holds[key] = Hold(pin.deadline, hold.principal)  # as in hand_off
                 self._by[hold.principal] += 1
 
     def _release(self, holds: dict[bytes, Hold]) -> None:

@@ -2,10 +2,11 @@
 
 The table has a lock of its own, for its short steps: finding, admitting and reclaiming a
 namespace, and making a session one of a namespace's openers. It never waits for a
-namespace's lock (a reclaim takes one only if it is free at once). No request or frame of
-a namespace takes it, and an open makes a new namespace's store, and a reclaim closes an
-old one, outside it (``open``). See ``_namespaces`` for what a namespace is and who may use
-its handle.
+namespace's lock (a reclaim takes one only if it is free at once). No frame of a namespace
+takes it, a request only for a :meth:`NamespaceTable.snapshot` (a lease bound's refusal
+sweeps the other namespaces first: ``CacheServer._sweep_others``), and an open makes a new
+namespace's store, and a reclaim closes an old one, outside it (``open``). See
+``_namespaces`` for what a namespace is and who may use its handle.
 """
 
 from __future__ import annotations

@@ -295,13 +295,30 @@ class CacheServer:
         its tenant's open leases over every namespace (``_lease_counts``), then its slots
         of this namespace."""
         tenant = self._tenant(caller)
-        reservation = self._counts.reserve(caller.session, tenant)
+        try:
+            reservation = self._counts.reserve(caller.session, tenant)
+        except TooManyRequests:  # leases past their deadline elsewhere count no more
+            self._sweep_others(ns)
+            reservation = self._counts.reserve(caller.session, tenant)
         try:
             self._check_slots(caller, tenant, ns, blocks)
         except BaseException:
             reservation.cancel()
             raise
         return reservation
+
+    def _sweep_others(self, ns: Namespace) -> None:
+        """End the leases past their deadline in every namespace but ``ns`` (whose lock the
+        request holds) whose lock is free at once: a quiet namespace sweeps nothing by
+        itself, and its expired leases would count against their session and tenant in
+        every namespace. A busy one is not waited for: its op swept it as it began."""
+        for other in self._namespaces.snapshot():  # the table's lock never waits for ours
+            if other is ns or not other.lock.acquire(blocking=False):
+                continue
+            try:
+                other.leases.sweep()
+            finally:
+                other.lock.release()
 
     def _check_slots(self, caller: Caller, tenant: Tenant, ns: Namespace, blocks: int) -> None:
         """A request's slots within its share of ``ns``: one request's, the session's, and
