@@ -26,7 +26,7 @@ def _profile(frame: FrameType, event: str, arg: Any) -> None:
     if event != "call" or not _counting.is_set():
         return
     path = os.path.relpath(os.path.realpath(frame.f_code.co_filename), ROOT)
-    name = frame.f_code.co_qualname
+    name: str = getattr(frame.f_code, "co_qualname", frame.f_code.co_name)  # 3.11 has it
     if path.startswith(("store/server/", "store/local/")) and "<" not in name:
         _calls[(path, name)] += 1
 
@@ -47,7 +47,7 @@ def walk() -> dict[str, list[str]]:
             _counting.clear()
     finally:
         sys.setprofile(None)
-        threading.setprofile(None)  # type: ignore[arg-type]
+        threading.setprofile(None)
     files: dict[str, list[str]] = {}
     for path, name in sorted(_calls):
         files.setdefault(path, []).append(name)

@@ -3,7 +3,9 @@ the cases a real run rarely reaches on a CPU build (async scheduling's steps in 
 
 from __future__ import annotations
 
+import math
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import SimpleNamespace
@@ -17,7 +19,7 @@ from kvbridge.bindings.vllm._groups import Group, KVGroups
 from kvbridge.bindings.vllm._meta import StepMeta, Transfer
 from kvbridge.bindings.vllm._scheduler import SchedulerSide
 from kvbridge.bindings.vllm._worker import WorkerSide
-from kvbridge.store import BlockKey
+from kvbridge.store import BlockKey, Lease
 
 
 class _Core:
@@ -29,8 +31,8 @@ class _Core:
 
     def __init__(self) -> None:
         self.saved: list[SaveJob] = []
-        self.pins: list[object] = []
-        self.unpinned: list[object] = []
+        self.pins: list[Lease] = []
+        self.unpinned: list[Lease] = []
         self.lookups = 0
         self.mirror: int | None = None
         """What the store's mirror says (``None``: no mirror in step)."""
@@ -47,11 +49,11 @@ class _Core:
     def mirrored(self, keys: list[bytes]) -> int | None:
         return self.mirror
 
-    def pin(self, keys: list[bytes], start: int = 0) -> object:
-        self.pins.append(object())
+    def pin(self, keys: list[bytes], start: int = 0) -> Lease:
+        self.pins.append(Lease(lambda _: None, time.monotonic, len(self.pins) + 1, (), math.inf))
         return self.pins[-1]
 
-    def unpin(self, hold: object | None) -> None:
+    def unpin(self, hold: Lease | None) -> None:
         if hold is not None:
             self.unpinned.append(hold)
 
@@ -168,7 +170,7 @@ class _FrozenCore(_Core):
         self.thaw.wait()
         return len(keys)
 
-    def unpin(self, hold: object | None) -> None:
+    def unpin(self, hold: Lease | None) -> None:
         self.thaw.wait()
         super().unpin(hold)
 
