@@ -183,9 +183,11 @@ def test_a_handoff_hold_ending_never_takes_a_readers_pin() -> None:
         clock.step = 0.01  # time moves while the second commit holds the block again
         leases.commit(B, second, handoff_ttl=1.0, share=1.0)
         clock.step = 0.0
-        (hold,) = leases.holds._holds.values()
-        in_store = min(pin.deadline for pin in store.placement.pins._leases.values())
-        clock.now = (in_store + hold.deadline) / 2  # the hold's pin is gone, its record not
+        hold = leases.holds.get(block[0])
+        assert hold is not None
+        # half a tick before the record's deadline: past the store pin's, had the record
+        # read the clock again after the pin (a tick later), so its pin gone, its record not
+        clock.now = hold.deadline - 0.005
         leases.holds.take(block)  # what a remove, or another reader's pin, does first
         assert leases.in_flight(reader) == 0 and len(leases) == 1  # the lease is open
         assert store.placement.pins.is_pinned(block[0])  # so its block stays pinned

@@ -50,6 +50,10 @@ class HandoffHolds:
     def keys(self) -> list[bytes]:
         return list(self._holds)
 
+    def get(self, key: bytes) -> Hold | None:
+        """The hold on ``key``, if it has one."""
+        return self._holds.get(key)
+
     def hand_off(
         self, keys: Sequence[bytes], ttl: float, principal: str = "", share: float = 1.0
     ) -> None:
