@@ -69,6 +69,8 @@ RequestHandler = Callable[[Caller, dict[str, Any]], dict[str, Any]]
 """``handler(caller, body) -> reply body`` for ``call`` requests."""
 QuickHandler = Callable[[Caller, dict[str, Any]], "dict[str, Any] | None"]
 """``quick(caller, body) -> reply body``, or ``None`` to leave the call to the pool."""
+LinkHandler = Callable[[Caller, dict[str, Any]], dict[str, Any]]
+"""``link(caller, body) -> reply body`` for a session's ``link`` request."""
 
 
 class ControlCode(enum.IntEnum):
@@ -117,6 +119,9 @@ class ControlServer:
     ) -> None:
         self.handler: RequestHandler | None = None
         self.quick: QuickHandler | None = None
+        self.link: LinkHandler | None = None
+        """Answers a session's ``link`` request (a one-sided transport's exchange of what
+        its peer needs: the ``nixl`` agent's metadata), on this thread."""
         self.sessions = sessions
         self._keyring = keyring
         self._refusals = refusals
@@ -225,7 +230,7 @@ class ControlServer:
         if op == "auth":
             answer = self._auth(message)
             return answer, _principal(message.get("principal"))
-        if op in ("call", "metadata", "bye"):
+        if op in ("call", "metadata", "bye", "link"):
             caller = self.sessions.verify_call(
                 check_bytes(message.get("session"), 16),
                 op,
@@ -246,6 +251,10 @@ class ControlServer:
             self.sessions.end(message["session"])
             return {"ok": True}
         body = message["body"]
+        if op == "link":
+            if self.link is None:
+                raise RemoteProtocolError("this engine offers no one-sided transport")
+            return {"ok": True, "body": self.link(caller, unpack(body))}
         session = message["session"]
         if self.quick is not None and not self._calls.busy(session):
             answer = self._quick(self.quick, caller, body)

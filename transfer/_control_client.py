@@ -143,6 +143,13 @@ class ControlClient:
         with contextlib.suppress(PeerClosed, AuthenticationError):
             self.request(credentials.sign("bye", b""))
 
+    def link(self, credentials: Credentials, body: dict[str, Any]) -> dict[str, Any]:
+        """A one-sided transport's exchange with the peer (see ``ControlServer.link``)."""
+        reply = self.request(credentials.sign("link", pack(body))).get("body")
+        if not isinstance(reply, dict):
+            raise RemoteProtocolError(f"{self._endpoint}: a link reply must be a map")
+        return reply
+
     def cast(self, credentials: Credentials, body: dict[str, Any]) -> None:
         """A call whose answer nobody waits for."""
         self.send(credentials.sign("call", pack(body)))

@@ -35,10 +35,12 @@ from ._address import tcp_endpoint
 from ._control import ControlServer, QuickHandler, RequestHandler
 from ._control_client import ControlClient
 from ._device import is_device
-from ._errors import EngineClosed, LocalProtocolError
+from ._errors import EngineClosed, LocalProtocolError, RemoteProtocolError
 from ._handle import TransferHandle
 from ._keyring import DEFAULT_PRINCIPAL, Keyring, Principal, check_principal
 from ._metadata import EngineInfo
+from ._nixl import NixlTransport
+from ._nixl_agent import nixl_available
 from ._owned_context import OwnedContext
 from ._peer import EngineSide, Peer
 from ._pipes import Pipe
@@ -51,7 +53,7 @@ from ._transports import MemoryTransport, TcpDialer, TcpTransport, Transport
 from ._ucx import UcxTransport, ucx_available
 from ._watchdog import Watchdog
 
-TRANSPORTS = ("tcp", "ucx", "memory")
+TRANSPORTS = ("tcp", "ucx", "nixl", "memory")
 
 _log = logging.getLogger("kvbridge.transfer")
 
@@ -115,6 +117,8 @@ class TransferEngine(Closing):
         self._peers: list[Peer] = []
         self._inbox: deque[Notification] = deque()
         self._notify_handler: Callable[[Caller, bytes], None] | None = None
+        self._session_end_handler: Callable[[Caller], None] | None = None
+        self._sessions.on_end = self._session_ended
         self._inbox_cond = threading.Condition()
         self._counters = {
             "bytes_written": 0,
@@ -138,7 +142,7 @@ class TransferEngine(Closing):
             check_open=self._check_open,
             settled=self._settled,
         )
-        self._transports: dict[str, Transport] = {}
+        self._transports: dict[str, Transport | NixlTransport] = {}
         self._control: ControlServer | None = None
         try:
             for transport in chosen:
@@ -152,13 +156,28 @@ class TransferEngine(Closing):
                     sessions=self._sessions,
                     refusals=self._refusals,
                 )
+                if self._nixl is not None:
+                    self._control.link = self._accept_link
         except BaseException:
             self._shutdown()
             raise
 
-    def _start_transport(self, transport: str, host: str) -> Transport:
+    @property
+    def _nixl(self) -> NixlTransport | None:
+        nixl = self._transports.get("nixl")
+        return nixl if isinstance(nixl, NixlTransport) else None
+
+    def _start_transport(self, transport: str, host: str) -> Transport | NixlTransport:
         """One transport, listening on ``host`` (only dialling, where this engine does not
         serve)."""
+        if transport == "nixl":
+            if not nixl_available():
+                raise LocalProtocolError(
+                    "the nixl transport needs NIXL: pip install --no-deps nixl-cu12"
+                )
+            return NixlTransport(
+                self.name, on_notify=self._notify, session_alive=self.session_alive
+            )
         accept = self._served.accept if self.serves else None
         if transport == "tcp":
             if accept is None:
@@ -193,9 +212,16 @@ class TransferEngine(Closing):
         serving threads call it concurrently, so it must be thread-safe.
         """
         self._check_open()
-        if is_device(buffer) and "ucx" not in self._transports:
-            raise LocalProtocolError("GPU memory moves over the ucx transport only")
-        return self._regions.register(buffer, access, guard)
+        if is_device(buffer) and not {"ucx", "nixl"} & set(self._transports):
+            raise LocalProtocolError("GPU memory moves over the ucx and nixl transports only")
+        region = self._regions.register(buffer, access, guard)
+        if self._nixl is not None:
+            try:
+                self._nixl.register(region)
+            except BaseException:
+                self._regions.unregister(region)
+                raise
+        return region
 
     def set_notify_handler(self, handler: Callable[[Caller, bytes], None] | None) -> None:
         """Take notifications with ``handler(caller, message)`` instead of queueing them
@@ -227,11 +253,15 @@ class TransferEngine(Closing):
         """Call ``handler(caller)`` when a peer's session ends: its last data stream closed,
         it said goodbye, or it sat idle without streams (see ``_sessions``). An application
         releases there what the session held. Runs on whichever engine thread saw the end."""
-        self._sessions.on_end = handler
+        self._session_end_handler = handler
 
     def unregister(self, region: Region) -> None:
-        """Forget a region; raises :class:`RegionBusy` while a transfer uses it."""
+        """Forget a region; raises :class:`RegionBusy` while a transfer uses it. A ``nixl``
+        peer that still writes into it afterwards is not stopped by the target (see
+        ``_nixl``): unregister only what no linked peer uses."""
         self._regions.unregister(region)
+        if self._nixl is not None:
+            self._nixl.unregister(region)
 
     @property
     def address(self) -> str:
@@ -337,7 +367,7 @@ class TransferEngine(Closing):
         for transport in self._transports.values():
             transport.close()
         self._served.close()
-        self._sessions.on_end = None
+        self._session_end_handler = None
         self._watchdog.close()
         self._context.term()
 
@@ -365,6 +395,22 @@ class TransferEngine(Closing):
             keepalive=self.settings.keepalive,
             clock=self._clock,
         )
+
+    def _session_ended(self, caller: Caller) -> None:
+        if self._nixl is not None:
+            self._nixl.session_ended(caller)
+        handler = self._session_end_handler
+        if handler is not None:
+            handler(caller)
+
+    def _accept_link(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
+        """A session's ``link`` request: the ``nixl`` agents meet (see ``_nixl``)."""
+        assert self._nixl is not None
+        wanted = body.get("regions")
+        if not isinstance(wanted, list):
+            raise RemoteProtocolError("a link request names the regions it wants")
+        offered = {info.id for info in self._regions.infos()}
+        return self._nixl.accept_link(caller, body, [i for i in wanted if i in offered])
 
     def _notify(self, caller: Caller, message: bytes) -> None:
         handler = self._notify_handler

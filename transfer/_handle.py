@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable, Generator
 from typing import Any
 
 from ._errors import TransferError
+
+_DRIVE_S = 0.002
+"""How long ``wait()`` drives a one-sided batch itself before it sleeps on the latch."""
 
 
 class TransferHandle:
@@ -24,8 +28,12 @@ class TransferHandle:
         nbytes: int,
         parts: int,
         on_settle: Callable[[TransferHandle], None] | None = None,
+        progress: Callable[[], object] | None = None,
     ) -> None:
         self.bytes = nbytes
+        self._progress = progress
+        """Drives the batch on (a one-sided transport's poll): ``wait()`` calls it itself
+        rather than wait for the transport's thread to hand the completion over."""
         self._parts = parts
         self._error: TransferError | None = None
         # A latch: held until the batch is done. A waiter acquires it and lets it go at
@@ -52,11 +60,20 @@ class TransferHandle:
     def wait(self, timeout: float | None = None) -> None:
         """Block until done; raise ``TimeoutError`` after ``timeout`` s, or the batch error."""
         if not self._done:
+            if self._progress is not None:
+                self._drive(self._progress)
             if not self._latch.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
                 raise TimeoutError(f"transfer of {self.bytes} bytes not done after {timeout} s")
             self._latch.release()
         if self._error is not None:
             raise self._error
+
+    def _drive(self, progress: Callable[[], object]) -> None:
+        """Poll for up to ``_DRIVE_S``: a small op is done within it, without a hand-over
+        from another thread; a longer one is left to the transport's thread."""
+        end = time.monotonic() + _DRIVE_S
+        while not self._done and time.monotonic() < end:
+            progress()
 
     def add_done_callback(self, callback: Callable[[TransferHandle], None]) -> None:
         """Call ``callback(handle)`` once done (at once if already done), on some thread."""

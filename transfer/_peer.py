@@ -7,20 +7,23 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
+import numpy as np
 import zmq
 
 from ._control_client import ControlClient
 from ._errors import LocalProtocolError, PeerClosed, TransferError
 from ._handle import TransferHandle
 from ._metadata import EngineInfo
-from ._ops import FramePlan, check, normalize, plan
+from ._nixl import NixlLink
+from ._ops import OP_DTYPE, FramePlan, check, normalize, plan
 from ._protocol import MAX_CONTROL_BYTES
 from ._regions import Region, RegionInfo, RegionTable
 from ._sessions import Credentials
 from ._settings import TransferSettings
-from ._small import plan_small, small_rows
+from ._small import check_small, plan_small, small_rows
 from ._streams import InitiatorStream, Pending
 from ._watchdog import Watchdog
 
@@ -123,6 +126,8 @@ class Peer:
         self._lock = threading.Lock()
         self._closing = 0  # threads closing streams of this peer right now
         self._all_closed = threading.Condition(self._lock)
+        self._link: NixlLink | None = None
+        """A one-sided transport's path to the peer (``nixl``): no streams then."""
         self._connect()
 
     # -- connection --------------------------------------------------------------------
@@ -133,13 +138,16 @@ class Peer:
         try:
             engine = self._engine
             credentials, fresh = client.handshake(engine.name, engine.secret, engine.principal)
+            info = EngineInfo.decode(fresh)  # a restarted peer listens on new data ports
+            self.regions = dict(info.regions)
+            if self.transport not in info.transports:
+                raise PeerClosed(f"{info.name} no longer offers {self.transport}")
+            self._info = info
+            if getattr(self._transport, "one_sided", False):
+                self._link_to(client, credentials)
+                return
         finally:
             client.close()
-        info = EngineInfo.decode(fresh)  # a restarted peer listens on new data ports
-        self.regions = dict(info.regions)
-        if self.transport not in info.transports:
-            raise PeerClosed(f"{info.name} no longer offers {self.transport}")
-        self._info = info
         address = info.transports[self.transport]
         streams: list[InitiatorStream] = []
         try:
@@ -155,6 +163,17 @@ class Peer:
         with self._lock:
             self._streams = streams
             self._error = None
+
+    def _link_to(self, client: ControlClient, credentials: Credentials) -> None:
+        """Meet the peer's one-sided transport over the session's control requests."""
+        lengths = {i: info.length for i, info in self.regions.items()}
+        link = self._transport.link(partial(client.link, credentials), lengths)
+        with self._lock:
+            old, self._link = self._link, link
+            self._credentials = credentials
+            self._error = None
+        if old is not None:
+            old.close()
 
     def _open_stream(self, address: Any, index: int, credentials: Credentials) -> InitiatorStream:
         """One greeted data stream. A stream the peer closes before answering its greeting
@@ -180,6 +199,9 @@ class Peer:
         )
         try:
             self.regions = dict(EngineInfo.decode(client.metadata(self._session())).regions)
+            if self._link is not None:
+                lengths = {i: info.length for i, info in self.regions.items()}
+                self._transport.relink(self._link, partial(client.link, self._session()), lengths)
         finally:
             client.close()
         return self.regions
@@ -279,6 +301,11 @@ class Peer:
             if self._calls is not None:
                 self._calls.close()
                 self._calls = None
+        with self._lock:
+            link, self._link = self._link, None
+        if link is not None:
+            link.fail_all(PeerClosed(f"peer {self.name} is closed: {reason}"))
+            link.close()
 
     def _broken(self, reason: str) -> None:
         """A stream failed: the whole peer goes (a batch spans all its streams)."""
@@ -286,6 +313,9 @@ class Peer:
             if self._error is not None:
                 return
             self._error = reason
+            link = self._link
+        if link is not None:
+            link.fail_all(PeerClosed(f"peer {self.name} is closed: {reason}"))
         self._close_streams(reason)
 
     def _close_streams(self, reason: str) -> None:
@@ -330,6 +360,8 @@ class Peer:
     def _submit(self, ops: Any, access: str, notify: bytes | None) -> TransferHandle:
         engine = self._engine
         engine.check_open()
+        if self._link is not None:
+            return self._submit_one_sided(ops, access, notify)
         local, frames = self._plan(ops, access)
         with self._lock:
             if self._error is not None:
@@ -355,6 +387,40 @@ class Peer:
         )
         for i, frame in enumerate(frames):
             self._send_frame(streams[(first + i) % len(streams)], frame, access, batch)
+        return handle
+
+    def _submit_one_sided(self, ops: Any, access: str, notify: bytes | None) -> TransferHandle:
+        """The batch as NIXL transfers (checked here: the target checks nothing)."""
+        engine = self._engine
+        rows = small_rows(ops)
+        if rows is not None:
+            local = check_small(rows, engine.regions, self.regions, access, device_ok=True)
+            batch = np.array(rows, OP_DTYPE)
+        else:
+            batch = normalize(ops)
+            local = check(batch, engine.regions, self.regions, access, device_ok=True)
+        with self._lock:
+            link = self._link
+            if self._error is not None or link is None:
+                raise PeerClosed(f"peer {self.name} is closed: {self._error}")
+        nbytes = int(batch["length"].sum())
+        parts = 1 if len(batch) or notify is not None else 0
+        engine.regions.acquire(local)
+        handle = TransferHandle(
+            nbytes,
+            parts,
+            on_settle=lambda settled: engine.settled(settled, access, local),
+            progress=link.progress,
+        )
+        if handle.done:
+            return handle
+        token = link.submit(batch, {r.id: r for r in local}, access, notify, handle)
+        timeout = engine.settings.timeout
+        engine.watchdog.watch(
+            timeout,
+            lambda: handle.done,
+            lambda: link.expire(token, TransferError(f"not done after {timeout} s")),
+        )
         return handle
 
     def _plan(self, ops: Any, access: str) -> tuple[list[Region], list[FramePlan]]:

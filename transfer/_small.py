@@ -49,6 +49,27 @@ def plan_small(
         return [], []
     if sum(row[4] for row in rows) > slice_bytes:
         return None
+    regions = check_small(rows, local, remote, access, device_ok=device_ok)
+    mine = {region.id: region for region in regions}
+    descriptors = [
+        (remote_id, 0, remote[remote_id].key, offset, length)
+        for _, _, remote_id, offset, length in rows
+    ]
+    views = [mine[r].view[o : o + n] for r, o, _, _, n in rows]
+    nbytes = sum(row[4] for row in rows)
+    frame = FramePlan(np.array(descriptors, DESCRIPTOR), views.copy, _ORIGINS[len(rows)], nbytes)
+    return regions, [frame]
+
+
+def check_small(
+    rows: list[tuple[int, int, int, int, int]],
+    local: RegionTable,
+    remote: Mapping[int, RegionInfo],
+    access: str,
+    *,
+    device_ok: bool,
+) -> list[Region]:
+    """``_ops.check`` for a small batch (the same checks and errors): its local regions."""
     for index, row in enumerate(rows):
         if row[4] == 0:
             raise LocalProtocolError(f"op {index}: length 0", op_index=index)
@@ -62,7 +83,6 @@ def plan_small(
             if region.device and not device_ok:
                 raise LocalProtocolError(f"local region {local_id} is GPU memory: use ucx")
         _bounds(index, "local", local_id, offset + length, region.length)
-    descriptors = []
     for index, (_, _, remote_id, offset, length) in enumerate(rows):
         info = remote.get(remote_id)
         if info is None:
@@ -72,11 +92,7 @@ def plan_small(
         if access not in info.access:
             raise LocalProtocolError(f"remote region {remote_id} does not allow '{access}'")
         _bounds(index, "remote", remote_id, offset + length, info.length)
-        descriptors.append((remote_id, 0, info.key, offset, length))
-    views = [regions[r].view[o : o + n] for r, o, _, _, n in rows]
-    nbytes = sum(row[4] for row in rows)
-    frame = FramePlan(np.array(descriptors, DESCRIPTOR), views.copy, _ORIGINS[len(rows)], nbytes)
-    return sorted(regions.values(), key=lambda r: r.id), [frame]
+    return sorted(regions.values(), key=lambda r: r.id)
 
 
 def _bounds(index: int, side: str, region_id: int, end: int, size: int) -> None:

@@ -1,0 +1,156 @@
+"""One NIXL agent (its UCX backend) behind one lock, and the thread that progresses it.
+
+NIXL's Python API makes an agent without thread synchronisation unless it listens for
+metadata (``NIXL_THREAD_SYNC_NONE``), and its own progress thread busy-polls a core (the API
+sets its poll delay to 0). kvbridge makes the agent without that thread, calls it under one
+lock (``Agent.lock``), and progresses it from one thread of its own (``Progress``): polling
+while there is work (a transfer in flight, a notification in the last ``_BUSY_S``), and
+sleeping ``_IDLE_SLEEP_S`` at most between polls otherwise. UCX over TCP needs the target's
+worker progressed for a one-sided put or get to complete; over shared memory (``cma``) the
+initiator's process moves the bytes itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import Any
+
+_log = logging.getLogger("kvbridge.transfer")
+
+UCX_MODULES = "^ib"
+"""NIXL's UCX loads no ``ib`` module unless ``UCX_MODULES`` says otherwise: with it loaded,
+the libnl-route bundled in the nixl-cu12 1.5.1 wheel crashes in its exit handler (SIGSEGV
+at process exit, even for an agent that did nothing)."""
+
+ERROR_HANDLING = "none"
+"""UCX error handling mode of the agent's backend (``KVBRIDGE_NIXL_ERROR_HANDLING``
+overrides it). NIXL's default, ``peer``, refuses UCX's shared-memory transports, which
+have no peer-failure handler; with ``none``, a transfer to a dead peer fails where the
+transport reports it (``cma``: the process is gone) and otherwise at the batch deadline."""
+
+_BUSY_S = 0.005
+"""After the last sign of work, the progress thread keeps polling this long before it
+starts to sleep between polls."""
+
+_BUSY_SLEEP_S = 0.00002
+"""The sleep between polls while there is work (Linux sleeps ~60 us for it): a waiting
+caller polls for itself meanwhile (``TransferHandle``), and a thread that spins would hold
+the GIL from it."""
+
+_IDLE_SLEEP_S = 0.0005
+"""The longest sleep between two polls of an idle agent: the delay a first notification
+or (over TCP) a first one-sided op can meet at an idle target."""
+
+
+def nixl_api() -> ModuleType:
+    """NIXL's Python API (``nixl_cu12``, the CUDA 12 wheel, or the ``nixl`` package);
+    ``ImportError`` when neither loads."""
+    errors = []
+    for name in ("nixl_cu12._api", "nixl._api"):
+        try:
+            return importlib.import_module(name)
+        except ImportError as exc:
+            errors.append(f"{name}: {exc}")
+    raise ImportError(
+        "NIXL is not installed (pip install --no-deps nixl-cu12): " + "; ".join(errors)
+    )
+
+
+def nixl_available() -> bool:
+    """Whether NIXL's Python API imports here."""
+    try:
+        nixl_api()
+    except ImportError:
+        return False
+    return True
+
+
+class Agent:
+    """A NIXL agent with the UCX backend; every call to ``nixl`` is made under ``lock``."""
+
+    def __init__(self, name: str) -> None:
+        os.environ.setdefault("UCX_MODULES", UCX_MODULES)
+        api = nixl_api()
+        logging.getLogger("nixl").setLevel(logging.WARNING)  # it logs each agent at INFO
+        self.name = name
+        self.lock = threading.Lock()
+        config = api.nixl_agent_config(enable_prog_thread=False, backends=[])
+        self.nixl: Any = api.nixl_agent(name, config)
+        mode = os.environ.get("KVBRIDGE_NIXL_ERROR_HANDLING", ERROR_HANDLING)
+        with _ucx_tls(os.environ.get("KVBRIDGE_NIXL_UCX_TLS")):
+            self.nixl.create_backend("UCX", {"ucx_error_handling_mode": mode})
+
+    def metadata(self) -> bytes:
+        with self.lock:
+            return bytes(self.nixl.get_agent_metadata())
+
+
+_ENV_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _ucx_tls(tls: str | None) -> Iterator[None]:
+    """``UCX_TLS`` set to ``tls`` while NIXL's UCX context is made (UCX reads it then, and
+    NIXL takes no transports of its own), as it was before afterwards: the ``nixl``
+    transport's UCX transports (``KVBRIDGE_NIXL_UCX_TLS``) apart from the ``ucx`` one's."""
+    if tls is None:
+        yield
+        return
+    with _ENV_LOCK:
+        before = os.environ.get("UCX_TLS")
+        os.environ["UCX_TLS"] = tls
+        try:
+            yield
+        finally:
+            if before is None:
+                del os.environ["UCX_TLS"]
+            else:
+                os.environ["UCX_TLS"] = before
+
+
+class Progress:
+    """The thread that polls the agent: ``poll()`` returns whether it found work (then it
+    is called again at once). Started by ``start``, stopped and joined by ``close``."""
+
+    def __init__(self, name: str, poll: Callable[[], bool]) -> None:
+        self._poll = poll
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wake(self) -> None:
+        """Work was posted: poll now."""
+        self._wake.set()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _run(self) -> None:
+        last_work = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                busy = self._poll()
+            except Exception:  # a bug here must not end progress for every peer
+                _log.exception("nixl: progress failed")
+                busy = False
+            now = time.monotonic()
+            if busy:
+                last_work = now
+            if now - last_work < _BUSY_S:
+                time.sleep(_BUSY_SLEEP_S)  # the GIL is free for the threads that post and wait
+            else:
+                self._wake.wait(_IDLE_SLEEP_S)
+                self._wake.clear()
