@@ -23,6 +23,7 @@ from kvbridge.store import StoreClient, Subscription
 from kvbridge.transfer import OP_DTYPE, Peer, Region, TransferEngine
 from kvbridge.transfer._control import CONTROL_VERSION
 from kvbridge.transfer._events import Data, Event
+from kvbridge.transfer._nixl import NixlTransport
 from kvbridge.transfer._pipes import Pipe, SocketPipe
 from kvbridge.transfer._protocol import DESCRIPTOR, Connection, Role
 from kvbridge.transfer._sessions import Credentials
@@ -231,7 +232,9 @@ def data_pipe(target: TransferEngine, opener: TransferEngine) -> Pipe:
     address = target._transports[name].address()
     if name == "tcp":
         return SocketPipe(socket.create_connection((address["host"], address["port"])))
-    return opener._transports[name].open(address, 5.0)
+    transport = opener._transports[name]
+    assert not isinstance(transport, NixlTransport), "nixl opens no data streams"
+    return transport.open(address, 5.0)
 
 
 @contextlib.contextmanager
@@ -308,3 +311,21 @@ def unread_subscriber(sub: Subscription) -> zmq.Socket[bytes]:
     socket.connect(sub.endpoint)
     socket.send(sub.request)
     return socket
+
+
+def nixl_notify(engine: TransferEngine, peer: Peer, session: int, message: bytes) -> None:
+    """Send ``peer``'s engine a raw NIXL notification from ``engine``'s agent, naming the
+    target's session serial ``session`` (an agent claiming another session's link)."""
+    nixl = engine._transports["nixl"]
+    link = peer._link
+    assert isinstance(nixl, NixlTransport) and link is not None
+    body = b"N" + session.to_bytes(8, "big") + (1).to_bytes(8, "big") + message
+    with nixl.agent.lock:
+        nixl.agent.nixl.send_notif(link.agent, body)
+
+
+def nixl_session(peer: Peer) -> int:
+    """The target's serial of ``peer``'s session, as its nixl link carries it."""
+    link = peer._link
+    assert link is not None
+    return int.from_bytes(link._session, "big")

@@ -214,7 +214,7 @@ def test_a_stalled_write_lets_no_byte_land_after_its_hold_ended(transport: str) 
 
 def _posted(engine: TransferEngine) -> int:
     """UCX operations the engine's transport has posted and UCX has not finished yet."""
-    return int(engine._transports["ucx"].posted())  # type: ignore[attr-defined]
+    return int(engine._transports["ucx"].posted())  # type: ignore[union-attr]
 
 
 @pytest.mark.slow
@@ -371,7 +371,7 @@ def test_a_connect_on_the_listeners_channel_is_refused(
     """A peer that claims the one reserved channel (the listener's, where CONNECTs travel)
     gets no stream; the server goes on serving others."""
     server, honest, mallory = three
-    channels = mallory._transports["ucx"]._channels  # type: ignore[attr-defined]
+    channels = mallory._transports["ucx"]._channels  # type: ignore[union-attr]
     monkeypatch.setattr(channels, "take", lambda: 0xFFFFFFFF)
     with pytest.raises(PeerClosed):
         mallory.connect(server.metadata())

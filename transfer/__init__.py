@@ -34,6 +34,7 @@ from ._errors import (
     RegionBusy,
     RemoteInternalError,
     RemoteProtocolError,
+    StillInFlight,
     TransferError,
 )
 from ._protocol import APP_CODES
@@ -105,6 +106,7 @@ __all__ = [
     "RegionInfo",
     "RemoteInternalError",
     "RemoteProtocolError",
+    "StillInFlight",
     "TransferEngine",
     "TransferError",
     "TransferHandle",

@@ -46,6 +46,15 @@ class RemoteInternalError(TransferError):
     or may not have taken effect there."""
 
 
+class StillInFlight(TransferError):
+    """A batch failed (its deadline passed, or its peer is gone) but its transport could not
+    stop it: bytes may still land in its local memory (a read) or be taken from it (a
+    write) later. The ``nixl`` transport over UCX TCP, where NIXL cannot cancel a one-sided
+    op once posted. The batch's local regions stay busy for the engine's life
+    (``unregister`` raises :class:`RegionBusy`): do not reuse that memory for anything
+    whose bytes matter."""
+
+
 class RegionBusy(TransferError):
     """A region cannot be unregistered while a transfer uses it."""
 

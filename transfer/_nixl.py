@@ -19,9 +19,12 @@ What that changes, and what stays:
   NIXL delivers after the transfer's bytes landed; the target runs its notify handler (on a
   thread of its own, in arrival order) and answers with a notification back: accepted, or
   the handler's refusal and its code. The writer's batch is done only on that answer.
-- **Deadlines.** A batch not done by the engine's timeout is failed only once NIXL let go of
-  its transfer (``release_xfer_handle`` aborts one in progress): no byte of a failed batch
-  lands later.
+- **Deadlines.** A batch not done by the engine's timeout is failed once NIXL let go of its
+  transfers (``release_xfer_handle``). NIXL 1.5.1 cannot stop a one-sided op it posted over
+  UCX TCP: a read of a frozen target, released (and its agent removed), still wrote all of
+  its 64 MiB into the reader's buffer once the target ran again. Such a batch fails with
+  ``StillInFlight`` and its local regions stay busy for good; over shared memory (``cma``)
+  an op is done when it is posted, and nothing is left in flight.
 
 Descriptors: each (local region, remote region) pair of a batch is one NIXL transfer built
 from prepared descriptor lists (``prep_xfer_dlist`` once per region and page size, then
@@ -46,7 +49,13 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import AuthenticationError, LocalProtocolError, PeerClosed, TransferError
+from ._errors import (
+    AuthenticationError,
+    LocalProtocolError,
+    PeerClosed,
+    StillInFlight,
+    TransferError,
+)
 from ._handle import TransferHandle
 from ._nixl_agent import Agent, Progress
 from ._protocol import ErrorCode
@@ -91,7 +100,9 @@ class _Flight:
     answer_due: bool
     expired: TransferError | None = None
     error: TransferError | None = None
-    ended: bool = False
+    cut_short: bool = False
+    """Some transfer was still in progress when the flight expired: NIXL let go of it, but
+    cannot stop its bytes (see ``StillInFlight``)."""
 
 
 def memory_of(region: Region) -> tuple[int, int, str]:
@@ -340,6 +351,11 @@ class NixlTransport:
             if self._flights.pop(token, None) is None:
                 return
         error = flight.error or flight.expired
+        if flight.cut_short and error is not None:
+            error = StillInFlight(
+                f"{error}; NIXL could not stop it: its bytes may still land later, and its "
+                "local regions stay busy"
+            )
         if error is not None:
             flight.handle.fail(error)
         else:
@@ -415,6 +431,8 @@ def _check_transfers(nixl: Any, flight: _Flight) -> None:
         if state == "PROC" and flight.expired is None:
             left.append(transfer)
             continue
+        if state == "PROC":
+            flight.cut_short = True
         if state == "ERR":
             flight.error = flight.error or PeerClosed("the nixl transfer failed (peer gone?)")
         if not _release(nixl, transfer):

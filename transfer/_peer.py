@@ -14,7 +14,7 @@ import numpy as np
 import zmq
 
 from ._control_client import ControlClient
-from ._errors import LocalProtocolError, PeerClosed, TransferError
+from ._errors import LocalProtocolError, PeerClosed, StillInFlight, TransferError
 from ._handle import TransferHandle
 from ._metadata import EngineInfo
 from ._nixl import NixlLink
@@ -409,7 +409,9 @@ class Peer:
         handle = TransferHandle(
             nbytes,
             parts,
-            on_settle=lambda settled: engine.settled(settled, access, local),
+            on_settle=lambda settled: engine.settled(
+                settled, access, [] if isinstance(settled.error, StillInFlight) else local
+            ),
             progress=link.progress,
         )
         if handle.done:
