@@ -63,9 +63,12 @@ except ImportError:
 
 logging.getLogger("nixl").setLevel(logging.WARNING)  # NIXL logs each agent at INFO, to stdout
 HERE = Path(__file__).parent
-UCX_TLS = {"tcp": "tcp", "sm": "sm,self"}
-KVBRIDGE_TRANSPORT = {"tcp": "tcp", "sm": "ucx"}
-LABEL = {"tcp": "tcp", "sm": "ucx/sm"}
+UCX_TLS = {"tcp": "tcp", "sm": "sm,self", "nixl-tcp": "tcp", "nixl-sm": "sm,self"}
+KVBRIDGE_TRANSPORT = {"tcp": "tcp", "sm": "ucx", "nixl-tcp": "nixl", "nixl-sm": "nixl"}
+LABEL = {"tcp": "tcp", "sm": "ucx/sm", "nixl-tcp": "nixl/tcp", "nixl-sm": "nixl/sm"}
+"""The pairings: kvbridge's own transports (``tcp``, ``sm``: its UCX one) and kvbridge over
+NIXL (``nixl-*``: the engine's ``nixl`` transport, its UCX on the same ``UCX_TLS``), each
+against NIXL's own API on the same UCX transports."""
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20]
 BATCH = 128
 BIG_BATCH = 16
@@ -151,7 +154,15 @@ class _Rig:
     def __init__(self, mode: str, stack: contextlib.ExitStack) -> None:
         self.mode, tls, transport = mode, UCX_TLS[mode], KVBRIDGE_TRANSPORT[mode]
         self.label = LABEL[mode]
-        kv_target = _spawn(stack, "_transfer_target.py", "2", transport, UCX_TLS=tls)
+        kv_target = _spawn(
+            stack,
+            "_transfer_target.py",
+            "2",
+            transport,
+            UCX_TLS=tls,
+            KVBRIDGE_NIXL_UCX_TLS=tls,
+            NIXL_LOG_LEVEL="WARN",
+        )
         self.target = _spawn(
             stack,
             "_nixl_target.py",
@@ -161,7 +172,7 @@ class _Rig:
         )
         metadata_hex, _ = read_ready(kv_target.stdout)
         nixl_metadata, remote_base = self._nixl_ready()
-        with _environ("UCX_TLS", tls):
+        with _environ("UCX_TLS", tls), _environ("KVBRIDGE_NIXL_UCX_TLS", tls):
             self.engine = stack.enter_context(
                 TransferEngine(f"bench-{mode}", streams=2, transports=[transport])
             )
@@ -291,7 +302,7 @@ class _Rig:
         return run
 
 
-@pytest.fixture(scope="module", params=["tcp", "sm"])
+@pytest.fixture(scope="module", params=list(UCX_TLS))
 def rig(request: pytest.FixtureRequest) -> Iterator[_Rig]:
     mode = str(request.param)
     if mode == "sm" and not ucx_available():

@@ -1,13 +1,16 @@
-"""One NIXL agent (its UCX backend) behind one lock, and the thread that progresses it.
+"""One NIXL agent (its UCX backend) behind one lock, and the threads that progress it.
 
 NIXL's Python API makes an agent without thread synchronisation unless it listens for
-metadata (``NIXL_THREAD_SYNC_NONE``), and its own progress thread busy-polls a core (the API
-sets its poll delay to 0). kvbridge makes the agent without that thread, calls it under one
-lock (``Agent.lock``), and progresses it from one thread of its own (``Progress``): polling
-while there is work (a transfer in flight, a notification in the last ``_BUSY_S``), and
-sleeping ``_IDLE_SLEEP_S`` at most between polls otherwise. UCX over TCP needs the target's
-worker progressed for a one-sided put or get to complete; over shared memory (``cma``) the
-initiator's process moves the bytes itself.
+metadata (``NIXL_THREAD_SYNC_NONE``): kvbridge calls it under one lock (``Agent.lock``).
+UCX over TCP needs the target's worker progressed for a one-sided put or get to complete
+(over shared memory, ``cma``, the initiator's process moves the bytes itself): NIXL's own
+progress thread does that, waiting on UCX's event descriptors. NIXL's Python API sets that
+thread's poll timeout to 0, a busy-polled core (2.0 s of CPU in 2 s idle, where with a
+timeout it took none): kvbridge makes the agent with ``PROGRESS_TIMEOUT`` instead
+(``_config_class``). What NIXL has no event for (its notifications, the state of a
+transfer) kvbridge's own thread (``Progress``) polls: at once while there is work (a
+transfer in flight, a notification in the last ``_BUSY_S``), every ``_IDLE_SLEEP_S`` at most
+otherwise; a caller waiting for a batch polls for it itself (``TransferHandle``).
 """
 
 from __future__ import annotations
@@ -34,6 +37,13 @@ ERROR_HANDLING = "none"
 overrides it). NIXL's default, ``peer``, refuses UCX's shared-memory transports, which
 have no peer-failure handler; with ``none``, a transfer to a dead peer fails where the
 transport reports it (``cma``: the process is gone) and otherwise at the batch deadline."""
+
+PROGRESS_TIMEOUT = 100_000
+"""The poll timeout of NIXL's progress thread (``pthrDelay``): it wakes on UCX's events
+before it, so this only bounds how long it sleeps with nothing to do."""
+
+_ENV_LOCK = threading.Lock()
+"""Held while an agent is made (the config class swapped) or ``UCX_TLS`` set for it."""
 
 _BUSY_S = 0.005
 """After the last sign of work, the progress thread keeps polling this long before it
@@ -81,8 +91,15 @@ class Agent:
         logging.getLogger("nixl").setLevel(logging.WARNING)  # it logs each agent at INFO
         self.name = name
         self.lock = threading.Lock()
-        config = api.nixl_agent_config(enable_prog_thread=False, backends=[])
-        self.nixl: Any = api.nixl_agent(name, config)
+        config = api.nixl_agent_config(enable_prog_thread=True, backends=[])
+        with _ENV_LOCK:  # one agent made at a time: the config class is swapped meanwhile
+            bind = api.nixlBind
+            plain = bind.nixlAgentConfig
+            bind.nixlAgentConfig = _config_class(plain, PROGRESS_TIMEOUT)
+            try:
+                self.nixl: Any = api.nixl_agent(name, config)
+            finally:
+                bind.nixlAgentConfig = plain
         mode = os.environ.get("KVBRIDGE_NIXL_ERROR_HANDLING", ERROR_HANDLING)
         with _ucx_tls(os.environ.get("KVBRIDGE_NIXL_UCX_TLS")):
             self.nixl.create_backend("UCX", {"ucx_error_handling_mode": mode})
@@ -92,7 +109,20 @@ class Agent:
             return bytes(self.nixl.get_agent_metadata())
 
 
-_ENV_LOCK = threading.Lock()
+def _config_class(plain: Any, delay: int) -> Any:
+    """NIXL's agent config class, except that the progress thread's poll timeout its Python
+    API sets (to 0) is ``delay`` instead."""
+
+    class Config(plain):  # type: ignore[misc]
+        @property
+        def pthrDelay(self) -> int:  # noqa: N802 - NIXL's name
+            return int(plain.pthrDelay.__get__(self))
+
+        @pthrDelay.setter
+        def pthrDelay(self, _: int) -> None:  # noqa: N802
+            plain.pthrDelay.__set__(self, delay)
+
+    return Config
 
 
 @contextlib.contextmanager
