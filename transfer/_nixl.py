@@ -651,12 +651,9 @@ def _page(unit: int, longest: int) -> int:
     return unit
 
 
-def _few_pages(rows: list[Any], column: int, page: int) -> np.ndarray:
+def _few_pages(rows: list[Any], column: int, page: int) -> list[int]:
     """The page indices of a few ops' ``column`` (local or remote offset) side."""
-    return np.array(
-        [i for row in rows for i in range(row[column] // page, (row[column] + row[4]) // page)],
-        np.int32,
-    )
+    return [i for row in rows for i in range(row[column] // page, (row[column] + row[4]) // page)]
 
 
 def _pages(first: np.ndarray, counts: np.ndarray) -> np.ndarray:

@@ -54,7 +54,7 @@ _BUSY_SLEEP_S = 0.00002
 caller polls for itself meanwhile (``TransferHandle``), and a thread that spins would hold
 the GIL from it."""
 
-_IDLE_SLEEP_S = 0.0005
+_IDLE_SLEEP_S = 0.001
 """The longest sleep between two polls of an idle agent: the delay a first notification
 or (over TCP) a first one-sided op can meet at an idle target."""
 

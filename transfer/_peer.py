@@ -417,6 +417,8 @@ class Peer:
         if handle.done:
             return handle
         token = link.submit(batch, {r.id: r for r in local}, access, notify, handle)
+        if handle.done:  # moved when posted (shared memory): no deadline to watch
+            return handle
         timeout = engine.settings.timeout
         engine.watchdog.watch(
             timeout,
