@@ -495,9 +495,10 @@ class NixlLink:
         access: str,
         notify: bytes | None,
         handle: TransferHandle,
-    ) -> int:
+    ) -> int | None:
         """Post the batch ``ops`` (checked: every op inside its regions) as NIXL transfers;
-        the token the flight is known by."""
+        the token the flight is known by, or ``None`` when it is over already (moved as it
+        was posted, or failed to post)."""
         transport = self._transport
         token = transport.token()
         flight = _Flight(handle, self, [], notify is not None)
@@ -521,6 +522,7 @@ class NixlLink:
                     flight.transfers = []
                     if not flight.answer_due:
                         transport.land(token, flight)
+                        return None
             except Exception as exc:
                 error = exc if isinstance(exc, TransferError) else PeerClosed(f"nixl: {exc}")
                 flight.error = flight.error or error

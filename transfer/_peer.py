@@ -417,7 +417,7 @@ class Peer:
         if handle.done:
             return handle
         token = link.submit(batch, {r.id: r for r in local}, access, notify, handle)
-        if handle.done:  # moved when posted (shared memory): no deadline to watch
+        if token is None:  # moved when posted (shared memory): no deadline to watch
             return handle
         timeout = engine.settings.timeout
         engine.watchdog.watch(
