@@ -16,15 +16,31 @@ from helpers import until
 from kvbridge.store import CacheServer, ServerConfig, StoreClient
 from kvbridge.tools._serve_cmds import read_listening
 from kvbridge.transfer import Caller, ucx_available
+from kvbridge.transfer._nixl_agent import nixl_available
 
 if TYPE_CHECKING:
     from kvbridge.store.server._namespaces import Namespace
 
 needs_ucx = pytest.mark.skipif(not ucx_available(), reason="ucxx is not installed (kvbridge[ucx])")
+needs_nixl = pytest.mark.skipif(
+    not nixl_available(), reason="NIXL is not installed (pip install --no-deps nixl-cu12)"
+)
 
-TRANSPORTS = ["tcp", pytest.param("ucx", marks=needs_ucx)]
-"""What holds over TCP holds over UCX: parametrize a ``transport`` fixture with these (the
-UCX cases skip, saying why, where ucxx is missing)."""
+TRANSPORTS = ["tcp", pytest.param("ucx", marks=needs_ucx), pytest.param("nixl", marks=needs_nixl)]
+"""What holds over TCP holds over UCX, and over nixl where a one-sided transport can hold it:
+parametrize a ``transport`` fixture with these (the UCX and nixl cases skip, saying why,
+where ucxx or NIXL is missing; a case nixl cannot make skips with ``ONE_SIDED``)."""
+
+ONE_SIDED = (
+    "one-sided (nixl): a client writes and reads the server's memory itself, so the server "
+    "cannot refuse an op (docs/ACCESS.md, 'nixl'): the client's own checks stand in for it"
+)
+
+
+def two_sided(transport: str) -> None:
+    """Skip a case only a transport whose target checks every op can make."""
+    if transport == "nixl":
+        pytest.skip(ONE_SIDED)
 
 
 class Served(Protocol):

@@ -128,6 +128,9 @@ class ControlServer:
         self._metadata = metadata
         self._ticket_key = secrets.token_bytes(32)
         self._used: OrderedDict[bytes, float] = OrderedDict()  # tickets taken, by expiry
+        self._links: dict[int, bytes] = {}
+        """Connections (by descriptor) that linked a session's one-sided transport: the
+        session lives as long as the connection (a link has no data stream to end it)."""
         sockets: list[zmq.Socket[Any]] = []
         try:
             self._socket = context.socket(zmq.ROUTER)
@@ -140,6 +143,7 @@ class ControlServer:
                 trusted=trusted_connections(),
                 name="control",
                 refusals=refusals,
+                on_gone=self._gone,
             )
             sockets.append(self._gate.monitor)
             self._socket.bind(endpoint)
@@ -213,6 +217,8 @@ class ControlServer:
             answer, proved = self._answer(message, identity, rid)
             if proved is not None:  # a handshake completed, or a signed request
                 self._gate.trust(fd, proved)
+            if message.get("op") == "link" and answer is not None and fd >= 0:
+                self._links[fd] = message["session"]
             if answer is None:
                 return  # a call: queued, answered by the pool
         except Exception as exc:  # every bad request gets an answer; the loop goes on
@@ -262,6 +268,12 @@ class ControlServer:
                 return answer
         self._calls.submit(session, lambda: _frames(identity, rid, self._call(caller, body)))
         return None
+
+    def _gone(self, fd: int) -> None:
+        """A connection closed: the session it linked ends (its client closed or died)."""
+        session = self._links.pop(fd, None)
+        if session is not None:
+            self.sessions.end(session)
 
     def _hello(self, message: dict[str, Any]) -> dict[str, Any]:
         if message.get("v") != CONTROL_VERSION:

@@ -41,6 +41,7 @@ import secrets
 import socket
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,7 +108,9 @@ class ConnectionGate:
         trusted: int,
         name: str,
         refusals: BoundedLog,
+        on_gone: Callable[[int], None] | None = None,
     ) -> None:
+        """``on_gone(fd)``: a connection the monitor reported closed (its descriptor)."""
         if strangers < 1 or trusted < 1:
             raise ValueError("a gate admits at least one connection of each kind")
         self._max_strangers = strangers
@@ -121,6 +124,7 @@ class ConnectionGate:
         self._early: dict[int, bool] = {}
         """Descriptors heard from (True: trusted) before the monitor's ACCEPTED was read."""
         self._socket = sock
+        self._on_gone = on_gone
         self.monitor = _monitor(sock)
         sock.setsockopt(zmq.BACKLOG, BACKLOG)  # for the binds that follow: make it first
         sock.setsockopt(zmq.RCVHWM, RCVHWM)
@@ -196,6 +200,8 @@ class ConnectionGate:
             self._trusted.pop(fd, None)
             if event["event"] == zmq.EVENT_ACCEPTED:
                 self._accepted(fd)
+            elif self._on_gone is not None:
+                self._on_gone(fd)
 
     def _accepted(self, fd: int) -> None:
         ends = _ends(fd)

@@ -42,6 +42,7 @@ import queue
 import secrets
 import struct
 import threading
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -137,6 +138,7 @@ class NixlTransport:
         self._registered: dict[int, tuple[Any, tuple[int, int, str]]] = {}
         self._linked: dict[tuple[str, int], Caller] = {}  # the target's: (agent, session)
         self._loaded: Counter[str] = Counter()  # peers' agents loaded: links of each
+        self._links: weakref.WeakSet[NixlLink] = weakref.WeakSet()  # the initiator's
         self._flights: dict[int, _Flight] = {}  # the initiator's: by token
         self._tokens = itertools.count(1)
         self._lock = threading.Lock()  # the tables above (never held across an agent call)
@@ -168,9 +170,12 @@ class NixlTransport:
     def unregister(self, region: Region) -> None:
         with self._lock:
             entry = self._registered.pop(region.id, None)
+            links = list(self._links)
         if entry is not None:
             agent = self._agent
             with agent.lock:
+                for link in links:
+                    link.forget(region.id)
                 agent.nixl.deregister_memory(entry[0])
 
     def regions(self, ids: list[int]) -> list[list[Any]]:
@@ -248,9 +253,14 @@ class NixlTransport:
         if not isinstance(metadata, bytes) or not isinstance(session, int):
             raise PeerClosed("the peer answered a nixl link without its agent")
         regions = remote_regions(reply.get("regions"), lengths)
-        return NixlLink(self, self._load(metadata), session, regions)
+        link = NixlLink(self, self._load(metadata), session, regions)
+        with self._lock:
+            self._links.add(link)
+        return link
 
     def unlink(self, link: NixlLink) -> None:
+        with self._lock:
+            self._links.discard(link)
         self._unload(link.agent)
 
     def relink(
@@ -259,8 +269,15 @@ class NixlTransport:
         request: Callable[[dict[str, Any]], dict[str, Any]],
         lengths: dict[int, int],
     ) -> None:
-        """Ask the peer again where its regions live (after its regions changed)."""
+        """Ask the peer again where its regions live, and load its agent's metadata again
+        (a region it registered since is in it)."""
         reply = request({"agent": self._agent.metadata(), "regions": list(lengths)})
+        metadata = reply.get("agent")
+        if not isinstance(metadata, bytes):
+            raise PeerClosed("the peer answered a nixl link without its agent")
+        agent = self._agent
+        with agent.lock:
+            agent.nixl.add_remote_agent(metadata)  # the same name: its metadata updated
         link.remote = remote_regions(reply.get("regions"), lengths)
 
     def post(self, flight: _Flight, token: int) -> bool:
@@ -442,6 +459,13 @@ def _check_transfers(nixl: Any, flight: _Flight) -> None:
         flight.answer_due = False
 
 
+def _release_dlist(nixl: Any, prepped: Any) -> None:
+    try:
+        nixl.release_dlist_handle(prepped)
+    except Exception as exc:
+        _log.debug("nixl: releasing a prepared list: %s", exc)
+
+
 def _release(nixl: Any, transfer: Any) -> bool:
     try:
         nixl.release_xfer_handle(transfer)
@@ -621,13 +645,16 @@ class NixlLink:
     def fail_all(self, error: TransferError) -> None:
         self._transport.fail_link(self, error)
 
+    def forget(self, region_id: int) -> None:
+        """Release the prepared lists of local region ``region_id`` (it is unregistered;
+        under the agent's lock)."""
+        for key in [k for k in self._prepped if k[0] == "" and k[1] == region_id]:
+            _release_dlist(self._nixl, self._prepped.pop(key))
+
     def close(self) -> None:
         with self._lock:
             for prepped in self._prepped.values():
-                try:
-                    self._nixl.release_dlist_handle(prepped)
-                except Exception as exc:
-                    _log.debug("nixl: releasing a prepared list: %s", exc)
+                _release_dlist(self._nixl, prepped)
             self._prepped.clear()
         self._transport.unlink(self)
 

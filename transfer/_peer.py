@@ -128,6 +128,9 @@ class Peer:
         self._all_closed = threading.Condition(self._lock)
         self._link: NixlLink | None = None
         """A one-sided transport's path to the peer (``nixl``): no streams then."""
+        self._link_client: ControlClient | None = None
+        """The control connection the link was made over, open while it lives: the peer's
+        engine ends the session when it closes (the client closed, or its process died)."""
         self._connect()
 
     # -- connection --------------------------------------------------------------------
@@ -135,6 +138,7 @@ class Peer:
     def _connect(self) -> None:
         settings = self._engine.settings
         client = ControlClient(self._engine.context, self._info.control, settings.connect_timeout)
+        kept = False  # a link keeps the client: its connection is the session's life
         try:
             engine = self._engine
             credentials, fresh = client.handshake(engine.name, engine.secret, engine.principal)
@@ -145,9 +149,11 @@ class Peer:
             self._info = info
             if getattr(self._transport, "one_sided", False):
                 self._link_to(client, credentials)
+                kept = True
                 return
         finally:
-            client.close()
+            if not kept:
+                client.close()
         address = info.transports[self.transport]
         streams: list[InitiatorStream] = []
         try:
@@ -170,10 +176,13 @@ class Peer:
         link = self._transport.link(partial(client.link, credentials), lengths)
         with self._lock:
             old, self._link = self._link, link
+            old_client, self._link_client = self._link_client, client
             self._credentials = credentials
             self._error = None
         if old is not None:
             old.close()
+        if old_client is not None:
+            old_client.close()
 
     def _open_stream(self, address: Any, index: int, credentials: Credentials) -> InitiatorStream:
         """One greeted data stream. A stream the peer closes before answering its greeting
@@ -303,9 +312,12 @@ class Peer:
                 self._calls = None
         with self._lock:
             link, self._link = self._link, None
+            client, self._link_client = self._link_client, None
         if link is not None:
             link.fail_all(PeerClosed(f"peer {self.name} is closed: {reason}"))
             link.close()
+        if client is not None:
+            client.close()
 
     def _broken(self, reason: str) -> None:
         """A stream failed: the whole peer goes (a batch spans all its streams)."""

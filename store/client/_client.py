@@ -34,6 +34,7 @@ from ...transfer import (
     AuthenticationError,
     PeerClosed,
     Region,
+    RemoteProtocolError,
     TransferEngine,
     TransferError,
     parse_address,
@@ -525,6 +526,7 @@ class StoreClient(Closing):
     def _ops(
         self, where: _Locations, start: int, picked: list[int], slots: list[int]
     ) -> np.ndarray:
+        self._check_leased(slots)
         regions, offsets = where
         segments = regions.shape[1]
         part = self.block_bytes // segments
@@ -537,6 +539,19 @@ class StoreClient(Closing):
         ops["remote_offset"] = at[:, None] + np.arange(segments, dtype=np.uint64) * np.uint64(part)
         ops["length"] = part
         return ops.reshape(-1)
+
+    def _check_leased(self, slots: list[int]) -> None:
+        """The slots a lease names, checked before an op is posted to them: whole slots of
+        the namespace's region, each once. Over a one-sided transport (``nixl``) nothing on
+        the server checks an op, so a bad reply must stop here: ``RemoteProtocolError``."""
+        info = self.peer.regions.get(self._region)
+        count = 0 if info is None else info.length // self.block_bytes
+        if any(type(s) is not int or not 0 <= s < count for s in slots) or len(set(slots)) != len(
+            slots
+        ):
+            raise RemoteProtocolError(
+                f"the server's lease names slots outside its {count} or twice: {slots[:8]}"
+            )
 
     def _quietly(self, body: dict[str, Any]) -> None:
         """Give a lease back after a failure; the lease (or the session) ending does the

@@ -66,9 +66,11 @@ else:  # pragma: no cover - Python 3.10
 ENV_PREFIX = "KVBRIDGE_"
 _LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
-SERVER_TRANSPORTS = ("tcp", "ucx", "auto")
+SERVER_TRANSPORTS = ("tcp", "ucx", "nixl", "auto")
 """What a server may offer: ``memory`` reaches only engines in its own process, which no
-client of a ``kvbridge serve`` is. ``auto`` stands alone (it picks ``ucx`` then ``tcp``)."""
+client of a ``kvbridge serve`` is. ``auto`` stands alone (it picks ``ucx`` then ``tcp``).
+``nixl`` is one-sided: clients write and read the slab themselves, so it is refused with
+tenants (one trust domain only; docs/ACCESS.md)."""
 MIN_BLOCK_BYTES = 4096
 """The smallest block a client may open: per-slot bookkeeping (about 100 bytes) stays under
 3% of the memory it tracks (1-byte blocks made one ``open`` cost 10x the capacity). Each
@@ -300,6 +302,12 @@ def _check_security(cfg: ServerConfig) -> None:
         raise ConfigError("secret must be non-empty bytes", setting="secret")
     if cfg.tenants is not None:
         _check_tenants(cfg)
+        if "nixl" in cfg.transports:
+            raise ConfigError(
+                "nixl is one-sided (a client writes and reads the server's memory itself, "
+                "which no lease can bound): it serves one trust domain, not tenants",
+                setting="transports",
+            )
         return  # every tenant proves a secret of its own
     if cfg.secret is None and not cfg.insecure and cfg.host not in _LOOPBACK:
         raise ConfigError(
