@@ -37,6 +37,12 @@ ONE_SIDED = (
 )
 
 
+def no_tenants_over(transport: str) -> None:
+    """Skip a case of a server with tenants over nixl, which such a server refuses."""
+    if transport == "nixl":
+        pytest.skip("a server with tenants refuses nixl (one trust domain): test_nixl_server")
+
+
 def two_sided(transport: str) -> None:
     """Skip a case only a transport whose target checks every op can make."""
     if transport == "nixl":

@@ -10,14 +10,18 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 from attack import control_request, credentials, nixl_notify, nixl_session
 from helpers import reap, spawn_python, until
+from serve import ServeProcess
 
+from kvbridge.store import StoreClient, prefix_hashes
 from kvbridge.transfer import (
     AuthenticationError,
     Caller,
@@ -253,3 +257,45 @@ def control_request_raising(address: str, message: dict[str, object]) -> None:
     answer = control_request(address, message)
     if not answer["ok"]:
         raise AuthenticationError(str(answer["error"]))
+
+
+def test_nixl_server_refuses_tenants(tmp_path: Path) -> None:
+    """``kvbridge serve --transports nixl --tenants ...`` stops with one line and status 2:
+    a one-sided transport cannot keep tenants apart (a client reaches the server's memory
+    itself), and nothing is served meanwhile."""
+    (tmp_path / "a.secret").write_text("secret of a\n")
+    (tmp_path / "tenants.toml").write_text('[[tenant]]\nname = "a"\nsecret_file = "a.secret"\n')
+    tenants = str(tmp_path / "tenants.toml")
+    serve = [sys.executable, "-m", "kvbridge", "serve", "--port", "0", "--transports", "nixl"]
+    done = subprocess.run(
+        [*serve, "--tenants", tenants],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0 and done.stdout == ""
+    (line,) = done.stderr.strip().splitlines()
+    assert "nixl" in line and "tenants" in line and "Traceback" not in line
+
+
+def test_a_server_over_nixl_keeps_puts_and_gets_whole() -> None:
+    """A cache server over nixl: a client's put commits on the notification (the server's
+    handler ran), another client's get reads the same bytes, and a put refused by the
+    server's handler (its lease gone) stores nothing and says so with the store's error."""
+    server = ServeProcess("--transports", "nixl", "--host-capacity", "16MiB")
+    try:
+        blocks = np.random.default_rng(3).integers(0, 256, (8, 64 << 10), dtype=np.uint8)
+        keys = prefix_hashes(list(range(8 * 16)), 16)
+        with (
+            StoreClient(server.address, block_bytes=64 << 10, transports="nixl") as writer,
+            StoreClient(server.address, block_bytes=64 << 10, transports="nixl") as reader,
+        ):
+            assert writer.peer.transport == reader.peer.transport == "nixl"
+            assert writer.put(keys, blocks) == [True] * 8
+            out = np.zeros_like(blocks)
+            reader.get(keys, out)
+            np.testing.assert_array_equal(out, blocks)
+            assert reader.contains(keys) == [True] * 8
+    finally:
+        server.kill()

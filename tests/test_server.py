@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from attack import raw, write_ops
 from helpers import FakeClock, keys, payloads, until
-from serve import BLOCK, TRANSPORTS, ServeProcess, client_of, small_server
+from serve import BLOCK, TRANSPORTS, ServeProcess, client_of, small_server, two_sided
 
 from kvbridge.store import (
     BadRequest,
@@ -115,6 +115,7 @@ def test_missing_blocks_and_bad_requests_are_typed_and_change_nothing(
 def test_a_client_cannot_write_outside_its_staged_slots(
     server: ServeProcess, transport: str
 ) -> None:
+    two_sided(transport)
     ks = keys(300, 302)
     with client_of(server, "m", transport) as client:
         client.put(ks[:1], payloads(ks[:1], BB))

@@ -37,6 +37,7 @@ from serve import (
     namespaces,
     small_config,
     small_server,
+    two_sided,
 )
 
 from kvbridge.store import CacheServer, LeaseExpired, StoreClient, StoreFull
@@ -70,6 +71,7 @@ def test_a_late_write_never_lands_in_a_slot_handed_to_someone_else(
     (aborted; or the writer's session ended while a stream of it still sends): the slots
     stay out of use until the bytes are in, so the victim's blocks never get them. (In this
     process: the test waits for the server to have admitted the write.)"""
+    two_sided(transport)
     with (
         CacheServer(small_config(transport)) as server,
         client_of(server, transports=transport) as attacker,
@@ -107,6 +109,7 @@ def test_a_late_write_never_lands_in_a_slot_handed_to_someone_else(
 def test_a_session_cannot_write_another_sessions_staged_slots(
     server: ServeProcess, transport: str
 ) -> None:
+    two_sided(transport)
     with (
         client_of(server, transports=transport) as attacker,
         client_of(server, transports=transport) as victim,
@@ -164,6 +167,7 @@ def test_a_run_of_pages_into_a_neighbours_slot_is_refused_whole(
     """Pages of one's own staged slot followed by pages of the next slot, staged by another
     session: bytes that continue one another in the region, but the frame is refused whole
     and nothing lands in either slot."""
+    two_sided(transport)
     with (
         client_of(server, transports=transport) as attacker,
         client_of(server, transports=transport) as victim,
@@ -197,6 +201,7 @@ def test_a_read_of_pages_is_refused_whole_for_one_page_not_pinned(
 ) -> None:
     """A frame naming each pinned slot once per page, and one page of a slot the session
     did not pin: refused whole. The pinned pages alone read back exactly."""
+    two_sided(transport)
     with client_of(server, transports=transport) as reader:
         ks = keys(0, 3)
         reader.put(ks, payloads(ks, BB))
@@ -229,6 +234,7 @@ def test_reads_only_from_slots_pinned_for_the_reading_session(
 ) -> None:
     """Another namespace's region (keys from the metadata every session gets), one's own
     namespace unpinned, another session's pins: all refused. One's own pin: read."""
+    two_sided(transport)
     with (
         client_of(server, "tenant-a", transport) as a,
         client_of(server, "tenant-b", transport) as b,

@@ -26,7 +26,9 @@ from serve import (
     client_of,
     handle,
     namespaces,
+    no_tenants_over,
     small_server,
+    two_sided,
 )
 
 from kvbridge.store import BadRequest, StoreClient, StoreFull, TooManyRequests
@@ -397,6 +399,7 @@ def test_a_read_stalled_on_a_released_lease_still_counts_against_the_share(
     """Pin the share, start a read of it that never drains, release the leases, pin again:
     the stalled read still holds its blocks, so it still counts, and the second pin is
     refused. Before, one session could hold every slot this way."""
+    two_sided(transport)
     block = 1 << 20
     server = ServeProcess(
         *("--host-capacity", str(32 * block), "--max-namespaces", "2", "--transports", transport)
@@ -467,6 +470,7 @@ def test_expired_leases_of_a_quiet_namespace_stop_counting_against_the_tenant(
     so another session of the tenant, in another namespace, may take leases again. Before:
     their count came back only with the next op in the quiet namespace, so the tenant was
     refused everywhere for as long as that namespace stayed quiet."""
+    no_tenants_over(transport)
     (tmp_path / "tenants.toml").write_text(QUIET_TENANT)
     server = ServeProcess(
         *("--tenants", str(tmp_path / "tenants.toml"), "--host-capacity", str(32 * BB)),

@@ -49,7 +49,7 @@ from .._bounded_log import BoundedLog
 from ._calls import CallPool
 from ._descriptors import MAX_STRANGERS, trusted_connections
 from ._errors import AuthenticationError, LocalProtocolError, RemoteProtocolError
-from ._gate import ConnectionGate
+from ._gate import Connection, ConnectionGate
 from ._keyring import DEFAULT_PRINCIPAL, Keyring, check_principal
 from ._sessions import Caller, SessionsFull, SessionTable, mac, session_key
 
@@ -128,9 +128,9 @@ class ControlServer:
         self._metadata = metadata
         self._ticket_key = secrets.token_bytes(32)
         self._used: OrderedDict[bytes, float] = OrderedDict()  # tickets taken, by expiry
-        self._links: dict[int, bytes] = {}
-        """Connections (by descriptor) that linked a session's one-sided transport: the
-        session lives as long as the connection (a link has no data stream to end it)."""
+        self._links: dict[int, tuple[Connection, bytes]] = {}
+        """Connections (by descriptor) that linked a session's one-sided transport, with the
+        session: it lives as long as the connection (a link has no data stream to end it)."""
         sockets: list[zmq.Socket[Any]] = []
         try:
             self._socket = context.socket(zmq.ROUTER)
@@ -217,8 +217,10 @@ class ControlServer:
             answer, proved = self._answer(message, identity, rid)
             if proved is not None:  # a handshake completed, or a signed request
                 self._gate.trust(fd, proved)
-            if message.get("op") == "link" and answer is not None and fd >= 0:
-                self._links[fd] = message["session"]
+            if message.get("op") == "link" and answer is not None and answer.get("ok"):
+                held = self._gate.held(fd) if fd >= 0 else None
+                if held is not None:
+                    self._links[fd] = (held, message["session"])
             if answer is None:
                 return  # a call: queued, answered by the pool
         except Exception as exc:  # every bad request gets an answer; the loop goes on
@@ -270,10 +272,14 @@ class ControlServer:
         return None
 
     def _gone(self, fd: int) -> None:
-        """A connection closed: the session it linked ends (its client closed or died)."""
-        session = self._links.pop(fd, None)
-        if session is not None:
-            self.sessions.end(session)
+        """A connection on ``fd`` closed: the session a link made over it ends (its client
+        closed or died). The monitor may report an earlier connection's end after a new one
+        took the descriptor: a link whose connection is still there lives on."""
+        linked = self._links.get(fd)
+        if linked is None or self._gate.held(fd) == linked[0]:
+            return
+        del self._links[fd]
+        self.sessions.end(linked[1])
 
     def _hello(self, message: dict[str, Any]) -> dict[str, Any]:
         if message.get("v") != CONTROL_VERSION:

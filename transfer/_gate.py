@@ -169,6 +169,11 @@ class ConnectionGate:
         self._enforce()
         return Connection(fd, ends)
 
+    def held(self, fd: int) -> Connection | None:
+        """The connection on descriptor ``fd`` now (its addresses), ``None`` if none is."""
+        ends = _ends(fd)
+        return None if ends is None else Connection(fd, ends)
+
     def disconnect(self, connection: Connection) -> None:
         """Close ``connection`` (a peer its owner gave up on: an events subscriber that
         stopped reading), if it is still the one the gate holds under its descriptor."""

@@ -202,17 +202,21 @@ class Peer:
         raise AssertionError("unreachable")
 
     def refresh(self) -> dict[int, RegionInfo]:
-        """Fetch the peer's current regions over the control plane."""
-        client = ControlClient(
+        """Fetch the peer's current regions over the control plane (a link's over its own
+        connection: another one's end would end the session)."""
+        with self._lock:
+            link, kept = self._link, self._link_client
+        client = kept or ControlClient(
             self._engine.context, self._info.control, self._engine.settings.connect_timeout
         )
         try:
             self.regions = dict(EngineInfo.decode(client.metadata(self._session())).regions)
-            if self._link is not None:
+            if link is not None:
                 lengths = {i: info.length for i, info in self.regions.items()}
-                self._transport.relink(self._link, partial(client.link, self._session()), lengths)
+                self._transport.relink(link, partial(client.link, self._session()), lengths)
         finally:
-            client.close()
+            if client is not kept:
+                client.close()
         return self.regions
 
     def call(self, body: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
