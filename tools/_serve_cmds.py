@@ -79,7 +79,7 @@ def add_parsers(commands: Any) -> None:
     serve.add_argument(
         "--handoff-ttl", type=float, help="seconds a new block is held for its first read (5)"
     )
-    serve.add_argument("--transports", help="comma-separated: tcp, ucx, auto (default tcp)")
+    serve.add_argument("--transports", help="comma-separated: tcp, ucx, nixl (one-sided, trusted clients only), auto (default tcp)")
     serve.add_argument(
         "--keepalive",
         type=float,
@@ -126,7 +126,7 @@ def add_parsers(commands: Any) -> None:
     stats.add_argument("--secret-file", help="file holding the server's shared secret")
     stats.add_argument("--tenant", default="", help="the tenant the secret is of (--tenants)")
     stats.add_argument(
-        "--transports", default="tcp", help="comma-separated: tcp, ucx, auto (default tcp)"
+        "--transports", default="tcp", help="comma-separated: tcp, ucx, nixl (one-sided, trusted clients only), auto (default tcp)"
     )
     stats.add_argument("--cluster-name", default="kvbridge", help="with etcd://: the cluster")
     stats.set_defaults(run=stats_command)
