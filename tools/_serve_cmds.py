@@ -34,6 +34,12 @@ _START_ERRORS = (StoreError, TransferError, OSError, ValueError, zmq.ZMQError)
 reports a failed bind as ``ZMQError``), a transport this machine lacks, a disk tier."""
 
 
+_TRANSPORTS_HELP = (
+    "comma-separated: tcp, ucx, nixl (one-sided: trusted clients only, no --tenants), "
+    "auto (default tcp)"
+)
+
+
 def add_parsers(commands: Any) -> None:
     serve = commands.add_parser(
         "serve",
@@ -79,7 +85,7 @@ def add_parsers(commands: Any) -> None:
     serve.add_argument(
         "--handoff-ttl", type=float, help="seconds a new block is held for its first read (5)"
     )
-    serve.add_argument("--transports", help="comma-separated: tcp, ucx, nixl (one-sided, trusted clients only), auto (default tcp)")
+    serve.add_argument("--transports", help=_TRANSPORTS_HELP)
     serve.add_argument(
         "--keepalive",
         type=float,
@@ -125,9 +131,7 @@ def add_parsers(commands: Any) -> None:
     )
     stats.add_argument("--secret-file", help="file holding the server's shared secret")
     stats.add_argument("--tenant", default="", help="the tenant the secret is of (--tenants)")
-    stats.add_argument(
-        "--transports", default="tcp", help="comma-separated: tcp, ucx, nixl (one-sided, trusted clients only), auto (default tcp)"
-    )
+    stats.add_argument("--transports", default="tcp", help=_TRANSPORTS_HELP)
     stats.add_argument("--cluster-name", default="kvbridge", help="with etcd://: the cluster")
     stats.set_defaults(run=stats_command)
 
