@@ -58,6 +58,7 @@ class _Raw:
 
 def main() -> None:
     server, echo_port, client_id, layers_, blocks_, page_ = sys.argv[1:7]
+    transport = sys.argv[7] if len(sys.argv) > 7 else "tcp"
     me, layers, blocks, page = int(client_id), int(layers_), int(blocks_), int(page_)
     rng = np.random.default_rng(me)
     saved = [rng.integers(0, 256, 2 * blocks * page, dtype=np.uint8) for _ in range(layers)]
@@ -65,7 +66,9 @@ def main() -> None:
     raw = _Raw(int(echo_port), layers * 2 * blocks * page)
     column = np.arange(blocks, dtype=np.int64) * page
     offsets = np.stack([column + kv * blocks * page for _ in saved for kv in (0, 1)], axis=1)
-    with StoreClient(server, block_bytes=2 * layers * page, namespace=b"pages") as client:
+    with StoreClient(
+        server, block_bytes=2 * layers * page, namespace=b"pages", transports=transport
+    ) as client:
         sources = [region for layer in saved for region in [client.register(layer, access="r")] * 2]
         targets = [region for layer in loaded for region in [client.register(layer)] * 2]
         print("ready", flush=True)

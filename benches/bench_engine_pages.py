@@ -10,7 +10,9 @@ TCP connections each, one ``sendall`` of half the bytes per connection. With one
 with 8 (each its own prefix) side by side on one server; the server's CPU time per GiB moved
 (``/proc/PID/stat``, user + system) beside the echo server's.
 
-``KVB_PAGE_KIB`` (32) and ``KVB_PAGE_CLIENTS`` ("1,8") change the shape.
+``KVB_PAGE_KIB`` (32) and ``KVB_PAGE_CLIENTS`` ("1,8") change the shape;
+``KVB_PAGE_TRANSPORT`` (tcp) the transport of the server and its clients (``ucx``, or
+``nixl`` with ``KVBRIDGE_NIXL_UCX_TLS`` for NIXL's UCX: ``sm,self`` or ``tcp``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ LAYERS = 32
 BLOCKS = 63
 PAGE = int(os.environ.get("KVB_PAGE_KIB", "32")) << 10
 CLIENT_COUNTS = [int(n) for n in os.environ.get("KVB_PAGE_CLIENTS", "1,8").split(",")]
+TRANSPORT = os.environ.get("KVB_PAGE_TRANSPORT", "tcp")
 TOTAL = LAYERS * 2 * BLOCKS * PAGE
 """Bytes one client saves or loads per round."""
 
@@ -40,11 +43,13 @@ def _cpu_seconds(pid: int) -> float:
 class _Rig:
     def __init__(self, clients: int) -> None:
         capacity = f"{max(1, 3 * clients * TOTAL >> 30) + 1}GiB"
-        self.server, address = _rig.serve("--host-capacity", capacity, "--max-namespaces", "1")
+        self.server, address = _rig.serve(
+            "--host-capacity", capacity, "--max-namespaces", "1", "--transports", TRANSPORT
+        )
         self.echo, echo_port = _rig.echo_server(TOTAL // 2)
         shape = (str(LAYERS), str(BLOCKS), str(PAGE))
         self.clients = [
-            _rig.script("_pages_client.py", address, echo_port, str(i), *shape)
+            _rig.script("_pages_client.py", address, echo_port, str(i), *shape, TRANSPORT)
             for i in range(clients)
         ]
         _rig.wait_ready(self.clients)
@@ -91,7 +96,8 @@ def test_engine_pages(compare: Callable[..., Any], rig: _Rig, direction: str) ->
     rounds = 7 if clients > 1 else 15
     rig.cpu = {"store": 0.0, "raw": 0.0}
     compare(
-        f"{clients} client(s), {LAYERS * 2 * BLOCKS} x {PAGE >> 10} KiB pages, {direction}",
+        f"{clients} client(s), {LAYERS * 2 * BLOCKS} x {PAGE >> 10} KiB pages, {direction}, "
+        f"{TRANSPORT}",
         rig.timed_cpu("store", direction),
         rig.timed_cpu("raw", "rawput" if direction == "save" else "rawget"),
         baseline_name="raw TCP, 2 sendalls per client",
