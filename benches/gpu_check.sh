@@ -22,7 +22,9 @@
 #              repository) nothing can run: the script stops there (status 3). Without cupy,
 #              ucxx or pytest-benchmark it goes on (the tests that need them skip, the bench
 #              cannot run), with status 1.
-#   tests      tests/test_gpu_connector.py tests/test_device.py tests/test_ucx.py, 280 s at most
+#   tests      tests/test_gpu_connector.py tests/test_device.py tests/test_ucx.py
+#              tests/test_nixl.py (its GPU case: where the image has NIXL; nixl-cu12 1.5.1's
+#              wheel is 68.6 MB, more than the device tool carries), 280 s at most
 #   bench      benches/bench_device_tier.py benches/bench_connector_gpu.py, 170 s at most
 # About 8 minutes at most in all.
 #
@@ -130,6 +132,7 @@ MODULES = [
     ("kvbridge", "kvbridge", True, "nothing runs", kvbridge_detail),
     ("cupy", "cupy", False, "the device tier and the direct path skip", cupy_detail),
     ("ucxx", "ucxx", False, "the direct path and the UCX GPU cases skip", None),
+    ("nixl_cu12", "nixl-cu12", False, "the nixl cases skip (its wheel, 68.6 MB, is over the carry)", None),
     ("pytest_benchmark", "pytest-benchmark", False, "the bench cannot run", None),
 ]
 
@@ -155,7 +158,7 @@ PYTHON
 
 run_tests() {
     timeout -k 10 280 "$PY" -m pytest -p no:cacheprovider -q \
-        tests/test_gpu_connector.py tests/test_device.py tests/test_ucx.py
+        tests/test_gpu_connector.py tests/test_device.py tests/test_ucx.py tests/test_nixl.py
 }
 
 run_bench() {

@@ -591,7 +591,7 @@ def test_a_staging_buffer_smaller_than_a_block_is_a_config_error(server: ServePr
     ("extra", "match"),
     [
         ({"staging": "sometimes"}, "staging must be one of auto, always"),
-        ({"transports": "udp"}, "transports must be one of tcp, ucx, auto"),
+        ({"transports": "udp"}, "transports must be one of tcp, ucx, nixl, auto"),
         ({"staging_bytes": "0"}, "staging_bytes"),
     ],
 )

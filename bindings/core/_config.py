@@ -69,9 +69,10 @@ class ConnectorConfig:
     """TCP data streams per connection to the server: more where the machine has the cores
     to drive a fast link (``TransferSettings.streams``)."""
     transports: str = "tcp"
-    """How pages travel to the server: ``"tcp"``; ``"ucx"``; ``"auto"`` (UCX where both
-    ends have it, else TCP). A KV cache in GPU memory moves directly over UCX where the
-    transport takes GPU memory, and through the staging buffer otherwise."""
+    """How pages travel to the server: ``"tcp"``; ``"ucx"``; ``"nixl"`` (one-sided NIXL
+    reads and writes: a server of one trust domain, ``docs/ACCESS.md``); ``"auto"`` (UCX where
+    both ends have it, else TCP). A KV cache in GPU memory moves directly over UCX or nixl
+    where the transport takes GPU memory, and through the staging buffer otherwise."""
     staging: str = "auto"
     """``"auto"``: pages in GPU memory that the transport cannot take go through a host
     staging buffer, host pages move directly; ``"always"``: every page goes through it."""
@@ -164,7 +165,7 @@ _KINDS: dict[str, Kind] = {
 }
 """Each setting's kind and bounds (``store/settings.py``, shared with the server's); the
 checks across settings follow in ``__post_init__``."""
-_CHOICES = {"transports": ("tcp", "ucx", "auto"), "staging": ("auto", "always")}
+_CHOICES = {"transports": ("tcp", "ucx", "nixl", "auto"), "staging": ("auto", "always")}
 
 _OPTIONAL = {"server", "secret_file", "disk_path"}
 """Settings that ``None`` leaves unset."""

@@ -200,12 +200,13 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     @classmethod
     def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
         """vLLM 0.34's hook, asked before the KV cache is allocated: ``REGISTERS`` when the
-        workers may register the cache with UCX (``transports`` ``ucx`` or ``auto``), which
+        workers may register the cache with UCX or NIXL (``transports`` ``ucx``, ``nixl`` or
+        ``auto``), which
         needs each segment backed by one physical allocation; else ``IN_PROCESS`` (reads and
         writes through the process, as TCP does). Before 0.34 vLLM never asks and has no
         ``KVCacheAccess``: the answer is then the member's name."""
         extra = getattr(kv_transfer_config, "kv_connector_extra_config", None) or {}
-        registers = ConnectorConfig.from_extra(extra).transports in ("ucx", "auto")
+        registers = ConnectorConfig.from_extra(extra).transports in ("ucx", "nixl", "auto")
         return _access("REGISTERS" if registers else "IN_PROCESS")
 
     @classmethod

@@ -298,8 +298,9 @@ class StoreClient(Closing):
 
     @property
     def takes_device_memory(self) -> bool:
-        """Whether GPU memory can be registered here (the transport in use is UCX's)."""
-        return self.peer.transport == "ucx"
+        """Whether GPU memory can be registered here (the transport in use is UCX's or
+        NIXL's)."""
+        return self.peer.transport in ("ucx", "nixl")
 
     def register(self, buffer: Any, *, access: str = "none") -> Region:
         """Register a buffer for ``put_from``/``get_into`` (keep it alive meanwhile). No

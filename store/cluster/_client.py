@@ -411,8 +411,9 @@ class ClusterClient(Closing):
 
     @property
     def takes_device_memory(self) -> bool:
-        """Whether GPU memory can be registered (every member connection is UCX's)."""
-        return self._transports == ("ucx",)
+        """Whether GPU memory can be registered (every member connection is UCX's, or
+        every one NIXL's)."""
+        return self._transports in (("ucx",), ("nixl",))
 
     def register(self, buffer: object) -> ClusterRegion:
         """Register a buffer for ``put_from``/``get_into``/``put_pages``/``get_pages``

@@ -23,6 +23,7 @@ from harness import BLOCK, PATHS, PROMPTS
 from serve import ServeProcess
 
 from kvbridge.store import ClusterClient
+from kvbridge.transfer._nixl_agent import nixl_available
 
 ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1"}
 
@@ -91,6 +92,14 @@ def _one_server(stack: ExitStack) -> str:
     return store.address
 
 
+def _nixl_server(stack: ExitStack) -> str:
+    if not nixl_available():
+        pytest.skip("NIXL is not installed here (tests/with_vllm/run installs it)")
+    store = ServeProcess("--host-capacity", "64MiB", "--transports", "nixl")
+    stack.callback(store.kill)
+    return store.address
+
+
 def _cluster(stack: ExitStack) -> str:
     """Three members on an etcd; its URL once etcd lists them all."""
     etcd = stack.enter_context(EtcdProcess())
@@ -104,6 +113,7 @@ def _cluster(stack: ExitStack) -> str:
 
 DEPLOYMENTS: dict[str, tuple[Callable[[ExitStack], str], dict[str, Any]]] = {
     "server-direct": (_one_server, PATHS["direct"]),
+    "server-nixl": (_nixl_server, {**PATHS["direct"], "transports": "nixl"}),
     "cluster-staged": (_cluster, PATHS["staged"]),
 }
 """Where prefill saves and decode loads, and how pages move."""
