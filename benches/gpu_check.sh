@@ -22,9 +22,9 @@
 #              repository) nothing can run: the script stops there (status 3). Without cupy,
 #              ucxx or pytest-benchmark it goes on (the tests that need them skip, the bench
 #              cannot run), with status 1.
-#   tests      tests/test_gpu_connector.py tests/test_device.py tests/test_ucx.py
-#              tests/test_nixl.py (its GPU case: where the image has NIXL; nixl-cu12 1.5.1's
-#              wheel is 68.6 MB, more than the device tool carries), 280 s at most
+#   tests      tests/test_gpu_connector.py tests/test_device.py tests/test_ucx.py (its GPU
+#              case over nixl too, where the image has NIXL: nixl-cu12 1.5.1's wheel is
+#              68.6 MB, more than the device tool carries) tests/test_nixl.py, 280 s at most
 #   bench      benches/bench_device_tier.py benches/bench_connector_gpu.py, 170 s at most
 # About 8 minutes at most in all.
 #

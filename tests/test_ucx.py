@@ -17,6 +17,7 @@ from attack import registered
 
 from kvbridge.store._buffers import cupy_module
 from kvbridge.transfer import LocalProtocolError, TransferEngine, TransferError, ucx_available
+from kvbridge.transfer._nixl_agent import nixl_available
 
 needs_ucx = pytest.mark.skipif(not ucx_available(), reason="ucxx is not installed (kvbridge[ucx])")
 cupy = cupy_module()
@@ -123,18 +124,25 @@ def test_a_gpu_region_refuses_ops_over_tcp(tcp_pair: tuple[TransferEngine, Trans
     assert dst.all()
 
 
-@needs_ucx
 @needs_gpu
-def test_gpu_regions_over_ucx() -> None:
+@pytest.mark.parametrize(
+    "transport",
+    [
+        pytest.param("ucx", marks=needs_ucx),
+        pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="no NIXL")),
+    ],
+)
+def test_gpu_regions_over_ucx(transport: str) -> None:
     """Host -> GPU writes, GPU -> GPU writes and GPU -> host reads, large ops (sent as they
-    are) and small ones (packed through host memory), bytes checked."""
+    are) and small ones (packed through host memory), bytes checked; over nixl too (NIXL's
+    UCX, GPU memory registered as VRAM, moved one-sided)."""
     assert cupy is not None
     sizes = [3 * MiB + 5, 4096, 100, 70_000, MiB]
     total = sum(sizes)
     host = np.random.default_rng(7).integers(0, 256, total, dtype=np.uint8)
     with (
-        TransferEngine("prefill", transports="ucx", timeout=10.0) as a,
-        TransferEngine("decode", transports="ucx", timeout=10.0) as b,
+        TransferEngine("prefill", transports=transport, timeout=10.0) as a,
+        TransferEngine("decode", transports=transport, timeout=10.0) as b,
     ):
         gpu_a, gpu_b = cupy.zeros(total, cupy.uint8), cupy.zeros(total, cupy.uint8)
         back = np.zeros(total, np.uint8)

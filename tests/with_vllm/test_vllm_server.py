@@ -15,6 +15,7 @@ from harness import LOADABLE, PATHS, PROMPTS, prompts, run_engine, spec, tokens
 from serve import ServeProcess
 
 from kvbridge.store import StoreClient
+from kvbridge.transfer._nixl_agent import nixl_available
 
 
 def _namespaces(server: ServeProcess) -> list[dict[str, Any]]:
@@ -64,13 +65,23 @@ def test_the_cache_survives_a_server_restart_on_disk(
         server.kill()
 
 
-@pytest.mark.parametrize("path", list(PATHS))
+KILLED: dict[str, tuple[dict[str, Any], str]] = {
+    **{path: (PATHS[path], "tcp") for path in PATHS},
+    "nixl": ({**PATHS["direct"], "transports": "nixl"}, "nixl"),
+}
+"""How pages move, and the server's transport, for the killed-server case."""
+
+
+@pytest.mark.parametrize("path", list(KILLED))
 def test_a_server_killed_mid_run_costs_recomputation_only(
     model: str, baseline: list[list[int]], path: str
 ) -> None:
-    server = ServeProcess("--host-capacity", "64MiB")
+    extra, transport = KILLED[path]
+    if transport == "nixl" and not nixl_available():
+        pytest.skip("NIXL is not installed here (tests/with_vllm/run installs it)")
+    server = ServeProcess("--host-capacity", "64MiB", "--transports", transport)
     try:
-        run = spec(model, {"server": server.address, "timeout": 5, **PATHS[path]}, rounds=3)
+        run = spec(model, {"server": server.address, "timeout": 5, **extra}, rounds=3)
         run.update(kill_after_round=0, kill_pid=server.proc.pid)
         result = run_engine(run, timeout=240)
     finally:
