@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import pytest
 from helpers import until
+from nixl_lane import NIXL_LANE
 
 from kvbridge.store import CacheServer, ServerConfig, StoreClient
 from kvbridge.tools._serve_cmds import read_listening
@@ -26,10 +27,15 @@ needs_nixl = pytest.mark.skipif(
     not nixl_available(), reason="NIXL is not installed (pip install --no-deps nixl-cu12)"
 )
 
-TRANSPORTS = ["tcp", pytest.param("ucx", marks=needs_ucx), pytest.param("nixl", marks=needs_nixl)]
+TRANSPORTS = (
+    [pytest.param("nixl", marks=needs_nixl)]
+    if NIXL_LANE
+    else ["tcp", pytest.param("ucx", marks=needs_ucx)]
+)
 """What holds over TCP holds over UCX, and over nixl where a one-sided transport can hold it:
 parametrize a ``transport`` fixture with these (the UCX and nixl cases skip, saying why,
-where ucxx or NIXL is missing; a case nixl cannot make skips with ``ONE_SIDED``)."""
+where ucxx or NIXL is missing; a case nixl cannot make skips with ``ONE_SIDED``). The nixl
+cases run in the nixl lane's process (``nixl_lane.py``), the others in the main one."""
 
 ONE_SIDED = (
     "one-sided (nixl): a client writes and reads the server's memory itself, so the server "

@@ -18,10 +18,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from attack import control_request, credentials, nixl_notify, nixl_session
+from gpu_moves import gpu_round_trip
 from helpers import reap, spawn_python, until
+from nixl_lane import NIXL_LANE
 from serve import ServeProcess
 
 from kvbridge.store import StoreClient, prefix_hashes
+from kvbridge.store._buffers import cupy_module
 from kvbridge.transfer import (
     AuthenticationError,
     Caller,
@@ -34,7 +37,10 @@ from kvbridge.transfer import (
 from kvbridge.transfer._nixl_agent import nixl_available
 
 needs_nixl = pytest.mark.skipif(
-    not nixl_available(), reason="NIXL is not installed (pip install --no-deps nixl-cu12)"
+    not NIXL_LANE or not nixl_available(),
+    reason="NIXL is not installed (pip install --no-deps nixl-cu12)"
+    if NIXL_LANE
+    else "runs in the nixl lane's process (test_nixl_lane.py): one UCX build a process",
 )
 
 MiB = 1 << 20
@@ -316,8 +322,17 @@ def test_nixl_is_tested_where_it_is_installed() -> None:
     that does not load fails here instead of skipping every nixl case in silence."""
     import importlib.util  # noqa: PLC0415
 
+    if not NIXL_LANE:
+        pytest.skip("runs in the nixl lane's process (test_nixl_lane.py)")
     if importlib.util.find_spec("nixl_cu12") is None and importlib.util.find_spec("nixl") is None:
         pytest.skip("NIXL is not installed: pip install --no-deps nixl-cu12==1.5.1")
     assert nixl_available(), "NIXL is installed but does not load"
     with TransferEngine(transports="nixl") as a, TransferEngine(transports="nixl") as b:
         assert a.connect(b.metadata()).transport == "nixl"
+
+
+@needs_nixl
+@pytest.mark.skipif(cupy_module() is None, reason="cupy with a CUDA GPU is not available")
+def test_gpu_memory_moves_as_it_is_over_nixl() -> None:
+    """GPU memory registered with NIXL as VRAM, moved one-sided (``gpu_moves``)."""
+    gpu_round_trip("nixl")

@@ -15,7 +15,6 @@ from serve import TRANSPORTS, ServeProcess
 
 from kvbridge.store import StoreClient, prefix_hashes
 from kvbridge.store.client import SERVER_FAULTS
-from kvbridge.transfer._nixl_agent import nixl_available
 
 TIMEOUT = 30.0
 """The clients' timeout: a call that waited it out would fail the bound below."""
@@ -28,8 +27,8 @@ BLOCKS = 256
 
 @pytest.fixture(params=TRANSPORTS)
 def served(request: pytest.FixtureRequest) -> Iterator[tuple[ServeProcess, StoreClient]]:
-    offered = ["tcp", "ucx"] + (["nixl"] if nixl_available() else [])
-    server = ServeProcess("--host-capacity", "1GiB", "--transports", ",".join(offered))
+    offered = "nixl" if request.param == "nixl" else "tcp,ucx"  # one UCX build a process
+    server = ServeProcess("--host-capacity", "1GiB", "--transports", offered)
     client = StoreClient(
         server.address,
         block_bytes=BLOCK,

@@ -15,6 +15,7 @@ import pytest
 from attack import credentials, data_pipe, region_in_use
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from nixl_lane import NIXL_LANE
 
 from kvbridge.transfer import (
     OP_DTYPE,
@@ -38,10 +39,13 @@ from kvbridge.transfer._streams import InitiatorStream
 NIXL = {"nixl-sm": "sm,self", "nixl-tcp": "tcp"}
 """The nixl cases: NIXL's UCX on shared memory (``cma`` moves the bytes) and on TCP."""
 TRANSPORTS = (
-    ["tcp", "memory"]
-    + (["ucx"] if ucx_available() else [])
-    + (list(NIXL) if nixl_available() else [])
+    (list(NIXL) if nixl_available() else [])
+    if NIXL_LANE
+    else ["tcp", "memory"] + (["ucx"] if ucx_available() else [])
 )
+"""In the nixl lane (``test_nixl_lane.py`` runs this suite again in a process of its own,
+``KVBRIDGE_TEST_NIXL=1``) the nixl cases; otherwise the others: NIXL's UCX and ucxx's do
+not share a process (``transfer/_ucx_builds.py``)."""
 ONE_SIDED = "one-sided (nixl): the target checks nothing and runs no data streams (docs/ACCESS.md)"
 
 
@@ -49,6 +53,8 @@ def test_ucx_is_tested_where_it_is_installed() -> None:
     """The UCX suite may skip only where ucxx is not installed: an installed ucxx that does
     not import (a broken UCX library, say) fails here instead of skipping every UCX case in
     silence, and the ucx transport is really the one a peer then uses."""
+    if NIXL_LANE:
+        pytest.skip("the nixl lane's process runs no ucx (transfer/_ucx_builds.py)")
     if importlib.util.find_spec("ucxx") is None:
         pytest.skip("ucxx is not installed: pip install 'kvbridge[ucx]' to run the UCX suite")
     assert ucx_available(), "ucxx is installed but its bindings do not import"

@@ -14,10 +14,10 @@ from typing import Any, ClassVar
 import numpy as np
 import pytest
 from attack import registered
+from gpu_moves import gpu_round_trip
 
 from kvbridge.store._buffers import cupy_module
 from kvbridge.transfer import LocalProtocolError, TransferEngine, TransferError, ucx_available
-from kvbridge.transfer._nixl_agent import nixl_available
 
 needs_ucx = pytest.mark.skipif(not ucx_available(), reason="ucxx is not installed (kvbridge[ucx])")
 cupy = cupy_module()
@@ -124,39 +124,9 @@ def test_a_gpu_region_refuses_ops_over_tcp(tcp_pair: tuple[TransferEngine, Trans
     assert dst.all()
 
 
+@needs_ucx
 @needs_gpu
-@pytest.mark.parametrize(
-    "transport",
-    [
-        pytest.param("ucx", marks=needs_ucx),
-        pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="no NIXL")),
-    ],
-)
-def test_gpu_regions_over_ucx(transport: str) -> None:
+def test_gpu_regions_over_ucx() -> None:
     """Host -> GPU writes, GPU -> GPU writes and GPU -> host reads, large ops (sent as they
-    are) and small ones (packed through host memory), bytes checked; over nixl too (NIXL's
-    UCX, GPU memory registered as VRAM, moved one-sided)."""
-    assert cupy is not None
-    sizes = [3 * MiB + 5, 4096, 100, 70_000, MiB]
-    total = sum(sizes)
-    host = np.random.default_rng(7).integers(0, 256, total, dtype=np.uint8)
-    with (
-        TransferEngine("prefill", transports=transport, timeout=10.0) as a,
-        TransferEngine("decode", transports=transport, timeout=10.0) as b,
-    ):
-        gpu_a, gpu_b = cupy.zeros(total, cupy.uint8), cupy.zeros(total, cupy.uint8)
-        back = np.zeros(total, np.uint8)
-        host_r, back_r, ga = a.register(host), a.register(back), a.register(gpu_a)
-        gb = b.register(gpu_b)
-        assert ga.device and gb.device
-        peer = a.connect(b.metadata())
-        offsets = np.cumsum([0, *sizes[:-1]]).tolist()
-        ops = [(host_r, o, gb.id, o, n) for o, n in zip(offsets, sizes, strict=True)]
-        peer.write(ops).wait(30)
-        np.testing.assert_array_equal(cupy.asnumpy(gpu_b), host)
-        gpu_b[:] = 0
-        cupy.copyto(gpu_a, cupy.asarray(host))
-        peer.write([(ga, o, gb.id, o, n) for o, n in zip(offsets, sizes, strict=True)]).wait(30)
-        np.testing.assert_array_equal(cupy.asnumpy(gpu_b), host)
-        peer.read([(back_r, o, gb.id, o, n) for o, n in zip(offsets, sizes, strict=True)]).wait(30)
-        np.testing.assert_array_equal(back, host)
+    are) and small ones (packed through host memory), bytes checked."""
+    gpu_round_trip("ucx")

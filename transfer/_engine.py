@@ -51,6 +51,7 @@ from ._settings import TransferSettings
 from ._streams import ServeHooks
 from ._transports import MemoryTransport, TcpDialer, TcpTransport, Transport
 from ._ucx import UcxTransport, ucx_available
+from ._ucx_builds import claim as claim_ucx
 from ._watchdog import Watchdog
 
 TRANSPORTS = ("tcp", "ucx", "nixl", "memory")
@@ -175,6 +176,7 @@ class TransferEngine(Closing):
                 raise LocalProtocolError(
                     "the nixl transport needs NIXL: pip install --no-deps nixl-cu12"
                 )
+            claim_ucx("nixl")
             return NixlTransport(
                 self.name, on_notify=self._notify, session_alive=self.session_alive
             )
@@ -192,6 +194,7 @@ class TransferEngine(Closing):
         if transport == "ucx":
             if not ucx_available():
                 raise LocalProtocolError("the ucx transport needs ucxx: pip install kvbridge[ucx]")
+            claim_ucx("ucx")
             return UcxTransport(accept)
         return MemoryTransport(accept)
 
