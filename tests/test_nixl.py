@@ -28,6 +28,7 @@ from kvbridge.store._buffers import cupy_module
 from kvbridge.transfer import (
     AuthenticationError,
     Caller,
+    LocalProtocolError,
     PeerClosed,
     RegionBusy,
     StillInFlight,
@@ -336,3 +337,13 @@ def test_nixl_is_tested_where_it_is_installed() -> None:
 def test_gpu_memory_moves_as_it_is_over_nixl() -> None:
     """GPU memory registered with NIXL as VRAM, moved one-sided (``gpu_moves``)."""
     gpu_round_trip("nixl")
+
+
+@needs_nixl
+def test_the_ucx_transport_is_refused_beside_nixl() -> None:
+    """NIXL's UCX and ucxx's do not share a process: once an engine ran nixl here, one that
+    asks for ucx is refused, saying why, before ucxx makes a context."""
+    with TransferEngine(transports="nixl"):
+        pass
+    with pytest.raises(LocalProtocolError, match=r"their UCX libraries clash|needs ucxx"):
+        TransferEngine(transports="ucx")

@@ -130,3 +130,13 @@ def test_gpu_regions_over_ucx() -> None:
     """Host -> GPU writes, GPU -> GPU writes and GPU -> host reads, large ops (sent as they
     are) and small ones (packed through host memory), bytes checked."""
     gpu_round_trip("ucx")
+
+
+@needs_ucx
+def test_the_nixl_transport_is_refused_beside_ucx() -> None:
+    """The other way round (``transfer/_ucx_builds.py``): after a ucx engine, nixl is refused
+    before NIXL makes an agent, whether or not NIXL is installed here."""
+    with TransferEngine(transports="ucx"):
+        pass
+    with pytest.raises(LocalProtocolError, match=r"clash|needs NIXL"):
+        TransferEngine(transports="nixl")
