@@ -1,4 +1,4 @@
-"""Whether this pytest process is the nixl lane: ``tests/test_nixl_lane.py`` runs the suites
+"""Whether this pytest process is the nixl lane: ``tests/with_nixl/run`` runs the suites
 that cover the ``nixl`` transport again in a process of its own, with
 ``KVBRIDGE_TEST_NIXL=1``, where only their nixl cases run. NIXL's UCX and ucxx's do not
 share a process (``transfer/_ucx_builds.py``), so the main process runs no nixl case and

@@ -41,7 +41,7 @@ needs_nixl = pytest.mark.skipif(
     not NIXL_LANE or not nixl_available(),
     reason="NIXL is not installed (pip install --no-deps nixl-cu12)"
     if NIXL_LANE
-    else "runs in the nixl lane's process (test_nixl_lane.py): one UCX build a process",
+    else "runs in the nixl lane's process (tests/with_nixl/run): one UCX build a process",
 )
 
 MiB = 1 << 20
@@ -324,7 +324,7 @@ def test_nixl_is_tested_where_it_is_installed() -> None:
     import importlib.util  # noqa: PLC0415
 
     if not NIXL_LANE:
-        pytest.skip("runs in the nixl lane's process (test_nixl_lane.py)")
+        pytest.skip("runs in the nixl lane's process (tests/with_nixl/run)")
     if importlib.util.find_spec("nixl_cu12") is None and importlib.util.find_spec("nixl") is None:
         pytest.skip("NIXL is not installed: pip install --no-deps nixl-cu12==1.5.1")
     assert nixl_available(), "NIXL is installed but does not load"

@@ -43,7 +43,7 @@ TRANSPORTS = (
     if NIXL_LANE
     else ["tcp", "memory"] + (["ucx"] if ucx_available() else [])
 )
-"""In the nixl lane (``test_nixl_lane.py`` runs this suite again in a process of its own,
+"""In the nixl lane (``tests/with_nixl/run`` runs this suite again in a process of its own,
 ``KVBRIDGE_TEST_NIXL=1``) the nixl cases; otherwise the others: NIXL's UCX and ucxx's do
 not share a process (``transfer/_ucx_builds.py``)."""
 ONE_SIDED = "one-sided (nixl): the target checks nothing and runs no data streams (docs/ACCESS.md)"
