@@ -68,7 +68,9 @@ KVBRIDGE_TRANSPORT = {"tcp": "tcp", "sm": "ucx", "nixl-tcp": "nixl", "nixl-sm": 
 LABEL = {"tcp": "tcp", "sm": "ucx/sm", "nixl-tcp": "nixl/tcp", "nixl-sm": "nixl/sm"}
 """The pairings: kvbridge's own transports (``tcp``, ``sm``: its UCX one) and kvbridge over
 NIXL (``nixl-*``: the engine's ``nixl`` transport, its UCX on the same ``UCX_TLS``), each
-against NIXL's own API on the same UCX transports."""
+against NIXL's own API on the same UCX transports. One process runs kvbridge's ucx or its
+nixl, never both (``transfer/_ucx_builds.py``): run ``-k "nixl-"`` and ``-k "not nixl-"``
+apart."""
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20]
 BATCH = 128
 BIG_BATCH = 16
