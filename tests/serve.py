@@ -16,8 +16,7 @@ from nixl_lane import NIXL_LANE
 
 from kvbridge.store import CacheServer, ServerConfig, StoreClient
 from kvbridge.tools._serve_cmds import read_listening
-from kvbridge.transfer import Caller, ucx_available
-from kvbridge.transfer._nixl_agent import nixl_available
+from kvbridge.transfer import Caller, nixl_available, ucx_available
 
 if TYPE_CHECKING:
     from kvbridge.store.server._namespaces import Namespace

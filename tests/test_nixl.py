@@ -34,8 +34,8 @@ from kvbridge.transfer import (
     StillInFlight,
     TransferEngine,
     TransferError,
+    nixl_available,
 )
-from kvbridge.transfer._nixl_agent import nixl_available
 
 needs_nixl = pytest.mark.skipif(
     not NIXL_LANE or not nixl_available(),

@@ -28,9 +28,9 @@ from kvbridge.transfer import (
     RegionInfo,
     TransferEngine,
     TransferError,
+    nixl_available,
     ucx_available,
 )
-from kvbridge.transfer._nixl_agent import nixl_available
 from kvbridge.transfer._protocol import ErrorCode
 from kvbridge.transfer._streams import InitiatorStream
 

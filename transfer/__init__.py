@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from ._gate import Connection, ConnectionGate
     from ._handle import TransferHandle
     from ._keyring import DEFAULT_PRINCIPAL, Principal
+    from ._nixl_agent import nixl_available
     from ._ops import OP_DTYPE
     from ._peer import Peer
     from ._regions import Admission, Region, RegionInfo
@@ -70,6 +71,7 @@ _LAZY = {
     "Caller": "._sessions",
     "TransferSettings": "._settings",
     "NotifyRefused": "._streams",
+    "nixl_available": "._nixl_agent",
     "ucx_available": "._ucx",
 }
 """The engine (pyzmq, threads) loads on first use: the store's modules that need only a
@@ -112,6 +114,7 @@ __all__ = [
     "TransferHandle",
     "TransferSettings",
     "is_device",
+    "nixl_available",
     "open_files_limit",
     "parse_address",
     "raise_open_files",

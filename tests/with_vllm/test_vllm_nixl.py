@@ -9,7 +9,7 @@ import pytest
 from harness import LOADABLE, run_engine, spec, tokens
 from serve import ServeProcess
 
-from kvbridge.transfer._nixl_agent import nixl_available
+from kvbridge.transfer import nixl_available
 
 pytestmark = pytest.mark.skipif(
     not nixl_available(), reason="NIXL is not installed here (tests/with_vllm/run installs it)"

@@ -23,7 +23,7 @@ from harness import BLOCK, PATHS, PROMPTS
 from serve import ServeProcess
 
 from kvbridge.store import ClusterClient
-from kvbridge.transfer._nixl_agent import nixl_available
+from kvbridge.transfer import nixl_available
 
 ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1"}
 

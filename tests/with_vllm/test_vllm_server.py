@@ -15,7 +15,7 @@ from harness import LOADABLE, PATHS, PROMPTS, prompts, run_engine, spec, tokens
 from serve import ServeProcess
 
 from kvbridge.store import StoreClient
-from kvbridge.transfer._nixl_agent import nixl_available
+from kvbridge.transfer import nixl_available
 
 
 def _namespaces(server: ServeProcess) -> list[dict[str, Any]]:
