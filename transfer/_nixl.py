@@ -248,11 +248,7 @@ class NixlTransport:
     ) -> NixlLink:
         """Link to a peer through ``request`` (its signed ``link`` control request), for its
         regions of ``lengths`` (id: bytes, as its metadata says)."""
-        reply = request({"agent": self._agent.metadata(), "regions": list(lengths)})
-        metadata, session = reply.get("agent"), reply.get("session")
-        if not isinstance(metadata, bytes) or not isinstance(session, int):
-            raise PeerClosed("the peer answered a nixl link without its agent")
-        regions = remote_regions(reply.get("regions"), lengths)
+        metadata, session, regions = self._ask(request, lengths)
         link = NixlLink(self, self._load(metadata), session, regions)
         with self._lock:
             self._links.add(link)
@@ -271,14 +267,21 @@ class NixlTransport:
     ) -> None:
         """Ask the peer again where its regions live, and load its agent's metadata again
         (a region it registered since is in it)."""
-        reply = request({"agent": self._agent.metadata(), "regions": list(lengths)})
-        metadata = reply.get("agent")
-        if not isinstance(metadata, bytes):
-            raise PeerClosed("the peer answered a nixl link without its agent")
+        metadata, _, link.remote = self._ask(request, lengths)
         agent = self._agent
         with agent.lock:
             agent.nixl.add_remote_agent(metadata)  # the same name: its metadata updated
-        link.remote = remote_regions(reply.get("regions"), lengths)
+
+    def _ask(
+        self, request: Callable[[dict[str, Any]], dict[str, Any]], lengths: dict[int, int]
+    ) -> tuple[bytes, int, dict[int, RemoteRegion]]:
+        """One ``link`` request: the peer's agent metadata, our session's serial there, and
+        where its regions of ``lengths`` live."""
+        reply = request({"agent": self._agent.metadata(), "regions": list(lengths)})
+        metadata, session = reply.get("agent"), reply.get("session")
+        if not isinstance(metadata, bytes) or not isinstance(session, int):
+            raise PeerClosed("the peer answered a nixl link without its agent")
+        return metadata, session, remote_regions(reply.get("regions"), lengths)
 
     def post(self, flight: _Flight, token: int) -> bool:
         """Track ``flight`` (under the agent's lock, with its transfers made: the progress
@@ -508,9 +511,6 @@ class NixlLink:
         self._session = _TOKEN.pack(session)
         self.remote = regions
         self._prepped: dict[tuple[str, int, int], Any] = {}
-
-    def update(self, regions: dict[int, RemoteRegion]) -> None:
-        self.remote = regions
 
     def submit(
         self,
