@@ -44,7 +44,7 @@ import struct
 import threading
 import weakref
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,9 +59,11 @@ from ._errors import (
 )
 from ._handle import TransferHandle
 from ._nixl_agent import Agent, Progress
+from ._ops import OP_DTYPE
 from ._protocol import ErrorCode
 from ._regions import Region
 from ._sessions import Caller
+from ._small import Rows
 
 _log = logging.getLogger("kvbridge.transfer")
 
@@ -73,9 +75,6 @@ _CODE = struct.Struct("!H")
 MAX_PREPPED_PAGES = 1 << 18
 """Descriptors one prepared list may hold (a region cut into pages): a 16 GiB slab in
 64 KiB pages. Batches whose pages would need more go through ``initialize_xfer``."""
-
-_FEW = 8
-"""Batches of at most this many ops are planned in plain integers."""
 
 MIN_PREPPED_PAGE = 4096
 """The smallest page a region is cut into for a prepared list."""
@@ -370,6 +369,10 @@ class NixlTransport:
         with self._lock:
             if self._flights.pop(token, None) is None:
                 return
+        self.settle(flight)
+
+    def settle(self, flight: _Flight) -> None:
+        """Settle the batch of a flight that is over (and no longer tracked)."""
         error = flight.error or flight.expired
         if flight.cut_short and error is not None:
             error = StillInFlight(
@@ -514,7 +517,7 @@ class NixlLink:
 
     def submit(
         self,
-        ops: np.ndarray,
+        ops: Rows | np.ndarray,
         local: dict[int, Region],
         access: str,
         notify: bytes | None,
@@ -522,7 +525,8 @@ class NixlLink:
     ) -> int | None:
         """Post the batch ``ops`` (checked: every op inside its regions) as NIXL transfers;
         the token the flight is known by, or ``None`` when it is over already (moved as it
-        was posted, or failed to post)."""
+        was posted, or failed to post). Only a flight with something left to wait for is
+        tracked: one moved at once never wakes the progress thread."""
         transport = self._transport
         token = transport.token()
         flight = _Flight(handle, self, [], notify is not None)
@@ -535,18 +539,16 @@ class NixlLink:
                     last = index == len(groups) - 1
                     transfer = self._make(operation, part, local, message if last else b"")
                     flight.transfers.append(transfer)
-                if not transport.post(flight, token):
+                if flight.answer_due and not transport.post(flight, token):  # before its answer
                     raise PeerClosed("the nixl transport is closed")
                 if not groups and message:
                     self._nixl.send_notif(self.agent, message)
-                done = [t for t in flight.transfers if self._post(t)]
-                if len(done) == len(flight.transfers):  # moved at once (shared memory)
-                    for transfer in done:
-                        _release(self._nixl, transfer)
-                    flight.transfers = []
-                    if not flight.answer_due:
-                        transport.land(token, flight)
-                        return None
+                flight.transfers = [t for t in flight.transfers if not self._post(t)]
+                if not flight.transfers and not flight.answer_due:
+                    transport.settle(flight)
+                    return None
+                if not transport.post(flight, token):
+                    raise PeerClosed("the nixl transport is closed")
             except Exception as exc:
                 error = exc if isinstance(exc, TransferError) else PeerClosed(f"nixl: {exc}")
                 flight.error = flight.error or error
@@ -558,45 +560,41 @@ class NixlLink:
         return token
 
     def _post(self, transfer: Any) -> bool:
-        """Start ``transfer``; whether it is done already."""
+        """Start ``transfer``; whether it is done already (then it is released)."""
         state = str(self._nixl.transfer(transfer))
         if state == "ERR":
             raise PeerClosed("the nixl transfer failed at once (peer gone?)")
-        return state == "DONE"
+        if state == "DONE":
+            _release(self._nixl, transfer)
+            return True
+        return False
 
     def _make(
-        self, operation: str, ops: np.ndarray, local: dict[int, Region], message: bytes
+        self, operation: str, ops: Rows | np.ndarray, local: dict[int, Region], message: bytes
     ) -> Any:
-        local_region = local[int(ops["local_region"][0])]
-        remote_id = int(ops["remote_region"][0])
+        """One NIXL transfer of ``ops`` (all between one local and one remote region):
+        prepared lists by page index where every offset and length is whole pages."""
+        if isinstance(ops, list):
+            local_region, remote_id = local[ops[0][0]], ops[0][2]
+        else:
+            local_region = local[int(ops["local_region"][0])]
+            remote_id = int(ops["remote_region"][0])
         remote = self.remote.get(remote_id)
         if remote is None:
             raise LocalProtocolError(f"the peer's nixl agent has no region {remote_id}")
         longest = max(local_region.length, remote.length)
-        if len(ops) <= _FEW:  # in plain integers: numpy's calls cost more than the work
-            rows = ops.tolist()
-            page = _page(math.gcd(*(v for r in rows for v in (r[1], r[3], r[4]))), longest)
-            if page:
-                mine_idx: Any = _few_pages(rows, 1, page)
-                their_idx: Any = _few_pages(rows, 3, page)
-        else:
-            columns = (ops["local_offset"], ops["remote_offset"], ops["length"])
-            page = _page(
-                math.gcd(*(int(np.gcd.reduce(c.astype(np.int64))) for c in columns)), longest
-            )
-            if page:
-                lengths = ops["length"] // page
-                mine_idx = _pages(ops["local_offset"] // page, lengths)
-                their_idx = _pages(ops["remote_offset"] // page, lengths)
-        if page:
+        pages = _few_indices(ops, longest) if isinstance(ops, list) else _indices(ops, longest)
+        if pages is not None:
+            page, mine_idx, their_idx = pages
             mine = self._prepped_side("", local_region.id, page, local_region)
             theirs = self._prepped_side(self.agent, remote_id, page, remote)
             return self._nixl.make_prepped_xfer(
                 operation, mine, mine_idx, theirs, their_idx, message
             )
+        array = np.array(ops, OP_DTYPE) if isinstance(ops, list) else ops
         address, device, memory = memory_of(local_region)
-        mine_descs = _descs(address, device, ops["local_offset"], ops["length"])
-        their_descs = _descs(remote.address, remote.device, ops["remote_offset"], ops["length"])
+        mine_descs = _descs(address, device, array["local_offset"], array["length"])
+        their_descs = _descs(remote.address, remote.device, array["remote_offset"], array["length"])
         return self._nixl.initialize_xfer(
             operation,
             self._nixl.get_xfer_descs(mine_descs, memory),
@@ -659,12 +657,15 @@ class NixlLink:
         self._transport.unlink(self)
 
 
-def _groups(ops: np.ndarray) -> list[np.ndarray]:
+def _groups(ops: Rows | np.ndarray) -> Sequence[Rows | np.ndarray]:
     """The batch's ops by (local region, remote region): one NIXL transfer each."""
-    if len(ops) == 0:
-        return []
-    if len(ops) == 1:
-        return [ops]
+    if len(ops) <= 1:
+        return [ops] if len(ops) else []
+    if isinstance(ops, list):
+        by_pair: dict[tuple[int, int], Rows] = {}
+        for row in ops:
+            by_pair.setdefault((row[0], row[2]), []).append(row)
+        return list(by_pair.values())
     local, remote = ops["local_region"], ops["remote_region"]
     if (local == local[0]).all() and (remote == remote[0]).all():
         return [ops]
@@ -680,9 +681,32 @@ def _page(unit: int, longest: int) -> int:
     return unit
 
 
-def _few_pages(rows: list[Any], column: int, page: int) -> list[int]:
-    """The page indices of a few ops' ``column`` (local or remote offset) side."""
-    return [i for row in rows for i in range(row[column] // page, (row[column] + row[4]) // page)]
+_Pages = tuple[int, np.ndarray, np.ndarray]
+"""A batch as prepared-list indices: the page size, the local and the remote page indices."""
+
+
+def _few_indices(rows: Rows, longest: int) -> _Pages | None:
+    """A few ops' page indices, in plain integers (numpy's calls cost more than the work)."""
+    page = _page(math.gcd(*(v for row in rows for v in (row[1], row[3], row[4]))), longest)
+    if not page:
+        return None
+    mine = [i for r in rows for i in range(r[1] // page, (r[1] + r[4]) // page)]
+    theirs = [i for r in rows for i in range(r[3] // page, (r[3] + r[4]) // page)]
+    return page, np.array(mine, np.int32), np.array(theirs, np.int32)
+
+
+def _indices(ops: np.ndarray, longest: int) -> _Pages | None:
+    columns = (ops["local_offset"], ops["remote_offset"], ops["length"])
+    unit = math.gcd(*(int(np.gcd.reduce(c.astype(np.int64))) for c in columns))
+    page = _page(unit, longest)
+    if not page:
+        return None
+    lengths = ops["length"] // page
+    return (
+        page,
+        _pages(ops["local_offset"] // page, lengths),
+        _pages(ops["remote_offset"] // page, lengths),
+    )
 
 
 def _pages(first: np.ndarray, counts: np.ndarray) -> np.ndarray:

@@ -18,12 +18,12 @@ from ._errors import LocalProtocolError, PeerClosed, StillInFlight, TransferErro
 from ._handle import TransferHandle
 from ._metadata import EngineInfo
 from ._nixl import NixlLink
-from ._ops import OP_DTYPE, FramePlan, check, normalize, plan
+from ._ops import FramePlan, check, normalize, plan
 from ._protocol import MAX_CONTROL_BYTES
 from ._regions import Region, RegionInfo, RegionTable
 from ._sessions import Credentials
 from ._settings import TransferSettings
-from ._small import check_small, plan_small, small_rows
+from ._small import Rows, check_small, plan_small, small_rows
 from ._streams import InitiatorStream, Pending
 from ._watchdog import Watchdog
 
@@ -406,20 +406,23 @@ class Peer:
         return handle
 
     def _submit_one_sided(self, ops: Any, access: str, notify: bytes | None) -> TransferHandle:
-        """The batch as NIXL transfers (checked here: the target checks nothing)."""
+        """The batch as NIXL transfers (checked here: the target checks nothing). A small
+        batch stays plain integers from the caller's list to NIXL's index lists."""
         engine = self._engine
         rows = small_rows(ops)
+        batch: Rows | np.ndarray
         if rows is not None:
+            batch = rows
             local = check_small(rows, engine.regions, self.regions, access, device_ok=True)
-            batch = np.array(rows, OP_DTYPE)
+            nbytes = sum(row[4] for row in rows)
         else:
             batch = normalize(ops)
             local = check(batch, engine.regions, self.regions, access, device_ok=True)
+            nbytes = int(batch["length"].sum())
         with self._lock:
             link = self._link
             if self._error is not None or link is None:
                 raise PeerClosed(f"peer {self.name} is closed: {self._error}")
-        nbytes = int(batch["length"].sum())
         parts = 1 if len(batch) or notify is not None else 0
         engine.regions.acquire(local)
         handle = TransferHandle(
