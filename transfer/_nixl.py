@@ -687,26 +687,39 @@ _Pages = tuple[int, np.ndarray, np.ndarray]
 
 def _few_indices(rows: Rows, longest: int) -> _Pages | None:
     """A few ops' page indices, in plain integers (numpy's calls cost more than the work)."""
-    page = _page(math.gcd(*(v for row in rows for v in (row[1], row[3], row[4]))), longest)
-    if not page:
-        return None
-    mine = [i for r in rows for i in range(r[1] // page, (r[1] + r[4]) // page)]
-    theirs = [i for r in rows for i in range(r[3] // page, (r[3] + r[4]) // page)]
+    if len(rows) == 1:  # one op: the latency path
+        _, mine_at, _, theirs_at, length = rows[0]
+        page = _page(math.gcd(mine_at, theirs_at, length), longest)
+        if not page:
+            return None
+        first, count = mine_at // page, length // page
+        start = theirs_at // page
+        mine, theirs = list(range(first, first + count)), list(range(start, start + count))
+    else:
+        page = _page(math.gcd(*[v for row in rows for v in (row[1], row[3], row[4])]), longest)
+        if not page:
+            return None
+        mine = [i for r in rows for i in range(r[1] // page, (r[1] + r[4]) // page)]
+        theirs = [i for r in rows for i in range(r[3] // page, (r[3] + r[4]) // page)]
     return page, np.array(mine, np.int32), np.array(theirs, np.int32)
 
 
 def _indices(ops: np.ndarray, longest: int) -> _Pages | None:
-    columns = (ops["local_offset"], ops["remote_offset"], ops["length"])
-    unit = math.gcd(*(int(np.gcd.reduce(c.astype(np.int64))) for c in columns))
+    """A batch's page indices: its one op length where every offset is a multiple of it
+    (engine pages: a few numpy calls), else the greatest common divisor of them all."""
+    offsets, lengths = (ops["local_offset"], ops["remote_offset"]), ops["length"]
+    length = int(lengths[0])
+    if (lengths == length).all() and not any((o % length).any() for o in offsets):
+        page = _page(length, longest)
+        if not page:
+            return None
+        return page, (offsets[0] // page).astype(np.int32), (offsets[1] // page).astype(np.int32)
+    unit = math.gcd(*(int(np.gcd.reduce(c.astype(np.int64))) for c in (*offsets, lengths)))
     page = _page(unit, longest)
     if not page:
         return None
-    lengths = ops["length"] // page
-    return (
-        page,
-        _pages(ops["local_offset"] // page, lengths),
-        _pages(ops["remote_offset"] // page, lengths),
-    )
+    counts = lengths // page
+    return page, _pages(offsets[0] // page, counts), _pages(offsets[1] // page, counts)
 
 
 def _pages(first: np.ndarray, counts: np.ndarray) -> np.ndarray:
