@@ -1,6 +1,7 @@
 """Slot memory: one preallocated buffer carved into fixed-size slots.
 
-:class:`HostSlab` is an anonymous ``mmap`` (so it is page-aligned), registered with CUDA as
+:class:`HostSlab` is a private anonymous ``mmap`` (page-aligned, in huge pages where the
+kernel has them), registered with CUDA as
 pinned memory when cupy and a GPU are present (host<->device copies then run at full PCIe
 speed and can be asynchronous). :class:`DeviceSlab` is one ``cupy`` allocation. Both hand
 out zero-copy views of slots; the slot tier on top of them is the same code.
@@ -40,6 +41,20 @@ class SlotMemory(Protocol):
         """Release the memory (views still held elsewhere keep it alive)."""
 
 
+def _anonymous(length: int) -> mmap.mmap:
+    """Private anonymous memory, in transparent huge pages where the kernel has them
+    (``MADV_HUGEPAGE``). A peer's kernel copy into or out of a slot (UCX ``cma``:
+    ``process_vm_writev``/``readv``) pins each page it touches: 32 KiB pages moved at
+    4.1-4.4 GB/s into private huge pages, 2.8-3.0 GB/s into the shared 4 KiB pages this
+    slab was before (``benches/README.md``, issue 36)."""
+    memory = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE)
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
+    if advice is not None:
+        with contextlib.suppress(OSError):  # a kernel without transparent huge pages
+            memory.madvise(advice)
+    return memory
+
+
 class HostSlab:
     """``slots * block_bytes`` bytes of page-aligned host memory.
 
@@ -62,8 +77,7 @@ class HostSlab:
             raise ValueError(f"bad slab geometry: {slots} slots of {block_bytes} bytes")
         self.slots = slots
         self.block_bytes = block_bytes
-        flags = mmap.MAP_SHARED  # what mmap(-1, n) maps by default (anonymous added for -1)
-        self._mmap: mmap.mmap | None = mmap.mmap(-1, max(slots * block_bytes, 1), flags=flags)
+        self._mmap: mmap.mmap | None = _anonymous(max(slots * block_bytes, 1))
         self.array: np.ndarray = np.frombuffer(self._mmap, dtype=np.uint8)[: slots * block_bytes]
         if prefault:
             # A write to each page, by numpy, which lets other threads run meanwhile
