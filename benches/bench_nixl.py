@@ -55,6 +55,7 @@ from _transfer_target import TOTAL, read_ready, shuffled_offsets
 from conftest import _EXTRA_LINES
 
 from kvbridge.transfer import OP_DTYPE, TransferEngine, ucx_available
+from kvbridge.transfer._nixl_agent import UCX_SEGMENTS
 
 try:
     api = nixl_api()
@@ -97,8 +98,11 @@ def _environ(name: str, value: str) -> Iterator[None]:
 
 
 def _agent(name: str) -> Any:
-    """A NIXL agent with the UCX backend and no progress thread (the caller progresses it)."""
-    with _environ("UCX_MODULES", UCX_MODULES):
+    """A NIXL agent with the UCX backend and no progress thread (the caller progresses it),
+    its UCX with the segment size kvbridge's nixl transport sets (``UCX_SEGMENTS``)."""
+    with contextlib.ExitStack() as settings:
+        for key, value in {"UCX_MODULES": UCX_MODULES, **UCX_SEGMENTS}.items():
+            settings.enter_context(_environ(key, os.environ.get(key, value)))
         agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=[]))
         if "UCX" not in agent.get_plugin_list():
             raise RuntimeError(f"no UCX plugin (plugins: {agent.get_plugin_list()})")
@@ -168,6 +172,7 @@ class _Rig:
         self.target = _spawn(
             stack,
             "_nixl_target.py",
+            **{k: v for k, v in UCX_SEGMENTS.items() if k not in os.environ},
             UCX_TLS=tls,
             UCX_MODULES=UCX_MODULES,
             NIXL_LOG_LEVEL="WARN",

@@ -38,6 +38,13 @@ overrides it). NIXL's default, ``peer``, refuses UCX's shared-memory transports,
 have no peer-failure handler; with ``none``, a transfer to a dead peer fails where the
 transport reports it (``cma``: the process is gone) and otherwise at the batch deadline."""
 
+UCX_SEGMENTS = {"UCX_TCP_TX_SEG_SIZE": "256k", "UCX_TCP_RX_SEG_SIZE": "256k"}
+"""UCX over TCP moves a one-sided op as messages of at most a segment, each handled by
+the target (UCX's default is 8 KiB): with 256 KiB, 4,032 pages of 32 KiB through a server
+loaded at 1.37 GB/s where they loaded at 0.53 (saved at 0.74 where 0.61; ``benches/README.md``,
+issue 36). Both ends of a link are kvbridge's, so both use the same; the environment's own
+``UCX_TCP_*_SEG_SIZE`` wins."""
+
 PROGRESS_TIMEOUT = 100_000
 """The poll timeout of NIXL's progress thread (``pthrDelay``): it wakes on UCX's events
 before it, so this only bounds how long it sleeps with nothing to do."""
@@ -109,7 +116,7 @@ class Agent:
             finally:
                 bind.nixlAgentConfig = plain
         mode = os.environ.get("KVBRIDGE_NIXL_ERROR_HANDLING", ERROR_HANDLING)
-        with _ucx_tls(os.environ.get("KVBRIDGE_NIXL_UCX_TLS")):
+        with _ucx_environment(_ucx_settings()):
             self.nixl.create_backend("UCX", {"ucx_error_handling_mode": mode})
 
     def metadata(self) -> bytes:
@@ -133,24 +140,43 @@ def _config_class(plain: Any, delay: int) -> Any:
     return Config
 
 
+def _ucx_settings() -> dict[str, str]:
+    """The UCX settings the agent's context is made with: ``UCX_TLS`` from
+    ``KVBRIDGE_NIXL_UCX_TLS`` where set, and ``UCX_SEGMENTS`` where TCP may be used and
+    the environment sets none of its own (UCX warns of a setting of a transport unused)."""
+    tls = os.environ.get("KVBRIDGE_NIXL_UCX_TLS")
+    settings = {} if tls is None else {"UCX_TLS": tls}
+    if _uses_tcp(tls or os.environ.get("UCX_TLS") or "all"):
+        settings.update({k: v for k, v in UCX_SEGMENTS.items() if k not in os.environ})
+    return settings
+
+
+def _uses_tcp(tls: str) -> bool:
+    """Whether UCX may use TCP with ``UCX_TLS=tls`` (a list, or ``^`` and the excluded)."""
+    if tls.startswith("^"):
+        return "tcp" not in tls[1:].split(",")
+    return any(name in ("all", "tcp") for name in tls.split(","))
+
+
 @contextlib.contextmanager
-def _ucx_tls(tls: str | None) -> Iterator[None]:
-    """``UCX_TLS`` set to ``tls`` while NIXL's UCX context is made (UCX reads it then, and
-    NIXL takes no transports of its own), as it was before afterwards: the ``nixl``
-    transport's UCX transports (``KVBRIDGE_NIXL_UCX_TLS``) apart from the ``ucx`` one's."""
-    if tls is None:
+def _ucx_environment(settings: dict[str, str]) -> Iterator[None]:
+    """``settings`` in the environment while NIXL's UCX context is made (UCX reads them
+    then, and NIXL takes no UCX settings of its own), as it was before afterwards: the
+    ``nixl`` transport's UCX apart from the ``ucx`` one's."""
+    if not settings:
         yield
         return
     with _ENV_LOCK:
-        before = os.environ.get("UCX_TLS")
-        os.environ["UCX_TLS"] = tls
+        before = {name: os.environ.get(name) for name in settings}
+        os.environ.update(settings)
         try:
             yield
         finally:
-            if before is None:
-                del os.environ["UCX_TLS"]
-            else:
-                os.environ["UCX_TLS"] = before
+            for name, value in before.items():
+                if value is None:
+                    del os.environ[name]
+                else:
+                    os.environ[name] = value
 
 
 class Progress:
