@@ -347,3 +347,18 @@ def test_the_ucx_transport_is_refused_beside_nixl() -> None:
         pass
     with pytest.raises(LocalProtocolError, match=r"their UCX libraries clash|needs ucxx"):
         TransferEngine(transports="ucx")
+
+
+@needs_nixl
+def test_auto_takes_nixl_only_asked_for_here() -> None:
+    """``transports="auto"`` where ucxx is installed beside NIXL (this venv): an engine
+    that serves never offers nixl by itself (a one-sided peer reaches any byte it
+    registered), and once nixl holds this process's UCX, auto takes tcp rather than a ucx
+    that would be refused. (Where ucxx is not installed, a dialing auto engine takes nixl:
+    ``tests/with_vllm/test_vllm_nixl.py``.)"""
+    with (
+        TransferEngine("nixl-side", transports=("nixl", "tcp")) as nixl_side,
+        TransferEngine("auto-side", transports="auto") as auto_side,
+    ):
+        assert nixl_side.connect(auto_side.metadata()).transport == "tcp"
+        assert auto_side.connect(nixl_side.metadata()).transport == "tcp"

@@ -52,6 +52,7 @@ from ._streams import ServeHooks
 from ._transports import MemoryTransport, TcpDialer, TcpTransport, Transport
 from ._ucx import UcxTransport, ucx_available
 from ._ucx_builds import claim as claim_ucx
+from ._ucx_builds import free_for
 from ._watchdog import Watchdog
 
 TRANSPORTS = ("tcp", "ucx", "nixl", "memory")
@@ -73,8 +74,10 @@ class TransferEngine(Closing):
     ``host``/``port``: where the control socket listens (127.0.0.1 and a free port by
     default; the TCP data listener uses the same host and ``data_port``). ``transports``:
     ``"tcp"``, ``"ucx"`` (ucxx: shared memory on one host, TCP or RDMA between hosts),
-    ``"memory"`` (peers in this process), several in order of preference, or ``"auto"``
-    (``ucx`` then ``tcp`` where ucxx imports, else ``tcp``); a peer gets the first one it
+    ``"memory"`` (peers in this process), ``"nixl"`` (one-sided, trusted peers only),
+    several in order of preference, or ``"auto"`` (``ucx`` then ``tcp`` where ucxx imports,
+    else ``tcp``; a dialing engine where NIXL imports and ucxx does not: ``nixl`` then
+    ``tcp``); a peer gets the first one it
     also offers (``peer.transport``). ``secret``: a
     shared secret (bytes or str); engines then authenticate each other and refuse peers
     that do not know it. ``principal``: who this engine speaks for when it connects
@@ -105,7 +108,7 @@ class TransferEngine(Closing):
         self.settings = TransferSettings.from_kwargs(settings)
         self.serves = serve
         self._clock = clock
-        chosen = _chosen(transports)
+        chosen = _chosen(transports, serve=serve)
         self.name = name or f"kvbridge-{secrets.token_hex(4)}"
         self._secret = secret.encode() if isinstance(secret, str) else secret
         self.principal = check_principal(principal)
@@ -445,10 +448,21 @@ class TransferEngine(Closing):
                 self._counters["bytes_read"] += handle.bytes
 
 
-def _chosen(transports: Sequence[str] | str) -> list[str]:
-    """The transports asked for, in order (``"auto"``: ucx where ucxx imports, then tcp)."""
+def _auto(*, serve: bool) -> tuple[str, ...]:
+    """``"auto"``: ucx where ucxx imports, then tcp. An engine that only dials (a cache
+    client) where NIXL imports and ucxx does not takes nixl first instead (one-sided, to a
+    server that offers it; ucxx's UCX and NIXL's do not share a process, so where both are
+    installed ``auto`` keeps ucx, and nixl is asked for by name). An engine that serves
+    never takes nixl unasked: a one-sided peer reaches any byte it registered."""
+    if not serve and nixl_available() and not ucx_available() and free_for("nixl"):
+        return ("nixl", "tcp")
+    return ("ucx", "tcp") if ucx_available() and free_for("ucx") else ("tcp",)
+
+
+def _chosen(transports: Sequence[str] | str, *, serve: bool) -> list[str]:
+    """The transports asked for, in order; ``"auto"``: see :func:`_auto`."""
     if transports == "auto" or list(transports) == ["auto"]:
-        transports = ("ucx", "tcp") if ucx_available() else ("tcp",)
+        transports = _auto(serve=serve)
     elif isinstance(transports, str):
         transports = (transports,)
     chosen = list(transports)

@@ -30,3 +30,9 @@ def claim(transport: str) -> None:
                 "transport ran: their UCX libraries clash (NIXL's and ucxx's); run it in a "
                 "process of its own"
             )
+
+
+def free_for(transport: str) -> bool:
+    """Whether ``transport`` may still take this process's UCX."""
+    with _lock:
+        return _claimed in (None, transport)

@@ -71,7 +71,8 @@ class ConnectorConfig:
     transports: str = "tcp"
     """How pages travel to the server: ``"tcp"``; ``"ucx"``; ``"nixl"`` (one-sided NIXL
     reads and writes: a server of one trust domain, ``docs/ACCESS.md``); ``"auto"`` (UCX where
-    both ends have it, else TCP). A KV cache in GPU memory moves directly over UCX or nixl
+    both ends have it, else TCP; where NIXL is installed and ucxx is not, nixl where the
+    server offers it, else TCP). A KV cache in GPU memory moves directly over UCX or nixl
     where the transport takes GPU memory, and through the staging buffer otherwise."""
     staging: str = "auto"
     """``"auto"``: pages in GPU memory that the transport cannot take go through a host

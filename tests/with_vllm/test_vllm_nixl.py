@@ -9,7 +9,8 @@ import pytest
 from harness import LOADABLE, run_engine, spec, tokens
 from serve import ServeProcess
 
-from kvbridge.transfer import nixl_available
+from kvbridge.store import StoreClient
+from kvbridge.transfer import nixl_available, ucx_available
 
 pytestmark = pytest.mark.skipif(
     not nixl_available(), reason="NIXL is not installed here (tests/with_vllm/run installs it)"
@@ -31,3 +32,21 @@ def test_a_fresh_instance_loads_what_another_saved_over_nixl(
         assert second["stats"]["tokens_loaded"] == LOADABLE
     finally:
         server.kill()
+
+
+@pytest.mark.skipif(ucx_available(), reason="ucxx is installed here: auto keeps ucx")
+def test_auto_takes_nixl_where_ucxx_is_not_installed() -> None:
+    """A client's ``transports="auto"`` (the connectors' setting) where NIXL imports and
+    ucxx does not (this venv): nixl against a server that offers it, tcp against one that
+    does not."""
+    nixl_server = ServeProcess("--host-capacity", "16MiB", "--transports", "nixl,tcp")
+    tcp_server = ServeProcess("--host-capacity", "16MiB")
+    try:
+        with (
+            StoreClient(nixl_server.address, block_bytes=4096, transports="auto") as fast,
+            StoreClient(tcp_server.address, block_bytes=4096, transports="auto") as plain,
+        ):
+            assert (fast.peer.transport, plain.peer.transport) == ("nixl", "tcp")
+    finally:
+        nixl_server.kill()
+        tcp_server.kill()
