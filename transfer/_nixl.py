@@ -28,9 +28,11 @@ What that changes, and what stays:
 
 Descriptors: each (local region, remote region) pair of a batch is one NIXL transfer built
 from prepared descriptor lists (``prep_xfer_dlist`` once per region and page size, then
-``make_prepped_xfer`` per batch with numpy index arrays: no per-op Python), where every
-op's offsets and length are whole pages of a size that divides them all; other batches
-are one transfer of descriptors made for it (``initialize_xfer``).
+``make_prepped_xfer`` per batch with index arrays: numpy's for a large batch, plain
+integers for a few ops, no Python per op), where every op's offsets and length are whole
+pages of a size that divides them all; other batches are one transfer of descriptors made
+for it (``initialize_xfer``). A batch done when posted (shared memory) is settled there and
+then, never tracked: nothing wakes the progress thread for it.
 """
 
 from __future__ import annotations
