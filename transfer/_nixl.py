@@ -148,7 +148,7 @@ class NixlTransport:
             target=self._notify_loop, name="kvbridge-nixl-notify", daemon=True
         )
         self._notes: queue.SimpleQueue[tuple[str, Caller, int, bytes] | None] = queue.SimpleQueue()
-        self._progress = Progress("kvbridge-nixl", self.poll)
+        self._progress = Progress("kvbridge-nixl", self.poll, self._expecting)
         self._notifier.start()
         self._progress.start()
 
@@ -205,6 +205,7 @@ class NixlTransport:
             self._linked[name, caller.session] = caller
         if again:  # a session asking once more (its peer's regions changed)
             self._unload(name)
+        self._progress.wake()  # its notifications may come now
         _log.debug("nixl: agent %r linked to session %d", name, caller.session)
         return {
             "agent": self._agent.metadata(),
@@ -291,7 +292,13 @@ class NixlTransport:
             if self._closed:
                 return False
             self._flights[token] = flight
-            return True
+        self._progress.wake()
+        return True
+
+    def _expecting(self) -> bool:
+        """Whether anything can arrive: a tracked transfer, or a linked peer's notes."""
+        with self._lock:
+            return bool(self._flights or self._linked)
 
     def token(self) -> int:
         return next(self._tokens)

@@ -181,10 +181,13 @@ def _ucx_environment(settings: dict[str, str]) -> Iterator[None]:
 
 class Progress:
     """The thread that polls the agent: ``poll()`` returns whether it found work (then it
-    is called again at once). Started by ``start``, stopped and joined by ``close``."""
+    is called again soon). While ``expecting()`` is false (no transfer tracked, no peer
+    linked: nothing can arrive) it sleeps until ``wake``. Started by ``start``, stopped and
+    joined by ``close``."""
 
-    def __init__(self, name: str, poll: Callable[[], bool]) -> None:
+    def __init__(self, name: str, poll: Callable[[], bool], expecting: Callable[[], bool]) -> None:
         self._poll = poll
+        self._expecting = expecting
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -216,6 +219,9 @@ class Progress:
             quiet = now - last_work
             if quiet < _BUSY_S:
                 time.sleep(_BUSY_SLEEP_S)  # the GIL is free for the threads that post and wait
+            elif not self._expecting():  # nothing can arrive until work is posted or linked
+                self._wake.wait()
+                self._wake.clear()
             else:
                 self._wake.wait(_WARM_SLEEP_S if quiet < _WARM_S else _IDLE_SLEEP_S)
                 self._wake.clear()
