@@ -170,9 +170,11 @@ class ConnectionGate:
         return Connection(fd, ends)
 
     def held(self, fd: int) -> Connection | None:
-        """The connection on descriptor ``fd`` now (its addresses), ``None`` if none is."""
+        """The live connection on descriptor ``fd`` now (its addresses), ``None`` if none
+        is: a connection its peer closed (libzmq reports it before it closes the
+        descriptor) is not live."""
         ends = _ends(fd)
-        return None if ends is None else Connection(fd, ends)
+        return None if ends is None or not _established(fd) else Connection(fd, ends)
 
     def disconnect(self, connection: Connection) -> None:
         """Close ``connection`` (a peer its owner gave up on: an events subscriber that
@@ -287,6 +289,28 @@ def _ends(fd: int) -> _Ends | None:
         return sock.getsockname(), sock.getpeername()
     except OSError:
         return None
+    finally:
+        sock.detach()
+
+
+_TCP_ESTABLISHED = 1
+"""``tcpi_state`` of a connection both ends still hold (Linux ``TCP_ESTABLISHED``)."""
+
+
+def _established(fd: int) -> bool:
+    """Whether descriptor ``fd``'s TCP connection is established (not closed by its peer);
+    true where the platform does not say (no ``TCP_INFO``)."""
+    option = getattr(socket, "TCP_INFO", None)
+    if option is None:
+        return True
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return False
+    try:
+        return sock.getsockopt(socket.IPPROTO_TCP, option, 1)[0] == _TCP_ESTABLISHED
+    except OSError:
+        return False
     finally:
         sock.detach()
 

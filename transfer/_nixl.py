@@ -70,6 +70,9 @@ from ._small import Rows
 _log = logging.getLogger("kvbridge.transfer")
 
 _NOTIFY = b"N"
+_LANDED = b"L"
+"""A plain write's notification where UCX may complete it before its bytes landed: the
+target answers it without running its handler."""
 _ANSWER = b"A"
 _TOKEN = struct.Struct("!Q")
 _CODE = struct.Struct("!H")
@@ -147,7 +150,10 @@ class NixlTransport:
         self._notifier = threading.Thread(
             target=self._notify_loop, name="kvbridge-nixl-notify", daemon=True
         )
-        self._notes: queue.SimpleQueue[tuple[str, Caller, int, bytes] | None] = queue.SimpleQueue()
+        self._notes: queue.SimpleQueue[tuple[str, Caller, int, bytes | None] | None] = (
+            queue.SimpleQueue()
+        )
+        """Notifications for the handler, in arrival order (``None`` for a plain write's)."""
         self._progress = Progress("kvbridge-nixl", self.poll, self._expecting)
         self._notifier.start()
         self._progress.start()
@@ -363,7 +369,7 @@ class NixlTransport:
                 flight.answer_due = False
             return
         caller = None
-        if kind == _NOTIFY and len(body) >= 2 * _TOKEN.size:
+        if kind in (_NOTIFY, _LANDED) and len(body) >= 2 * _TOKEN.size:
             (session,) = _TOKEN.unpack_from(body)
             with self._lock:
                 caller = self._linked.get((peer, session))
@@ -371,7 +377,7 @@ class NixlTransport:
             _log.debug("nixl: dropped a notification from %r (not a linked session's)", peer)
             return
         (token,) = _TOKEN.unpack_from(body, _TOKEN.size)
-        self._notes.put((peer, caller, token, body[2 * _TOKEN.size :]))
+        self._notes.put((peer, caller, token, None if kind == _LANDED else body[2 * _TOKEN.size :]))
 
     def land(self, token: int, flight: _Flight) -> None:
         """The flight is over: settle its batch (once)."""
@@ -401,7 +407,7 @@ class NixlTransport:
             if item is None:
                 return
             peer, caller, token, message = item
-            code, text = self._handle(caller, message)
+            code, text = (0, "") if message is None else self._handle(caller, message)
             answer = _ANSWER + _TOKEN.pack(token) + _CODE.pack(code) + text.encode()
             agent = self._agent
             with agent.lock:
@@ -538,8 +544,13 @@ class NixlLink:
         tracked: one moved at once never wakes the progress thread."""
         transport = self._transport
         token = transport.token()
-        flight = _Flight(handle, self, [], notify is not None)
-        message = b"" if notify is None else _NOTIFY + self._session + _TOKEN.pack(token) + notify
+        landed = notify is None and access == "w" and transport.agent.remote_completion_late
+        flight = _Flight(handle, self, [], notify is not None or landed)
+        message = b""
+        if notify is not None:
+            message = _NOTIFY + self._session + _TOKEN.pack(token) + notify
+        elif landed:
+            message = _LANDED + self._session + _TOKEN.pack(token)
         operation = "WRITE" if access == "w" else "READ"
         groups = _groups(ops)
         with self._lock:

@@ -116,6 +116,11 @@ class Agent:
             finally:
                 bind.nixlAgentConfig = plain
         mode = os.environ.get("KVBRIDGE_NIXL_ERROR_HANDLING", ERROR_HANDLING)
+        tls = os.environ.get("KVBRIDGE_NIXL_UCX_TLS") or os.environ.get("UCX_TLS") or "all"
+        self.remote_completion_late = not _shared_memory_only(tls)
+        """Whether UCX may complete a write before its bytes landed (a network transport:
+        UCX's put completes when its source may be reused); over shared memory alone
+        (``cma``) the bytes are in the peer's memory when it completes."""
         with _ucx_environment(_ucx_settings()):
             self.nixl.create_backend("UCX", {"ucx_error_handling_mode": mode})
 
@@ -149,6 +154,15 @@ def _ucx_settings() -> dict[str, str]:
     if _uses_tcp(tls or os.environ.get("UCX_TLS") or "all"):
         settings.update({k: v for k, v in UCX_SEGMENTS.items() if k not in os.environ})
     return settings
+
+
+_SHARED_MEMORY = frozenset({"sm", "shm", "self", "posix", "sysv", "cma", "knem", "xpmem"})
+"""UCX's transports within one host's memory (``UCX_TLS`` names)."""
+
+
+def _shared_memory_only(tls: str) -> bool:
+    """Whether ``UCX_TLS=tls`` allows shared-memory transports only."""
+    return not tls.startswith("^") and set(tls.split(",")) <= _SHARED_MEMORY
 
 
 def _uses_tcp(tls: str) -> bool:
