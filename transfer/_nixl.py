@@ -19,6 +19,11 @@ What that changes, and what stays:
   NIXL delivers after the transfer's bytes landed; the target runs its notify handler (on a
   thread of its own, in arrival order) and answers with a notification back: accepted, or
   the handler's refusal and its code. The writer's batch is done only on that answer.
+- **A plain write.** UCX completes a put once its source may be reused: over shared memory
+  (``cma``) its bytes are in the target's memory by then, over a network they may not be.
+  Where the agent's UCX may use a network (``Agent.remote_completion_late``), a write
+  without ``notify`` carries a notification of its own (``_LANDED``) that the target
+  answers without its handler: done means landed, on every transport.
 - **Deadlines.** A batch not done by the engine's timeout is failed once NIXL let go of its
   transfers (``release_xfer_handle``). NIXL 1.5.1 cannot stop a one-sided op it posted over
   UCX TCP: a read of a frozen target, released (and its agent removed), still wrote all of
