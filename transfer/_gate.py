@@ -299,18 +299,18 @@ _TCP_ESTABLISHED = 1
 
 def _established(fd: int) -> bool:
     """Whether descriptor ``fd``'s TCP connection is established (not closed by its peer);
-    true where the platform does not say (no ``TCP_INFO``)."""
+    true where the platform does not say (no ``TCP_INFO``, or it fails)."""
     option = getattr(socket, "TCP_INFO", None)
     if option is None:
         return True
     try:
         sock = socket.socket(fileno=fd)
     except OSError:
-        return False
+        return False  # not a socket any more
     try:
         return sock.getsockopt(socket.IPPROTO_TCP, option, 1)[0] == _TCP_ESTABLISHED
     except OSError:
-        return False
+        return True
     finally:
         sock.detach()
 
