@@ -564,7 +564,8 @@ class NixlLink:
                     last = index == len(groups) - 1
                     transfer = self._make(operation, part, local, message if last else b"")
                     flight.transfers.append(transfer)
-                if flight.answer_due and not transport.post(flight, token):  # before its answer
+                tracked = flight.answer_due  # tracked first: its answer may come at once
+                if tracked and not transport.post(flight, token):
                     raise PeerClosed("the nixl transport is closed")
                 if not groups and message:
                     self._nixl.send_notif(self.agent, message)
@@ -572,7 +573,7 @@ class NixlLink:
                 if not flight.transfers and not flight.answer_due:
                     transport.settle(flight)
                     return None
-                if not transport.post(flight, token):
+                if not tracked and not transport.post(flight, token):
                     raise PeerClosed("the nixl transport is closed")
             except Exception as exc:
                 error = exc if isinstance(exc, TransferError) else PeerClosed(f"nixl: {exc}")
@@ -712,20 +713,11 @@ _Pages = tuple[int, np.ndarray, np.ndarray]
 
 def _few_indices(rows: Rows, longest: int) -> _Pages | None:
     """A few ops' page indices, in plain integers (numpy's calls cost more than the work)."""
-    if len(rows) == 1:  # one op: the latency path
-        _, mine_at, _, theirs_at, length = rows[0]
-        page = _page(math.gcd(mine_at, theirs_at, length), longest)
-        if not page:
-            return None
-        first, count = mine_at // page, length // page
-        start = theirs_at // page
-        mine, theirs = list(range(first, first + count)), list(range(start, start + count))
-    else:
-        page = _page(math.gcd(*[v for row in rows for v in (row[1], row[3], row[4])]), longest)
-        if not page:
-            return None
-        mine = [i for r in rows for i in range(r[1] // page, (r[1] + r[4]) // page)]
-        theirs = [i for r in rows for i in range(r[3] // page, (r[3] + r[4]) // page)]
+    page = _page(math.gcd(*[v for row in rows for v in (row[1], row[3], row[4])]), longest)
+    if not page:
+        return None
+    mine = [i for r in rows for i in range(r[1] // page, (r[1] + r[4]) // page)]
+    theirs = [i for r in rows for i in range(r[3] // page, (r[3] + r[4]) // page)]
     return page, np.array(mine, np.int32), np.array(theirs, np.int32)
 
 

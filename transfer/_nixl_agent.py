@@ -116,8 +116,7 @@ class Agent:
             finally:
                 bind.nixlAgentConfig = plain
         mode = os.environ.get("KVBRIDGE_NIXL_ERROR_HANDLING", ERROR_HANDLING)
-        tls = os.environ.get("KVBRIDGE_NIXL_UCX_TLS") or os.environ.get("UCX_TLS") or "all"
-        self.remote_completion_late = not _shared_memory_only(tls)
+        self.remote_completion_late = not _shared_memory_only(_transports())
         """Whether UCX may complete a write before its bytes landed (a network transport:
         UCX's put completes when its source may be reused); over shared memory alone
         (``cma``) the bytes are in the peer's memory when it completes."""
@@ -151,9 +150,14 @@ def _ucx_settings() -> dict[str, str]:
     the environment sets none of its own (UCX warns of a setting of a transport unused)."""
     tls = os.environ.get("KVBRIDGE_NIXL_UCX_TLS")
     settings = {} if tls is None else {"UCX_TLS": tls}
-    if _uses_tcp(tls or os.environ.get("UCX_TLS") or "all"):
+    if _uses_tcp(_transports()):
         settings.update({k: v for k, v in UCX_SEGMENTS.items() if k not in os.environ})
     return settings
+
+
+def _transports() -> str:
+    """The ``UCX_TLS`` the agent's UCX runs with (``all`` where none is set)."""
+    return os.environ.get("KVBRIDGE_NIXL_UCX_TLS") or os.environ.get("UCX_TLS") or "all"
 
 
 _SHARED_MEMORY = frozenset({"sm", "shm", "self", "posix", "sysv", "cma", "knem", "xpmem"})
