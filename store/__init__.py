@@ -13,7 +13,9 @@ Public surface (what a user needs; the building blocks live in the subpackages):
     building blocks: ``kvbridge.store.server``);
   - :class:`ClusterClient`: the servers of a cluster found in etcd (``kvbridge serve
     --cluster``), with its registered buffers (:class:`ClusterRegion`).
-- :func:`prefix_hashes` and :data:`BlockKey`: chained, deterministic block keys.
+- :func:`prefix_hashes` and :data:`BlockKey`: chained, deterministic block keys;
+  :class:`Lineage`, what a key was hashed from (its parent and token ids), which a put may
+  send for a server's events (:class:`BadLineage` when it is not a block's).
 - The namespaces' event streams (``kvbridge serve --events-port``, ``docs/EVENTS.md``):
   :class:`KeyMirror`, a namespace's keys kept from its stream, and
   :class:`EventSubscriber`, one subscription read message by message; :func:`decode_events`, a
@@ -49,6 +51,7 @@ from ._errors import (
 )
 from ._keys import KEY_BYTES, BlockKey, HashAlgo, InvalidNamespace, prefix_hashes
 from ._lease import Lease
+from ._lineage import MAX_BLOCK_TOKENS, BadLineage, Lineage
 from ._sizes import parse_size
 from ._stats import StoreStats, TierStats
 from ._stream import TICKET_PREFIX as EVENT_TICKET_PREFIX
@@ -94,6 +97,8 @@ __all__ = [
     "DEFAULT_PORT",
     "EVENT_TICKET_PREFIX",
     "KEY_BYTES",
+    "MAX_BLOCK_TOKENS",
+    "BadLineage",
     "BadRequest",
     "BlockKey",
     "BlockNotFound",
@@ -115,6 +120,7 @@ __all__ = [
     "KeySnapshot",
     "Lease",
     "LeaseExpired",
+    "Lineage",
     "MalformedEvent",
     "Message",
     "NotPermitted",

@@ -7,8 +7,10 @@ topic, its sequence number (8 bytes, big-endian) and a msgpack ``KVEventBatch``:
 
 - ``BlockStored``: ``block_hashes`` (the keys, in the order they were committed),
   ``medium`` (``"GPU"``, ``"CPU"``, ``"STORAGE"``: the tier the blocks are in now),
-  ``parent_block_hash``, ``token_ids``, ``block_size``, ``lora_id`` and ``lora_name``
-  (``None``, ``[]``, ``0``: a server does not know what its keys were hashed from);
+  ``parent_block_hash``, ``token_ids`` and ``block_size``: for blocks saved with their
+  lineage (``_lineage``) a chain's parent key, its token ids and the tokens per block;
+  ``None``, ``[]``, ``0`` for blocks saved without; ``lora_id`` and ``lora_name`` ``None``
+  (a LoRA adapter is part of the namespace's keys, ``extra`` of the connector's hashes);
 - ``BlockRemoved``: ``block_hashes`` (the keys that left the namespace), ``medium`` ``None``;
 - ``AllBlocksCleared``: the namespace left the server (the stream ends).
 
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 import msgpack
 
 from ._keys import KEY_LENGTHS, BlockKey
+from ._lineage import TOKEN_BYTES, Lineage
 
 TICKET_PREFIX = b"kvbridge-ticket:"
 """What a subscriber sends first: this prefix and the ticket's bytes."""
@@ -39,6 +42,11 @@ MAX_MESSAGE_BYTES = 256 << 10
 """A message's batch at most: 4,096 keys of 32 bytes with msgpack's framing take 140 KiB."""
 MEDIUM = {"device": "GPU", "host": "CPU", "disk": "STORAGE"}
 """vLLM's names of the tiers (``vllm.distributed.kv_events``)."""
+
+
+Noted = tuple[BlockKey, str | None, Lineage | None]
+"""A change as the stream reports it: a key, the tier that holds it now (``None``: it left),
+and, stored, what it was hashed from (``None``: not known)."""
 
 
 class MalformedEvent(ValueError):
@@ -62,10 +70,12 @@ class Subscription:
 
 @dataclass(frozen=True)
 class KeySnapshot:
-    """A namespace's keys, holding every change numbered up to ``seq``."""
+    """A namespace's keys, holding every change numbered up to ``seq``; asked for, what
+    each was hashed from (``None`` where the server keeps nothing)."""
 
     seq: int
     keys: list[BlockKey]
+    lineage: list[Lineage | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -80,17 +90,22 @@ class Message:
     events: tuple[dict[str, object], ...] = ()
 
 
-def encode(changes: list[tuple[BlockKey, str | None]]) -> list[dict[str, object]]:
-    """Consecutive changes of one kind (stored in one tier, or removed) as one event."""
+def encode(changes: list[Noted]) -> list[dict[str, object]]:
+    """Consecutive changes of one kind (stored in one tier, or removed) as one event; a
+    stored event with lineage holds one chain (each block's parent is the key before it)."""
     events: list[dict[str, object]] = []
     hashes: list[bytes] = []
+    tokens: list[int] = []
     last: object = object()
-    for key, tier in changes:
-        if tier != last:
-            hashes = []
-            events.append(_event(tier, hashes))
-            last = tier
+    for key, tier, lineage in changes:
+        kind = (tier, lineage is not None)
+        if kind != last or (lineage is not None and lineage.parent != BlockKey(hashes[-1])):
+            hashes, tokens = [], []
+            events.append(_event(tier, hashes, tokens, lineage))
+            last = kind
         hashes.append(bytes(key))
+        if lineage is not None:
+            tokens += lineage.token_ids
     return events
 
 
@@ -135,15 +150,19 @@ def _hashes(event: dict[str, object]) -> list[BlockKey]:
     return [BlockKey(key) for key in hashes]
 
 
-def _event(tier: str | None, hashes: list[bytes]) -> dict[str, object]:
+def _event(
+    tier: str | None, hashes: list[bytes], tokens: list[int], lineage: Lineage | None
+) -> dict[str, object]:
+    """An event whose ``hashes`` (and ``tokens``) the caller fills in after."""
     if tier is None:
         return {"type": "BlockRemoved", "block_hashes": hashes, "medium": None}
+    parent = None if lineage is None or lineage.parent is None else bytes(lineage.parent)
     return {
         "type": "BlockStored",
         "block_hashes": hashes,
-        "parent_block_hash": None,
-        "token_ids": [],
-        "block_size": 0,
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": 0 if lineage is None else len(lineage.tokens) // TOKEN_BYTES,
         "lora_id": None,
         "medium": MEDIUM.get(tier, tier.upper()),
         "lora_name": None,

@@ -39,7 +39,7 @@ def _slots(*slots: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _stage(leases: Leases, session: int, first: int, last: int) -> tuple[int, list[int]]:
-    lease, slots = leases.stage(session, "", keys(first, last), TTL, set())
+    lease, slots = leases.stage(session, "", keys(first, last), TTL, protect=set())
     assert all(slot is not None for slot in slots)
     return lease, [slot for slot in slots if slot is not None]
 
@@ -176,8 +176,8 @@ def test_a_handoff_hold_ending_never_takes_a_readers_pin() -> None:
     with TieredStore(BB, host_capacity=4 * BB, clock=clock) as store:
         leases = Leases(store, LeaseCounts(per_session=64), blocks=4)
         block = keys(0, 1)
-        first, _ = leases.stage(A, "", block, TTL, set())
-        second, _ = leases.stage(B, "", block, TTL, set())  # two writers of one new block
+        first, _ = leases.stage(A, "", block, TTL, protect=set())
+        second, _ = leases.stage(B, "", block, TTL, protect=set())  # two writers of one new block
         leases.commit(A, first, handoff_ttl=1.0, share=1.0)
         reader, slots = leases.pin(7, "", block, TTL)  # its first read: the hold goes
         clock.step = 0.01  # time moves while the second commit holds the block again
@@ -192,5 +192,5 @@ def test_a_handoff_hold_ending_never_takes_a_readers_pin() -> None:
         assert leases.in_flight(reader) == 0 and len(leases) == 1  # the lease is open
         assert store.placement.pins.is_pinned(block[0])  # so its block stays pinned
         with pytest.raises(StoreFull):  # every slot but the reader's is free: not enough
-            leases.stage(8, "", keys(10, 14), TTL, set())
+            leases.stage(8, "", keys(10, 14), TTL, protect=set())
         assert leases.admit(7, "r", *_slots(*slots))[0].all()  # it reads its own block

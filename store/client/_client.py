@@ -42,6 +42,7 @@ from ...transfer import (
 from .._errors import LeaseExpired, StoreClosed, StoreFull
 from .._keys import BlockKey, check_keys, namespace_bytes
 from .._lease import Lease
+from .._lineage import STAGE_LINEAGE_BYTES, BadLineage, Lineage, check_block_tokens, lineage_bytes
 from .._sizes import positive_int
 from .._stats import StoreStats, TierStats
 from .._stream import KeySnapshot, Subscription
@@ -93,12 +94,17 @@ class StoreClient(Closing):
         streams: int = DEFAULT_STREAMS,
         engine: TransferEngine | None = None,
         clock: Callable[[], float] = time.monotonic,
+        block_tokens: int = 0,
     ) -> None:
         """``streams``: TCP data streams to the server (``TransferSettings.streams``; more
         where the machine has the cores to drive a fast link). ``clock`` times deadlines and
-        how long a read ran under its pin (tests pass a fake one)."""
+        how long a read ran under its pin (tests pass a fake one). ``block_tokens``: the
+        token ids per block of the lineage this client's puts send (``put(lineage=...)``,
+        ``docs/EVENTS.md``); 0 sends none. The namespace's creator chooses it: an open that
+        states another is refused (:class:`BadRequest`)."""
         positive_int("block_bytes", block_bytes)
         self.block_bytes = block_bytes
+        self.block_tokens = check_block_tokens(block_tokens)
         self.namespace = namespace_bytes(namespace)
         self._own_engine = engine is None
         self.engine = engine or TransferEngine(
@@ -130,9 +136,10 @@ class StoreClient(Closing):
             raise
 
     def _open(self) -> None:
-        opened = self._call(
-            {"op": "open", "namespace": self.namespace, "block_bytes": self.block_bytes}
-        )
+        request = {"op": "open", "namespace": self.namespace, "block_bytes": self.block_bytes}
+        if self.block_tokens:
+            request["block_tokens"] = self.block_tokens
+        opened = self._call(request)
         self.peer.refresh()  # the namespace's region may be newer than our handshake
         self._ns: int = opened["ns"]
         self._region: int = opened["region"]
@@ -144,7 +151,9 @@ class StoreClient(Closing):
 
     # -- the TieredStore surface -------------------------------------------------------
 
-    def put(self, keys: Sequence[bytes], blocks: object) -> list[bool]:
+    def put(
+        self, keys: Sequence[bytes], blocks: object, *, lineage: _Lineages = None
+    ) -> list[bool]:
         """Store each block under its key; return, per key, whether this call sent it (a
         key the server already held is not sent). ``blocks``: one buffer of
         ``len(keys) * block_bytes`` bytes or a sequence of ``block_bytes`` buffers.
@@ -153,19 +162,33 @@ class StoreClient(Closing):
         blocks do not fit in the namespace's unpinned room beside the put's stored ones,
         and no block of the put is evicted to make room for another of it. A put larger
         than one request (:attr:`request_keys`) moves a request at a time: a fault midway
-        leaves the requests before it stored."""
+        leaves the requests before it stored.
+
+        ``lineage``: per key, what it was hashed from (:class:`Lineage`, ``None`` where not
+        known), kept by the server beside the new blocks and reported in their events
+        (a client opened with ``block_tokens``; :class:`BadLineage` before anything moves
+        when an entry has other than ``block_tokens`` token ids)."""
         checked = check_keys(keys)
         if not checked:
             return []
+        sent = self._lineage(lineage, len(checked))
         with _Registration(
             self.engine, self.block_bytes, blocks, len(checked), writable=False
         ) as where:
-            return self._put(checked, where)
+            return self._put(checked, where, sent)
 
-    def put_from(self, keys: Sequence[bytes], region: Region, offsets: Sequence[int]) -> list[bool]:
+    def put_from(
+        self,
+        keys: Sequence[bytes],
+        region: Region,
+        offsets: Sequence[int],
+        *,
+        lineage: _Lineages = None,
+    ) -> list[bool]:
         """``put`` from a registered region: block ``i`` is at ``offsets[i]`` in it."""
         checked = check_keys(keys)
-        return self._put(checked, one_per_block(region, offsets, len(checked), self.block_bytes))
+        where = one_per_block(region, offsets, len(checked), self.block_bytes)
+        return self._put(checked, where, self._lineage(lineage, len(checked)))
 
     def get(self, keys: Sequence[bytes], out: object) -> None:
         """Fill ``out`` with the blocks of ``keys``; raises :class:`BlockNotFound` (``out``
@@ -184,13 +207,19 @@ class StoreClient(Closing):
         self._get(checked, one_per_block(region, offsets, len(checked), self.block_bytes))
 
     def put_pages(
-        self, keys: Sequence[bytes], regions: Sequence[Region], offsets: np.ndarray
+        self,
+        keys: Sequence[bytes],
+        regions: Sequence[Region],
+        offsets: np.ndarray,
+        *,
+        lineage: _Lineages = None,
     ) -> list[bool]:
         """``put`` of blocks made of pages spread over registered regions (a KV cache's
         layers): block ``i`` is ``len(regions)`` equal pages, page ``s`` at ``offsets[i, s]``
         in ``regions[s]``. The pages go straight to the server's slots, one op each."""
         checked = check_keys(keys)
-        return self._put(checked, pages_of_blocks(regions, offsets, len(checked), self.block_bytes))
+        where = pages_of_blocks(regions, offsets, len(checked), self.block_bytes)
+        return self._put(checked, where, self._lineage(lineage, len(checked)))
 
     def get_pages(
         self, keys: Sequence[bytes], regions: Sequence[Region], offsets: np.ndarray
@@ -284,17 +313,23 @@ class StoreClient(Closing):
             ticket=field(reply, "ticket", bytes),
         )
 
-    def snapshot(self) -> KeySnapshot:
+    def snapshot(self, *, lineage: bool = False) -> KeySnapshot:
         """Every key of the namespace, and the event stream's sequence number they hold
-        every change up to (read in pages of one snapshot)."""
-        reply = self._call({"op": "keys", "ns": self._ns})
+        every change up to (read in pages of one snapshot); with ``lineage``, what each
+        key was hashed from where the server keeps it."""
+        request: dict[str, Any] = {"op": "keys", "ns": self._ns, "lineage": lineage}
+        reply = self._call(request)
         sid, seq = field(reply, "snapshot", int), field(reply, "seq", int)
-        keys = list(check_keys(field(reply, "keys", list)))
-        while field(reply, "more", bool):
-            request = {"op": "keys", "ns": self._ns, "snapshot": sid, "offset": len(keys)}
-            reply = self._call(request)
-            keys += check_keys(field(reply, "keys", list))
-        return KeySnapshot(seq, keys)
+        keys: list[BlockKey] = []
+        kept: list[Lineage | None] = []
+        while True:
+            page = check_keys(field(reply, "keys", list))
+            keys += page
+            if lineage:
+                kept += _lineage_page(field(reply, "lineage", list), len(page))
+            if not field(reply, "more", bool):
+                return KeySnapshot(seq, keys, kept if lineage else None)
+            reply = self._call({**request, "snapshot": sid, "offset": len(keys)})
 
     @property
     def takes_device_memory(self) -> bool:
@@ -423,16 +458,37 @@ class StoreClient(Closing):
         """``body`` with the namespace handle of the current session."""
         return {**body, "ns": self._ns} if "ns" in body else body
 
-    def _put(self, keys: Sequence[BlockKey], where: _Locations) -> list[bool]:
+    def _lineage(self, lineage: _Lineages, count: int) -> list[list[bytes | None] | None] | None:
+        """``put``'s ``lineage`` as it goes on the wire, every entry checked first."""
+        if lineage is None:
+            return None
+        if len(lineage) != count:
+            raise BadLineage(f"{len(lineage)} lineage entries for {count} keys")
+        want = self.block_tokens * 4
+        if any(entry is not None and len(entry.tokens) != want for entry in lineage):
+            raise BadLineage(f"this client sends {self.block_tokens} token ids a block")
+        return [None if entry is None else entry.wire() for entry in lineage]
+
+    def _put(
+        self,
+        keys: Sequence[BlockKey],
+        where: _Locations,
+        lineage: list[list[bytes | None] | None] | None = None,
+    ) -> list[bool]:
         """Stage, write and commit ``keys`` a request at a time. A put of several requests
         is checked whole first, and the server keeps its blocks from being evicted by its
         own later requests (:meth:`_begin_put`) until it ends, well or not."""
-        chunks = list(_chunks(keys, self._request_keys))
+        size = self._request_keys
+        if lineage is not None:  # a request's lineage within the control plane's bound
+            size = max(1, min(size, STAGE_LINEAGE_BYTES // lineage_bytes(self.block_tokens)))
+        chunks = list(_chunks(keys, size))
         put = self._begin_put(keys) if len(chunks) > 1 else None
         sent: list[bool] = []
         try:
             for n, (start, chunk) in enumerate(chunks):
                 request: dict[str, Any] = {"op": "stage", "ns": self._ns, "keys": chunk}
+                if lineage is not None:
+                    request["lineage"] = lineage[start : start + len(chunk)]
                 if put is not None:
                     request.update(put=put, last=n == len(chunks) - 1)
                 sent += self._put_request(request, start, where)
@@ -563,6 +619,16 @@ class StoreClient(Closing):
             wait = min(wait, max(_COURTESY_S, deadline - self._clock()))
         with contextlib.suppress(TransferError, LeaseExpired, PeerClosed):
             self.peer.call(body, timeout=wait)
+
+
+_Lineages = Sequence[Lineage | None] | None
+
+
+def _lineage_page(entries: list[Any], count: int) -> list[Lineage | None]:
+    """A snapshot page's lineage, one entry per key (``nil``: none kept)."""
+    if len(entries) != count:
+        raise BadLineage(f"a snapshot page of {count} keys with {len(entries)} lineage entries")
+    return [None if entry is None else Lineage.of_wire(entry) for entry in entries]
 
 
 def _chunks(keys: Sequence[BlockKey], size: int) -> Iterator[tuple[int, list[bytes]]]:

@@ -59,8 +59,7 @@ import zmq
 from ..._bounded_log import BoundedLog
 from ..._closing import Closing
 from ...transfer import MAX_STRANGERS, Connection, ConnectionGate, trusted_connections
-from .._stream import LAPSED, RENEW, SUBSCRIBER_ID_BYTES, TICKET_PREFIX, encode, pack
-from ..local._changes import Change
+from .._stream import LAPSED, RENEW, SUBSCRIBER_ID_BYTES, TICKET_PREFIX, Noted, encode, pack
 from ._event_bounds import (
     KERNEL_SNDBUF,
     KEYS_PER_MESSAGE,
@@ -95,7 +94,7 @@ class EventStream:
         self.closed = False
         self._publisher = publisher
 
-    def report(self, changes: list[Change]) -> None:
+    def report(self, changes: list[Noted]) -> None:
         """The store's watcher (called under the store's lock: only queues)."""
         self._publisher.queue(self, changes)
 
@@ -157,7 +156,7 @@ class EventPublisher(Closing):
             raise
         self._connections: dict[bytes, Connection] = {}
         """Each subscriber's connection as the gate knew it, while it counts."""
-        self._waiting: collections.deque[tuple[EventStream, list[Change] | None]] = (
+        self._waiting: collections.deque[tuple[EventStream, list[Noted] | None]] = (
             collections.deque()
         )
         self._waiting_keys = 0
@@ -186,7 +185,7 @@ class EventPublisher(Closing):
         pushing out another's)."""
         return self._ledger.issue(stream, holder, tenant, self._clock())
 
-    def queue(self, stream: EventStream, changes: list[Change] | None) -> None:
+    def queue(self, stream: EventStream, changes: list[Noted] | None) -> None:
         with self._lock:
             if changes is not None and self._waiting_keys + len(changes) > MAX_WAITING_KEYS:
                 stream.skip = True  # subscribers resync: nothing is lost to them
@@ -372,7 +371,7 @@ class EventPublisher(Closing):
         return int(skipped)
 
 
-def batches(changes: list[Change]) -> Iterator[bytes]:
+def batches(changes: list[Noted]) -> Iterator[bytes]:
     """``changes`` as message batches in order, each of at most ``MESSAGE_BATCH_BYTES``:
     :data:`KEYS_PER_MESSAGE` keys at a time, a batch too large cut in two."""
     parts = [changes[i : i + KEYS_PER_MESSAGE] for i in range(0, len(changes), KEYS_PER_MESSAGE)]
@@ -388,18 +387,18 @@ def batches(changes: list[Change]) -> Iterator[bytes]:
 
 
 def _by_stream(
-    waiting: Iterable[tuple[EventStream, list[Change] | None]],
-) -> list[tuple[EventStream, list[Change] | None]]:
+    waiting: Iterable[tuple[EventStream, list[Noted] | None]],
+) -> list[tuple[EventStream, list[Noted] | None]]:
     """What waits, each stream's changes joined in their order (fewer, fuller messages),
     a stream's end after them."""
-    joined: dict[EventStream, list[Change]] = {}
+    joined: dict[EventStream, list[Noted]] = {}
     ends: list[EventStream] = []
     for stream, changes in waiting:
         if changes is None:
             ends.append(stream)
         elif stream not in ends:  # nothing follows a stream's end
             joined.setdefault(stream, []).extend(changes)
-    out: list[tuple[EventStream, list[Change] | None]] = list(joined.items())
+    out: list[tuple[EventStream, list[Noted] | None]] = list(joined.items())
     return out + [(stream, None) for stream in ends]
 
 

@@ -59,6 +59,7 @@ import numpy as np
 from .._errors import LeaseExpired
 from .._keys import BlockKey
 from .._lease import Lease
+from .._lineage import Lineage, LineageBook
 from .._wire import BadRequest
 from ..local._placement import Prefetched
 from ..local._remote import RemoteAccess
@@ -89,6 +90,8 @@ class _Record:
     in_flight: int = 0
     open: bool = True
     """OPEN; false once DRAINING."""
+    lineage: tuple[Lineage | None, ...] = ()
+    """Staged: each new block's lineage, kept at commit (empty: none sent)."""
 
 
 @dataclass
@@ -104,8 +107,16 @@ class _Index:
 class Leases:
     """One namespace's lease ledger over its store; see the module's state table."""
 
-    def __init__(self, store: TieredStore, counts: LeaseCounts, *, blocks: int) -> None:
+    def __init__(
+        self,
+        store: TieredStore,
+        counts: LeaseCounts,
+        *,
+        blocks: int,
+        lineage: LineageBook | None = None,
+    ) -> None:
         self._store = store
+        self._lineage = lineage if lineage is not None else LineageBook(0)
         self._remote = RemoteAccess(store)
         self._counts = counts
         self._clock = store.clock
@@ -164,15 +175,20 @@ class Leases:
         principal: str,
         keys: Sequence[bytes],
         ttl: float,
+        *,
         protect: set[BlockKey],
+        lineage: Sequence[Lineage | None] = (),
     ) -> tuple[int, list[int | None]]:
         """— -> OPEN: free slots for the new ones of ``keys``, for ``session`` to write
         until ``ttl`` seconds from now. Per key the slot to write (``None``: stored already
-        or repeated); lease 0 when nothing is new."""
+        or repeated); lease 0 when nothing is new. ``lineage`` (one per key, or none): what
+        each new block was hashed from, kept when it is committed."""
         store_id, slots = self._remote.stage(keys, ttl=math.inf, protect=protect)
         if not store_id:
             return 0, slots
         taken = [(key, slot) for key, slot in zip(keys, slots, strict=True) if slot is not None]
+        if lineage:
+            chosen = [entry for entry, slot in zip(lineage, slots, strict=True) if slot is not None]
         record = self._open(
             "stage",
             session=session,
@@ -182,6 +198,8 @@ class Leases:
             ttl=ttl,
         )
         record.store_id = store_id
+        if lineage:
+            record.lineage = tuple(chosen)
         self._index.staged[list(record.slots)] = record.id
         return record.id, slots
 
@@ -198,6 +216,8 @@ class Leases:
             raise LeaseExpired(f"staged put {lease_id} expired before its commit")
         self._close(record)
         self._forget(record)
+        if record.lineage:  # before the blocks are visible: their first event carries it
+            self._lineage.keep(record.keys, record.lineage)
         stored = self._remote.commit(record.store_id)  # its slots: the store's from here
         self.holds.hand_off(record.keys, handoff_ttl, record.principal, share)
         return stored

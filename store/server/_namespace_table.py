@@ -22,6 +22,7 @@ from typing import Any
 from ..._bounded_log import BoundedLog
 from ...transfer import Caller, TransferEngine
 from .._errors import StoreFull
+from .._lineage import lineage_bytes
 from .._wire import BadRequest, NotPermitted, TooManyRequests, UnknownNamespace
 from ..local._slots import SlotTier
 from ..local._store import TieredStore
@@ -102,6 +103,8 @@ class NamespaceTable:
         block_bytes: int,
         tenant: Tenant,
         alive: Callable[[], bool],
+        *,
+        block_tokens: int = 0,
     ) -> Namespace:
         """Open (or create) the namespace ``name`` for ``caller``'s session, of ``tenant``;
         every check comes before anything changes (a refused open reclaims nothing).
@@ -117,26 +120,34 @@ class NamespaceTable:
         ``max_namespaces`` (open or idle, in memory and on disk): a new one takes the place
         of its own least recently used idle one, never another tenant's, unless the
         tenants' quotas add up to more than the server serves (the operator's choice). A
-        read-only tenant creates nothing: it opens namespaces that are in memory."""
+        read-only tenant creates nothing: it opens namespaces that are in memory.
+
+        ``block_tokens`` (its creator's): the tokens of each block's lineage the namespace
+        keeps (``_lineage``), their memory taken from its host share; an open that states
+        other tokens than the namespace's is refused."""
         _check_geometry(name, block_bytes)
         with self._lock:
-            ns = self._opened(caller, name, block_bytes, tenant, alive)
+            ns = self._opened(caller, name, block_bytes, tenant, alive, block_tokens=block_tokens)
         if ns is not None:
             return ns
         with self._opening:
             with self._lock:
-                ns = self._opened(caller, name, block_bytes, tenant, alive)
+                ns = self._opened(
+                    caller, name, block_bytes, tenant, alive, block_tokens=block_tokens
+                )
                 if ns is not None:  # made by the open this one waited for
                     return ns
                 reclaimed = self._make_room(block_bytes, tenant)
             if reclaimed is not None:
                 self._retire(reclaimed)  # its store closes: no lock held
             with self._lock:
-                settings = self._settings(name, block_bytes, tenant)
+                settings = self._settings(name, block_bytes, tenant, block_tokens)
             store = TieredStore(block_bytes, **settings)  # no lock held: the slow part
             try:
                 with self._lock:
-                    return self._admit(caller, name, store, tenant, alive)
+                    return self._admit(
+                        caller, name, store, tenant, alive, block_tokens=block_tokens
+                    )
             except BaseException:
                 store.close()
                 raise
@@ -154,6 +165,8 @@ class NamespaceTable:
         block_bytes: int,
         tenant: Tenant,
         alive: Callable[[], bool],
+        *,
+        block_tokens: int,
     ) -> Namespace | None:
         """The namespace ``name`` opened for ``caller`` if it exists; ``None`` if it is to
         be created (each refusal first). Under the table's lock."""
@@ -164,6 +177,11 @@ class NamespaceTable:
         if ns is not None and ns.store.block_bytes != block_bytes:
             raise BadRequest(
                 f"namespace {ns.label} has {ns.store.block_bytes}-byte blocks, not {block_bytes}"
+            )
+        if ns is not None and block_tokens and ns.block_tokens != block_tokens:
+            raise BadRequest(
+                f"namespace {ns.label} keeps {ns.block_tokens} token ids a block, not "
+                f"{block_tokens} (the first to open it chose; 0: none)"
             )
         if ns is None or caller.session not in ns.openers:
             mine = sum(caller.session in n.openers for n in self._by_handle.values())
@@ -180,12 +198,23 @@ class NamespaceTable:
         ns.openers[caller.session] = caller.principal
         return ns
 
-    def _settings(self, name: bytes, block_bytes: int, tenant: Tenant) -> dict[str, Any]:
+    def _settings(
+        self, name: bytes, block_bytes: int, tenant: Tenant, block_tokens: int
+    ) -> dict[str, Any]:
         """The settings of a new namespace's store, its disk directory made room for.
-        Under the table's lock, after :meth:`_make_room`."""
+        Under the table's lock, after :meth:`_make_room`. The lineage it may keep (one per
+        block it can hold, in memory or on disk) comes out of its host share."""
         cfg = self._config
+        share = cfg.host_capacity // cfg.max_namespaces
+        disk = _data_share(cfg) if self._dirs is not None else 0
+        lineage = max(share, disk) // block_bytes * lineage_bytes(block_tokens)
+        if share - lineage < block_bytes:
+            raise StoreFull(
+                f"a namespace's {share} bytes of host memory hold no block beside the "
+                f"{lineage} bytes of token ids of its blocks"
+            )
         return {
-            "host_capacity": cfg.host_capacity // cfg.max_namespaces,
+            "host_capacity": share - lineage,
             "namespace": name,
             "pin_ttl": cfg.lease_ttl,
             "policy": cfg.policy,
@@ -201,12 +230,17 @@ class NamespaceTable:
         store: TieredStore,
         tenant: Tenant,
         alive: Callable[[], bool],
+        *,
+        block_tokens: int,
     ) -> Namespace:
         """A store made for ``name`` served as a namespace, ``caller`` its first opener.
         Under the table's lock."""
         if not alive():
             raise BadRequest(f"session {caller.session} has ended")
-        ns = Namespace(next(self._handles), name, store, self._counts, owner=tenant.name)
+        handle = next(self._handles)
+        ns = Namespace(
+            handle, name, store, self._counts, owner=tenant.name, block_tokens=block_tokens
+        )
         top = store.tiers[0]
         assert isinstance(top, SlotTier)
         memory = top.memory.array  # type: ignore[attr-defined]

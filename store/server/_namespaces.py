@@ -23,6 +23,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...transfer import Admission, Caller, Region
+from .._lineage import LineageBook
+from .._stream import Noted
+from ..local._changes import Change
 from ..local._store import TieredStore
 from ._events import EventPublisher, EventStream
 from ._lease_counts import LeaseCounts
@@ -57,17 +60,31 @@ class Namespace:
     last_used: float = field(default_factory=time.monotonic)
     stream: EventStream | None = None
     """Its event stream, from the first session that asked for it (``_events``)."""
+    block_tokens: int = 0
+    """Tokens per block, stated by its creator: the lineage it keeps (``_lineage``)."""
+    lineage: LineageBook = field(init=False)
 
     def __post_init__(self) -> None:
-        self.leases = Leases(self.store, self.counts, blocks=self.blocks)
+        self.lineage = LineageBook(self.blocks if self.block_tokens else 0)
+        self.leases = Leases(self.store, self.counts, blocks=self.blocks, lineage=self.lineage)
 
     def events(self, publisher: EventPublisher) -> EventStream:
         """Its event stream, started the first time a session asks (a namespace nobody
         listens to pays nothing for it)."""
         if self.stream is None:
             self.stream = publisher.stream()
-            self.store.watch(self.stream.report)
+            self.store.watch(self._report)
         return self.stream
+
+    def _report(self, changes: list[Change]) -> None:
+        """The store's changes to its stream, each stored block with its lineage (under the
+        store's lock: a lookup each)."""
+        assert self.stream is not None
+        book = self.lineage
+        noted: list[Noted] = [
+            (key, tier, None if tier is None else book.get(key)) for key, tier in changes
+        ]
+        self.stream.report(noted)
 
     def close(self) -> None:
         """It leaves the server: its stream ends, its store closes (the disk kept)."""

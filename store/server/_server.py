@@ -43,6 +43,8 @@ import msgpack
 from ..._bounded_log import BoundedLog
 from ...transfer import Caller, NotifyRefused, TransferEngine
 from .._errors import BlockNotFound, BlockPinned, StoreError
+from .._keys import BlockKey
+from .._lineage import check_block_tokens, from_wire
 from .._stats import StoreStats
 from .._wire import (
     MAX_KEYS_PER_REQUEST,
@@ -346,17 +348,24 @@ class CacheServer:
     def _open(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
         name = message_field(body, "namespace", bytes)
         block_bytes = message_field(body, "block_bytes", int)
+        block_tokens = check_block_tokens(optional_field(body, "block_tokens", int) or 0)
         tenant = self._tenant(caller)
         if not tenant.may_open(name):
             raise NotPermitted(f"tenant {tenant.label} may not open this namespace")
         ns = self._namespaces.open(
-            caller, name, block_bytes, tenant, alive=lambda: self.engine.session_alive(caller)
+            caller,
+            name,
+            block_bytes,
+            tenant,
+            alive=lambda: self.engine.session_alive(caller),
+            block_tokens=block_tokens,
         )
         assert ns.region is not None
         return {
             "ns": ns.handle,
             "region": ns.region.id,
             "block_bytes": block_bytes,
+            "block_tokens": ns.block_tokens,
             "capacity": ns.slots,
             "lease_ttl": self.config.lease_ttl,
             "request_blocks": ns.request_blocks,
@@ -379,12 +388,16 @@ class CacheServer:
     def _stage(self, caller: Caller, ns: Namespace, body: dict[str, Any]) -> dict[str, Any]:
         keys = keys_field(body)
         put, last = _put_id(body), optional_field(body, "last", bool)
+        sent = body.get("lineage")
+        lineage = () if sent is None else from_wire(sent, len(keys), ns.block_tokens)
         ttl = self.config.lease_ttl
         protect = ns.leases.protect(caller.session, put, bool(last), ttl)
         if not keys:
             return {"lease": 0, "slots": [], "saved_bytes": 0}
         with self._reserved(caller, ns, len(keys)) as reservation:
-            lease, slots = ns.leases.stage(caller.session, caller.principal, keys, ttl, protect)
+            lease, slots = ns.leases.stage(
+                caller.session, caller.principal, keys, ttl, protect=protect, lineage=lineage
+            )
             if lease:  # else every block was stored already: no lease, nothing counted
                 reservation.keep()
         saved = (len(keys) - sum(slot is not None for slot in slots)) * ns.store.block_bytes
@@ -459,9 +472,11 @@ class CacheServer:
 
     def _keys(self, caller: Caller, ns: Namespace, body: dict[str, Any]) -> dict[str, Any]:
         """A page of a snapshot of the namespace's keys (``_snapshots``): without
-        ``snapshot`` the first page of a new one, with it the page at ``offset``."""
+        ``snapshot`` the first page of a new one, with it the page at ``offset``; with
+        ``lineage``, each key's lineage beside it (``nil``: none kept)."""
         sid = optional_field(body, "snapshot", int)
         offset = optional_field(body, "offset", int) or 0
+        lineage = bool(optional_field(body, "lineage", bool))
         if sid is None:
             self._snapshots.check_room(caller.session)
             seq = 0 if ns.stream is None else ns.stream.seq  # read before the keys: see there
@@ -469,9 +484,13 @@ class CacheServer:
         snap = self._snapshots.page(caller.session, ns.handle, sid)
         if offset < 0:
             raise BadRequest(f"offset {offset} is negative")
-        end = offset + MAX_KEYS_PER_REQUEST
-        more = end < len(snap.keys)
-        return {"snapshot": sid, "seq": snap.seq, "keys": snap.keys[offset:end], "more": more}
+        end = offset + MAX_KEYS_PER_REQUEST // 4 if lineage else offset + MAX_KEYS_PER_REQUEST
+        page, more = snap.keys[offset:end], end < len(snap.keys)
+        reply = {"snapshot": sid, "seq": snap.seq, "keys": page, "more": more}
+        if lineage:
+            entries = [ns.lineage.get(BlockKey(key)) for key in page]
+            reply["lineage"] = [None if entry is None else entry.wire() for entry in entries]
+        return reply
 
     def _stats(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
         """Server figures. A namespace this session has not opened is named by a digest of
