@@ -14,8 +14,8 @@ import pytest
 import zmq
 from helpers import FakeClock, keys, until
 
-from kvbridge.store import ServerConfig, TooManyRequests
-from kvbridge.store._stream import LAPSED, RENEW, TICKET_PREFIX, decode
+from kvbridge.store import Lineage, ServerConfig, TooManyRequests
+from kvbridge.store._stream import LAPSED, RENEW, TICKET_PREFIX, Noted, decode
 from kvbridge.store.server import load_tenants
 from kvbridge.store.server._event_bounds import (
     MESSAGE_BATCH_BYTES,
@@ -163,14 +163,17 @@ def test_a_tenants_file_says_how_many_tickets_and_subscribers(tmp_path: Path) ->
 
 def test_changes_are_cut_into_messages_within_the_byte_bound_in_order() -> None:
     ks = keys(0, 5000)
-    alternating = [(k, "host" if i % 2 else None) for i, k in enumerate(ks)]  # an event each
-    one_kind = [(k, "host") for k in ks]
-    for changes in (alternating, one_kind):
-        out = list(batches(changes))  # type: ignore[arg-type]
+    alternating: list[Noted] = [(k, "host" if i % 2 else None, None) for i, k in enumerate(ks)]
+    one_kind: list[Noted] = [(k, "host", None) for k in ks]
+    tokens = [Lineage.of(None, range(i, i + 256)) for i in range(len(ks))]  # 1.3 KB each
+    chains: list[Noted] = [(k, "host", t) for k, t in zip(ks, tokens, strict=True)]
+    for changes in (alternating, one_kind, chains):
+        out = list(batches(changes))
         assert all(len(b) <= MESSAGE_BATCH_BYTES for b in out)
         heard = [c for b in out for c in decode([b"t", bytes(8), b], b"t").changes]
-        assert heard == [(k, tier is not None) for k, tier in changes]
-    assert len(list(batches(one_kind))) == 5  # type: ignore[arg-type]  # 1,024 keys each
+        assert heard == [(k, tier is not None) for k, tier, _ in changes]
+    assert len(list(batches(one_kind))) == 5  # 1,024 keys each
+    assert len(list(batches(chains))) > 50  # cut by bytes: 256 token ids a key weigh
 
 
 # -- a publisher on loopback ---------------------------------------------------------------
@@ -214,7 +217,7 @@ def test_a_subscriber_that_stops_reading_is_dropped_named_and_let_go_once_gone(
 
     def churned() -> bool:
         i = next(n)
-        stream.report([(k, "host") for k in keys(i * 1024, (i + 1) * 1024)])
+        stream.report([(k, "host", None) for k in keys(i * 1024, (i + 1) * 1024)])
         return bool(dropped)
 
     until(churned, "dropped for a full queue")

@@ -143,9 +143,18 @@ def test_bad_lineage_is_refused_whole_and_changes_nothing(server: CacheServer) -
         assert client.stats().puts == 0
 
 
-def test_an_open_stating_other_tokens_is_refused(server: CacheServer) -> None:
-    with _client(server), pytest.raises(BadRequest, match="keeps 4 token ids a block, not 8"):
-        _client(server, block_tokens=8)
+def test_an_open_stating_other_tokens_is_served_without_lineage(
+    server: CacheServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The namespace's creator chose: a later opener stating another number is served,
+    its puts send no lineage (it says so once), and the blocks are stored all the same."""
+    with _client(server) as first, _client(server, block_tokens=8) as other:
+        assert (first.block_tokens, other.block_tokens) == (TOKENS, 0)
+        assert "keeps 4 token ids a block, not 8" in caplog.text
+        ks = keys(0, 2)
+        other.put(ks, payloads(ks, BB), lineage=[Lineage.of(None, range(8))] * 2)
+        assert first.contains(ks) == [True, True]
+        assert first.snapshot(lineage=True).lineage == [None, None]
     with pytest.raises(BadLineage, match="from 0 to"):
         _client(server, block_tokens=-1)
 

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..._closing import Closing
-from ...store import BlockKey, Lease, StoreClient
+from ...store import BlockKey, Lease, Lineage, StoreClient
 from ...store.client import ClientPool
 from ...transfer import DEFAULT_STREAMS
 from ._device import Device
@@ -42,8 +42,15 @@ class Backend(Protocol):
         """Fill the blocks (``memory.offsets`` of them) with the stored ones; raises when
         any cannot be loaded."""
 
-    def save(self, keys: Sequence[BlockKey], offsets: np.ndarray, start: int = 0) -> int:
-        """Store the blocks (keys already present are skipped); returns how many moved."""
+    def save(
+        self,
+        keys: Sequence[BlockKey],
+        offsets: np.ndarray,
+        start: int = 0,
+        lineage: Sequence[Lineage] = (),
+    ) -> int:
+        """Store the blocks (keys already present are skipped); returns how many moved.
+        ``lineage`` (one per key, or none): sent where the store keeps it."""
 
     def get(self, keys: Sequence[BlockKey], out: Sequence[Any], start: int = 0) -> None:
         """Fill one ``block_bytes`` buffer per key (a copying path, for engines that hand
@@ -84,8 +91,10 @@ class ServerBackend(Closing):
         staging: str = "auto",
         staging_bytes: int = 256 << 20,
         on_staged: Callable[[int], None] = lambda nbytes: None,
+        block_tokens: int = 0,
     ) -> None:
-        """``on_staged(nbytes)`` counts bytes copied through the staging buffer."""
+        """``on_staged(nbytes)`` counts bytes copied through the staging buffer;
+        ``block_tokens``: the token ids per block of the lineage saves send."""
         self._address = address
         self._moves = PageMoves(block_bytes, staging, staging_bytes, on_staged)
         self._pool = ClientPool(
@@ -97,6 +106,7 @@ class ServerBackend(Closing):
             timeout=timeout,
             streams=streams,
             transports=transports,
+            block_tokens=block_tokens,
         )
         try:
             self._pool.connect(address)
@@ -128,9 +138,16 @@ class ServerBackend(Closing):
         with self._pool.lease(self._address) as (client, route):
             self._moves.load(server_mover(client), route, keys, offsets, start)
 
-    def save(self, keys: Sequence[BlockKey], offsets: np.ndarray, start: int = 0) -> int:
+    def save(
+        self,
+        keys: Sequence[BlockKey],
+        offsets: np.ndarray,
+        start: int = 0,
+        lineage: Sequence[Lineage] = (),
+    ) -> int:
         with self._pool.lease(self._address) as (client, route):
-            return self._moves.save(server_mover(client), route, keys, offsets, start)
+            mover = server_mover(client)
+            return self._moves.save(mover, route, keys, offsets, start, lineage=lineage)
 
     def get(self, keys: Sequence[BlockKey], out: Sequence[Any], start: int = 0) -> None:
         with self._lease() as client:

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..._closing import Closing
-from ...store import BlockKey, BlockNotFound, ClusterClient, Lease
+from ...store import BlockKey, BlockNotFound, ClusterClient, Lease, Lineage
 from ._device import Device
 from ._moves import PageMoves, Route, cluster_mover
 from ._pages import LayoutError, PageLayout
@@ -92,7 +92,14 @@ class ClusterBackend(Closing):
     def load(self, keys: Sequence[BlockKey], offsets: np.ndarray, start: int = 0) -> None:
         self._moves.load(cluster_mover(self._client), self._routed(), keys, offsets, start)
 
-    def save(self, keys: Sequence[BlockKey], offsets: np.ndarray, start: int = 0) -> int:
+    def save(
+        self,
+        keys: Sequence[BlockKey],
+        offsets: np.ndarray,
+        start: int = 0,
+        lineage: Sequence[Lineage] = (),
+    ) -> int:
+        """A cluster's saves send no lineage yet (its members' streams carry keys only)."""
         return self._moves.save(cluster_mover(self._client), self._routed(), keys, offsets, start)
 
     def get(self, keys: Sequence[BlockKey], out: Sequence[Any], start: int = 0) -> None:

@@ -24,6 +24,7 @@ from ...store import (
     ConfigError,
     KeyMirror,
     Lease,
+    Lineage,
     StoreClient,
     StoreClosed,
     StoreError,
@@ -114,7 +115,7 @@ class ConnectorCore(Closing):
         self._embedded: CacheServer | None = None
         if config.server is not None:
             self.connect(config.server, config.secret)
-        self._saver = Saver(self._run_save) if saves else None
+        self._saver = Saver(self.run_save) if saves else None
         _log.info(
             "kvbridge connector: namespace %s, %d-byte blocks of %d tokens",
             self.namespace.decode(errors="replace"),
@@ -329,18 +330,26 @@ class ConnectorCore(Closing):
         self.stats.load_failed(len(keys) * self.block_tokens)
 
     def save(
-        self, keys: Sequence[BlockKey], at: Any, start: int = 0, *, after: object | None = None
+        self,
+        keys: Sequence[BlockKey],
+        at: Any,
+        start: int = 0,
+        *,
+        after: object | None = None,
+        lineage: Sequence[Lineage] = (),
     ) -> bool:
         """Store the blocks at ``at`` (those the store holds already are not sent) once
         the engine's work before ``after`` (:meth:`mark`: the forward that wrote them) ran;
-        False when the store failed. Raises :class:`LayoutError` for a bad ``at``."""
+        False when the store failed. Raises :class:`LayoutError` for a bad ``at``.
+        ``lineage`` (:meth:`lineage`): what each key was hashed from, for the server's
+        events (a KV-aware router indexes token ids)."""
         if not keys:
             return True
         offsets = self._offsets(keys, at)
 
         def move(store: Backend) -> int:
             self._ordered(after)
-            return store.save(keys, offsets, start)
+            return store.save(keys, offsets, start, lineage)
 
         return self._saved(keys, move)
 
@@ -367,6 +376,20 @@ class ConnectorCore(Closing):
             return False
         _log.info("kvbridge cleared %d blocks of %s", removed, self.namespace.decode())
         return True
+
+    def lineage(
+        self, keys: Sequence[BlockKey], parent: BlockKey | None, token_ids: Sequence[int]
+    ) -> tuple[Lineage, ...]:
+        """Each key's lineage in a chain: its parent the key before it (``parent`` for the
+        first), its token ids ``block_tokens`` of ``token_ids`` (one block's each). None
+        when the token ids do not cover the keys (a caller that sends none)."""
+        block = self.block_tokens
+        if len(token_ids) != len(keys) * block:
+            return ()
+        parents = [parent, *keys[:-1]]
+        return tuple(
+            Lineage.of(up, token_ids[i * block : (i + 1) * block]) for i, up in enumerate(parents)
+        )
 
     def save_later(self, jobs: Sequence[SaveJob]) -> None:
         """Queue saves; the engine keeps their source blocks until :meth:`saving` is False."""
@@ -415,11 +438,14 @@ class ConnectorCore(Closing):
         if self._embedded is not None:
             self._embedded.close()
 
-    # -- internals --------------------------------------------------------------------------
-
-    def _run_save(self, job: SaveJob) -> None:
-        if not self.save(job.keys, job.block_ids, job.start, after=job.mark):
+    def run_save(self, job: SaveJob) -> None:
+        """Run one save here (the saver's thread runs those of :meth:`save_later`); one
+        that failed counts as skipped. Its lineage is made here, off the engine's step."""
+        lineage = self.lineage(job.keys, job.parent, job.token_ids)
+        if not self.save(job.keys, job.block_ids, job.start, after=job.mark, lineage=lineage):
             self.stats.save_skipped(len(job.keys))
+
+    # -- internals --------------------------------------------------------------------------
 
     def _ordered(self, after: object | None) -> None:
         """Before a move touches the engine's memory: this thread on the engine's device,
@@ -516,7 +542,11 @@ class ConnectorCore(Closing):
                 cluster=config.cluster_name,
                 **settings,
             )
-        return ServerBackend(address, secret, self.namespace, block_bytes, timeout, **settings)
+        return ServerBackend(
+            *(address, secret, self.namespace, block_bytes, timeout),
+            block_tokens=self.block_tokens,
+            **settings,
+        )
 
     def _new_mirror(self, address: str, secret: bytes | None) -> KeyMirror | ClusterMirror:
         """One server's mirror, or every member's of a cluster (as its backend lists them

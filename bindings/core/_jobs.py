@@ -29,6 +29,11 @@ class SaveJob:
     mark: object | None = field(default=None, compare=False)
     """Where the engine's device work was when the job was made (``ConnectorCore.mark``):
     the job moves no byte before that work ran."""
+    parent: BlockKey | None = None
+    """The key before ``keys[0]`` in its chain (``None`` at the prompt's start)."""
+    token_ids: Sequence[int] = field(default=(), compare=False)
+    """The blocks' token ids, for their lineage (``ConnectorCore.lineage``); none: none
+    sent."""
 
 
 SaveFn = Callable[[SaveJob], None]

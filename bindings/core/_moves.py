@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ...store import BlockKey, ClusterClient, StoreClient
+from ...store import BlockKey, ClusterClient, Lineage, StoreClient
 from ...transfer import LocalProtocolError, is_device
 from ._device import Device
 from ._pages import LayoutError, PageLayout
@@ -41,7 +41,12 @@ class Mover(Protocol):
     ) -> None: ...
 
     def put_pages(
-        self, keys: Sequence[BlockKey], regions: Sequence[Any], offsets: Any, start: int
+        self,
+        keys: Sequence[BlockKey],
+        regions: Sequence[Any],
+        offsets: Any,
+        start: int,
+        lineage: Sequence[Lineage],
     ) -> list[bool]: ...
 
 
@@ -112,15 +117,23 @@ class PageMoves:
         self._staged().load(self._attached(), offsets, fetch)
 
     def save(
-        self, mover: Mover, route: Route, keys: Sequence[BlockKey], offsets: np.ndarray, start: int
+        self,
+        mover: Mover,
+        route: Route,
+        keys: Sequence[BlockKey],
+        offsets: np.ndarray,
+        start: int,
+        *,
+        lineage: Sequence[Lineage] = (),
     ) -> int:
         if route.staging is None:
-            return sum(mover.put_pages(keys, route.attached(), offsets, start))
+            return sum(mover.put_pages(keys, route.attached(), offsets, start, lineage))
         staging, rows = [route.staging], self._rows
 
         def send(first: int, count: int) -> int:
-            at = rows[:count, None]
-            return sum(mover.put_pages(keys[first : first + count], staging, at, start + first))
+            at, end = rows[:count, None], first + count
+            part = lineage[first:end]
+            return sum(mover.put_pages(keys[first:end], staging, at, start + first, part))
 
         return self._staged().save(self._attached(), offsets, send)
 
@@ -147,6 +160,7 @@ class PageMoves:
 
 
 _PageMove = Callable[[Sequence[BlockKey], Sequence[Any], Any, int], Any]
+_PagePut = Callable[[Sequence[BlockKey], Sequence[Any], Any, int, Sequence[Lineage]], Any]
 
 
 @dataclass(frozen=True)
@@ -156,7 +170,7 @@ class _Mover:
 
     client: StoreClient | ClusterClient
     get_pages: _PageMove
-    put_pages: _PageMove
+    put_pages: _PagePut
 
     @property
     def takes_device_memory(self) -> bool:
@@ -170,7 +184,9 @@ def server_mover(client: StoreClient) -> Mover:
     return _Mover(
         client,
         lambda keys, regions, offsets, start: client.get_pages(keys, regions, offsets),
-        lambda keys, regions, offsets, start: client.put_pages(keys, regions, offsets),
+        lambda keys, regions, offsets, start, lineage: client.put_pages(
+            keys, regions, offsets, lineage=lineage or None
+        ),
     )
 
 
@@ -178,5 +194,7 @@ def cluster_mover(client: ClusterClient) -> Mover:
     return _Mover(
         client,
         lambda keys, regions, at, start: client.get_pages(keys, regions, at, chain_start=start),
-        lambda keys, regions, at, start: client.put_pages(keys, regions, at, chain_start=start),
+        lambda keys, regions, at, start, lineage: client.put_pages(
+            keys, regions, at, chain_start=start
+        ),
     )

@@ -28,6 +28,12 @@ class Transfer:
     now: bool = False
     """A save to run before the step ends (a sliding window's blocks: vLLM frees them once
     they leave the window and may hand them to another request in the next step)."""
+    parent: BlockKey | None = None
+    """A save: the key of the block before ``keys[0]`` in its group (``None`` at the
+    prompt's start)."""
+    token_ids: tuple[int, ...] = ()
+    """A save: the token ids of its blocks, which the server's events carry for KV-aware
+    routers (``docs/EVENTS.md``)."""
 
 
 @dataclass

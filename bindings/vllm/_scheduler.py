@@ -23,9 +23,10 @@ vLLM keeps for it, its saves run before the step ends, and its loads are asynchr
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +56,8 @@ lease (60 s by default) and must still hold when the load runs."""
 class _Request:
     keys: GroupedKeys
     """The prompt's full blocks' keys, in every KV cache group."""
+    tokens: Sequence[int] = ()
+    """The prompt's token ids (vLLM's own list: saves send their blocks' with them)."""
     local: int = 0
     """Tokens vLLM's own prefix cache holds (block-aligned), as of the last lookup."""
     hit: int | None = None
@@ -221,7 +224,7 @@ class SchedulerSide:
                 return None  # what the KV is does not follow from token ids alone
             extra = _extra(request)
             keys = GroupedKeys([self._core.keys(tokens, extra + tag) for tag in self._tags])
-            state = self._requests[request.request_id] = _Request(keys)
+            state = self._requests[request.request_id] = _Request(keys, tokens)
             params = request.kv_transfer_params or {}
             expect = params.get(PD_PARAM)
             if isinstance(expect, int) and not isinstance(expect, bool) and expect > 0:
@@ -359,7 +362,12 @@ class SchedulerSide:
             if NULL_BLOCK in ids[lo:hi]:  # never read or write the null block
                 hi = ids.index(NULL_BLOCK, lo, hi)
             if lo < hi:
-                moves.append(_transfer(req_id, keys[lo:hi], ids[lo:hi], lo, group))
+                move = _transfer(req_id, keys[lo:hi], ids[lo:hi], lo, group)
+                if save:
+                    parent = keys[lo - 1] if lo else None
+                    tokens = tuple(state.tokens[lo * self._block : hi * self._block])
+                    move = dataclasses.replace(move, parent=parent, token_ids=tokens)
+                moves.append(move)
         return moves
 
 

@@ -123,16 +123,14 @@ class WorkerSide:
             self._report.unsaved.update(save.request for save in meta.saves)
             return
         mark = self._core.mark()  # the forward that wrote the blocks
-        for save in meta.saves:
-            if save.now and not self._core.save(save.keys, save.block_ids, save.start, after=mark):
-                self._core.stats.save_skipped(len(save.keys))
-        self._core.save_later(
-            [
-                SaveJob(s.request, s.keys, s.block_ids, s.start, mark)
-                for s in meta.saves
-                if not s.now
-            ]
-        )
+        later = []
+        for s in meta.saves:
+            job = SaveJob(s.request, s.keys, s.block_ids, s.start, mark, s.parent, s.token_ids)
+            if s.now:
+                self._core.run_save(job)
+            else:
+                later.append(job)
+        self._core.save_later(later)
 
     def finished(
         self, finished_req_ids: set[str]

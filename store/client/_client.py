@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import logging
 import secrets
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -100,11 +101,15 @@ class StoreClient(Closing):
         where the machine has the cores to drive a fast link). ``clock`` times deadlines and
         how long a read ran under its pin (tests pass a fake one). ``block_tokens``: the
         token ids per block of the lineage this client's puts send (``put(lineage=...)``,
-        ``docs/EVENTS.md``); 0 sends none. The namespace's creator chooses it: an open that
-        states another is refused (:class:`BadRequest`)."""
+        ``docs/EVENTS.md``); 0 sends none. The namespace's creator chose how many it keeps:
+        where that is another number, :attr:`block_tokens` is 0 after the open and puts
+        send no lineage (logged once)."""
         positive_int("block_bytes", block_bytes)
         self.block_bytes = block_bytes
-        self.block_tokens = check_block_tokens(block_tokens)
+        self._asked_tokens = check_block_tokens(block_tokens)
+        self.block_tokens = 0
+        """Token ids per block of the lineage puts send: as asked, where the namespace
+        keeps that many; else 0 (none sent)."""
         self.namespace = namespace_bytes(namespace)
         self._own_engine = engine is None
         self.engine = engine or TransferEngine(
@@ -137,9 +142,19 @@ class StoreClient(Closing):
 
     def _open(self) -> None:
         request = {"op": "open", "namespace": self.namespace, "block_bytes": self.block_bytes}
-        if self.block_tokens:
-            request["block_tokens"] = self.block_tokens
+        if self._asked_tokens:
+            request["block_tokens"] = self._asked_tokens
         opened = self._call(request)
+        kept = opened.get("block_tokens", 0)
+        self.block_tokens = self._asked_tokens if kept == self._asked_tokens else 0
+        if self._asked_tokens and not self.block_tokens:
+            _log.warning(
+                "namespace %s keeps %s token ids a block, not %d: saves send no lineage "
+                "(its events carry keys only)",
+                self.namespace.decode(errors="replace"),
+                kept,
+                self._asked_tokens,
+            )
         self.peer.refresh()  # the namespace's region may be newer than our handshake
         self._ns: int = opened["ns"]
         self._region: int = opened["region"]
@@ -459,8 +474,9 @@ class StoreClient(Closing):
         return {**body, "ns": self._ns} if "ns" in body else body
 
     def _lineage(self, lineage: _Lineages, count: int) -> list[list[bytes | None] | None] | None:
-        """``put``'s ``lineage`` as it goes on the wire, every entry checked first."""
-        if lineage is None:
+        """``put``'s ``lineage`` as it goes on the wire, every entry checked first; none
+        where the namespace keeps none (:attr:`block_tokens` 0)."""
+        if lineage is None or not self.block_tokens:
             return None
         if len(lineage) != count:
             raise BadLineage(f"{len(lineage)} lineage entries for {count} keys")
@@ -620,6 +636,8 @@ class StoreClient(Closing):
         with contextlib.suppress(TransferError, LeaseExpired, PeerClosed):
             self.peer.call(body, timeout=wait)
 
+
+_log = logging.getLogger("kvbridge.client")
 
 _Lineages = Sequence[Lineage | None] | None
 

@@ -123,8 +123,9 @@ class NamespaceTable:
         read-only tenant creates nothing: it opens namespaces that are in memory.
 
         ``block_tokens`` (its creator's): the tokens of each block's lineage the namespace
-        keeps (``_lineage``), their memory taken from its host share; an open that states
-        other tokens than the namespace's is refused."""
+        keeps (``_lineage``), their memory taken from its host share. An open that states
+        others is served all the same (its answer says the namespace's: the client then
+        sends no lineage), so that no opener is refused for what another chose first."""
         _check_geometry(name, block_bytes)
         with self._lock:
             ns = self._opened(caller, name, block_bytes, tenant, alive, block_tokens=block_tokens)
@@ -177,11 +178,6 @@ class NamespaceTable:
         if ns is not None and ns.store.block_bytes != block_bytes:
             raise BadRequest(
                 f"namespace {ns.label} has {ns.store.block_bytes}-byte blocks, not {block_bytes}"
-            )
-        if ns is not None and block_tokens and ns.block_tokens != block_tokens:
-            raise BadRequest(
-                f"namespace {ns.label} keeps {ns.block_tokens} token ids a block, not "
-                f"{block_tokens} (the first to open it chose; 0: none)"
             )
         if ns is None or caller.session not in ns.openers:
             mine = sum(caller.session in n.openers for n in self._by_handle.values())

@@ -14,12 +14,14 @@ way), signals (``[round, pid, "SIGSTOP"]``: send after that round). The result h
 round's outputs, its wall seconds (``seconds``), the seconds ``LLM(...)`` took
 (``startup``), the KV cache vLLM made (``kv_cache``: its groups' spec kinds and its blocks,
 in-process only), the connector's counters (``stats``: the worker's; ``scheduler``: the
-scheduler's, in-process only).
+scheduler's, in-process only). The log (stderr) holds the connector's start line, which
+names its namespace.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
@@ -32,6 +34,10 @@ os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 # vLLM's default: scheduler and worker in processes of their own.
 _SPEC = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if _SPEC.get("multiprocessing") else "0"
+# The connector's start line (its namespace, as an operator reads it) in the result's log.
+_bindings = logging.getLogger("kvbridge.bindings")
+_bindings.setLevel(logging.INFO)
+_bindings.addHandler(logging.StreamHandler(sys.stderr))
 
 from vllm import LLM, SamplingParams  # noqa: E402  (after the environment vLLM reads)
 from vllm.config import KVTransferConfig  # noqa: E402  (after the environment vLLM reads)

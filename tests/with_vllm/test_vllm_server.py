@@ -6,15 +6,16 @@ aborted requests leave nothing held."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import LOADABLE, PATHS, PROMPTS, prompts, run_engine, spec, tokens
+from harness import BLOCK, LOADABLE, PATHS, PROMPTS, prompts, run_engine, spec, tokens
 from serve import ServeProcess
 
-from kvbridge.store import StoreClient
+from kvbridge.store import Lineage, StoreClient
 from kvbridge.transfer import nixl_available
 
 
@@ -25,16 +26,44 @@ def _namespaces(server: ServeProcess) -> list[dict[str, Any]]:
     return [ns for ns in stats["namespaces"] if ns["hits"] or ns["tiers"][0]["blocks"]]
 
 
+def _saved_lineage(server: ServeProcess, log: str) -> dict[bytes, Lineage | None]:
+    """The connector's namespace (named in its log) as the server keeps it: each key with
+    what it was hashed from."""
+    found = re.search(r"kvbridge connector: namespace (\S+), (\d+)-byte blocks", log)
+    assert found is not None, "the connector names its namespace in its log"
+    name, block_bytes = found.group(1), int(found.group(2))
+    with StoreClient(server.address, block_bytes=block_bytes, namespace=name) as client:
+        snapshot = client.snapshot(lineage=True)
+    assert snapshot.lineage is not None
+    return dict(zip(snapshot.keys, snapshot.lineage, strict=True))
+
+
 def test_a_fresh_instance_loads_what_another_saved(model: str, baseline: list[list[int]]) -> None:
     """Through a server that publishes its event stream: the second instance's scheduler
     answers from its mirror of the namespace's keys (and pins what it hits). It asks once
     its mirror is in step (``ready``): a prompt looked up before then asks the server
-    instead, which loads as much but is not what this test counts."""
+    instead, which loads as much but is not what this test counts. The first instance's
+    saves carry their token ids: the server keeps each block's, chained to its parent."""
     server = ServeProcess("--host-capacity", "64MiB", "--events-port", "0")
     try:
         connector = {"server": server.address}
         first = run_engine(spec(model, connector))
         assert tokens(first) == baseline and first["stats"]["tokens_saved"] > 0
+        kept = _saved_lineage(server, first["log"])
+        chains = {
+            tuple(prompt[: (i + 1) * BLOCK])
+            for prompt in PROMPTS
+            for i in range(len(prompt) // BLOCK)
+        }
+        assert len(kept) == len(chains)  # one block per distinct prefix, none without tokens
+        for lineage in kept.values():
+            assert lineage is not None
+            prefix: list[int] = []
+            step: Lineage | None = lineage
+            while step is not None:  # up the chain: the whole prefix is kept, in order
+                prefix[:0] = step.token_ids
+                step = None if step.parent is None else kept[step.parent]
+            assert tuple(prefix) in chains
         second = run_engine(spec(model, connector, ready=60))
         assert second["ready"] is True
         assert tokens(second) == baseline
