@@ -76,6 +76,8 @@ class KeySnapshot:
     seq: int
     keys: list[BlockKey]
     lineage: list[Lineage | None] | None = None
+    media: list[str | None] | None = None
+    """With the lineage: each key's medium as the page was read (``None``: it left)."""
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,7 @@ def test_a_chain_saved_with_its_tokens_is_one_event_and_in_the_snapshot(
         kept = dict(zip(snapshot.keys, snapshot.lineage, strict=True))
         assert kept[ks[1]] == Lineage.of(ks[0], range(104, 108))
         assert kept[more[0]] == Lineage.of(ks[2], range(112, 116))
+        assert set(snapshot.media or []) == {"CPU"}
         with _client(server) as other:  # a session takes one snapshot every 0.5 s
             assert other.snapshot().lineage is None  # only asked for
         subscriber.close()

@@ -337,13 +337,17 @@ class StoreClient(Closing):
         sid, seq = field(reply, "snapshot", int), field(reply, "seq", int)
         keys: list[BlockKey] = []
         kept: list[Lineage | None] = []
+        media: list[str | None] = []
         while True:
             page = check_keys(field(reply, "keys", list))
             keys += page
             if lineage:
                 kept += _lineage_page(field(reply, "lineage", list), len(page))
+                media += _media_page(field(reply, "media", list), len(page))
             if not field(reply, "more", bool):
-                return KeySnapshot(seq, keys, kept if lineage else None)
+                if not lineage:
+                    return KeySnapshot(seq, keys)
+                return KeySnapshot(seq, keys, kept, media)
             reply = self._call({**request, "snapshot": sid, "offset": len(keys)})
 
     @property
@@ -647,6 +651,12 @@ def _lineage_page(entries: list[Any], count: int) -> list[Lineage | None]:
     if len(entries) != count:
         raise BadLineage(f"a snapshot page of {count} keys with {len(entries)} lineage entries")
     return [None if entry is None else Lineage.of_wire(entry) for entry in entries]
+
+
+def _media_page(media: list[Any], count: int) -> list[str | None]:
+    if len(media) != count or any(m is not None and type(m) is not str for m in media):
+        raise BadLineage(f"a snapshot page of {count} keys with {len(media)} media")
+    return media
 
 
 def _chunks(keys: Sequence[BlockKey], size: int) -> Iterator[tuple[int, list[bytes]]]:

@@ -91,7 +91,7 @@ class Placement:
         """Times pins and staged puts (``time.monotonic`` unless a test gives its own)."""
         self.changes = Changes()
         """Keys that entered or left the store, for its watcher (see :meth:`watch`)."""
-        self.lock = ReportingLock(lambda: self.changes.flush(self._where))
+        self.lock = ReportingLock(lambda: self.changes.flush(self.where))
         self.pins = PinTable(clock, on_change=self._pin_changed)
         self.orders = [
             HeldOrder(check_policy(tier.policy), self.pins, self.changes) for tier in tiers
@@ -110,7 +110,8 @@ class Placement:
         with self.lock:
             self.changes.watch(report)
 
-    def _where(self, key: BlockKey) -> str | None:
+    def where(self, key: BlockKey) -> str | None:
+        """The name of the highest tier holding ``key`` (``None``: none does)."""
         t = self.locate(key)
         return None if t is None else self.tiers[t].name
 

@@ -188,6 +188,14 @@ class TieredStore(Closing):
                 return list(placement.tiers[0].keys())
             return list(set().union(*(tier.keys() for tier in placement.tiers)))
 
+    def where(self, keys: Sequence[BlockKey]) -> list[str | None]:
+        """The name of the highest tier holding each key (``None``: none does), as the
+        store's change reports name it. Does not count as a use."""
+        placement = self._placement
+        with placement.lock:
+            placement.check_open()
+            return [placement.where(key) for key in keys]
+
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key is present in any tier. Does not count as a use."""
         checked = check_keys(keys)

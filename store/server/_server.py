@@ -46,6 +46,7 @@ from .._errors import BlockNotFound, BlockPinned, StoreError
 from .._keys import BlockKey
 from .._lineage import check_block_tokens, from_wire
 from .._stats import StoreStats
+from .._stream import MEDIUM
 from .._wire import (
     MAX_KEYS_PER_REQUEST,
     BadRequest,
@@ -473,7 +474,8 @@ class CacheServer:
     def _keys(self, caller: Caller, ns: Namespace, body: dict[str, Any]) -> dict[str, Any]:
         """A page of a snapshot of the namespace's keys (``_snapshots``): without
         ``snapshot`` the first page of a new one, with it the page at ``offset``; with
-        ``lineage``, each key's lineage beside it (``nil``: none kept)."""
+        ``lineage``, each key's lineage beside it (``nil``: none kept) and the medium it is
+        in now (``nil``: it left since the snapshot was taken)."""
         sid = optional_field(body, "snapshot", int)
         offset = optional_field(body, "offset", int) or 0
         lineage = bool(optional_field(body, "lineage", bool))
@@ -490,6 +492,8 @@ class CacheServer:
         if lineage:
             entries = [ns.lineage.get(BlockKey(key)) for key in page]
             reply["lineage"] = [None if entry is None else entry.wire() for entry in entries]
+            tiers = ns.store.where([BlockKey(key) for key in page])
+            reply["media"] = [None if t is None else MEDIUM.get(t, t.upper()) for t in tiers]
         return reply
 
     def _stats(self, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
