@@ -40,6 +40,7 @@ def test_wheel_holds_only_the_kvbridge_package(tmp_path: Path) -> None:
         "store/_keys.py",
         "transfer/__init__.py",
         "bindings/__init__.py",
+        "routing/_relay.py",
         "tools/cli.py",
         "py.typed",
     ):
@@ -49,7 +50,8 @@ def test_wheel_holds_only_the_kvbridge_package(tmp_path: Path) -> None:
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     probe = (
-        "import kvbridge.store, kvbridge.tools.cli, kvbridge.transfer, kvbridge.bindings;"
+        "import kvbridge.store, kvbridge.tools.cli, kvbridge.transfer, kvbridge.bindings,"
+        " kvbridge.routing;"
         "print(kvbridge.store.__file__)"
     )
     env = {**os.environ, "PYTHONPATH": str(site)}
@@ -63,7 +65,8 @@ def test_wheel_holds_only_the_kvbridge_package(tmp_path: Path) -> None:
     ).stdout
     assert out.strip().startswith(str(site))
     # No bare top-level component module sneaks in.
-    assert not any(n.startswith(("store/", "transfer/", "tools/", "bindings/")) for n in names)
+    bare = ("store/", "transfer/", "tools/", "bindings/", "routing/")
+    assert not any(n.startswith(bare) for n in names)
 
 
 def test_a_plain_store_user_does_not_load_the_server() -> None:

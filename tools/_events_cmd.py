@@ -5,7 +5,8 @@ Each message is one line: ``{"seq", "ts", "events": [{"type", "block_hashes" (he
 "medium"}]}``; ``--snapshot`` first prints the namespace's keys (``{"snapshot": {"seq",
 "keys"}}``), ``--heartbeats`` the heartbeats too. A gap in the numbers is printed as
 ``{"gap": {"after", "seq"}}``: the reader then needs a snapshot. The command subscribes
-again when the stream falls silent (the server restarted, the namespace left it).
+again when the stream falls silent (the server restarted, the namespace left it). With
+``--publish`` it republishes the stream for KV-aware routers instead (``_relay_cmd``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from kvbridge.store import (
 )
 from kvbridge.transfer import TransferError
 
+from . import _relay_cmd
 from ._fail import fail
 
 _SILENCE_S = 3.0
@@ -50,10 +52,13 @@ def add_parser(commands: Any) -> None:
     events.add_argument("--snapshot", action="store_true", help="print the keys first")
     events.add_argument("--heartbeats", action="store_true", help="print heartbeats too")
     events.add_argument("--count", type=int, help="stop after this many messages")
+    _relay_cmd.add_arguments(events)
     events.set_defaults(run=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.publish is not None:
+        return _relay_cmd.run(args)
     try:
         secret = read_secret(args.secret_file) if args.secret_file else None
         client = StoreClient(
