@@ -186,6 +186,9 @@ class Relay(Closing):
             except (StoreError, TransferError, OSError) as exc:
                 _log.warning("kvbridge relay: the server failed (%s): subscribing again", exc)
                 self._wait(RETRY_S)
+            except Exception:  # a bug of ours: said with its traceback, never a silent end
+                _log.exception("kvbridge relay: failed: subscribing again")
+                self._wait(RETRY_S)
             finally:
                 client.close()
 
@@ -328,6 +331,8 @@ _Change = tuple[BlockKey, str | None, Lineage | None]
 def _changes(event: dict[str, object]) -> list[_Change]:
     """One kvbridge event as (key, medium or None when removed, lineage) per key;
     :class:`_Resync` for fields that do not fit together."""
+    if event["type"] == "AllBlocksCleared":
+        return []  # the message says so (``Message.cleared``): the stream ends after it
     hashes = event["block_hashes"]
     assert isinstance(hashes, list)  # the stream's decoder checked the keys
     if event["type"] != "BlockStored":
