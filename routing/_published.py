@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvbridge.store import BlockKey, KeySnapshot, Lineage
 
 from ._shape import Shape
@@ -115,7 +117,8 @@ class Published:
         if not first.stored:
             return self._shape.removed(keys, first.medium)
         assert first.lineage is not None
-        tokens = [token for op in run if op.lineage is not None for token in op.lineage.token_ids]
+        ids = b"".join(op.lineage.tokens for op in run if op.lineage is not None)
+        tokens: list[int] = np.frombuffer(ids, dtype="<i4").tolist()
         return self._shape.stored(
             keys, first.lineage.parent, tokens, self._block_tokens, first.medium
         )

@@ -42,6 +42,7 @@ import zmq
 
 from kvbridge._closing import Closing
 from kvbridge.store import (
+    TOKEN_BYTES,
     BlockKey,
     EventSubscriber,
     KeySnapshot,
@@ -349,16 +350,20 @@ def _changes(event: dict[str, object]) -> list[_Change]:
         return [(BlockKey(key), medium, None) for key in hashes]
     if len(tokens) != size * len(hashes) or not (parent is None or isinstance(parent, bytes)):
         raise _Resync("a BlockStored whose token ids do not cover its blocks")
-    out: list[_Change] = []
-    up: bytes | None = parent
-    for n, key in enumerate(hashes):
-        try:
-            lineage = Lineage.of(up, tokens[n * size : (n + 1) * size])
-        except ValueError as exc:
-            raise _Resync(f"a BlockStored with bad token ids ({exc})") from None
-        out.append((BlockKey(key), medium, lineage))
-        up = key
-    return out
+    try:  # checked once for the event, then cut a block at a time
+        ids = Lineage.of(None, tokens).tokens
+    except ValueError as exc:
+        raise _Resync(f"a BlockStored with bad token ids ({exc})") from None
+    step = size * TOKEN_BYTES
+    parents = [parent, *hashes[:-1]]
+    return [
+        (
+            BlockKey(key),
+            medium,
+            Lineage(None if up is None else BlockKey(up), ids[n * step : (n + 1) * step]),
+        )
+        for n, (key, up) in enumerate(zip(hashes, parents, strict=True))
+    ]
 
 
 def _keys_of(event: object) -> int:

@@ -51,7 +51,7 @@ from ._errors import (
 )
 from ._keys import KEY_BYTES, BlockKey, HashAlgo, InvalidNamespace, prefix_hashes
 from ._lease import Lease
-from ._lineage import MAX_BLOCK_TOKENS, BadLineage, Lineage
+from ._lineage import MAX_BLOCK_TOKENS, TOKEN_BYTES, BadLineage, Lineage
 from ._sizes import parse_size
 from ._stats import StoreStats, TierStats
 from ._stream import TICKET_PREFIX as EVENT_TICKET_PREFIX
@@ -98,6 +98,7 @@ __all__ = [
     "EVENT_TICKET_PREFIX",
     "KEY_BYTES",
     "MAX_BLOCK_TOKENS",
+    "TOKEN_BYTES",
     "BadLineage",
     "BadRequest",
     "BlockKey",
