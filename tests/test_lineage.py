@@ -13,6 +13,7 @@ from helpers import keys, payloads, until
 from serve import ServeProcess
 
 from kvbridge.store import (
+    MAX_BLOCK_TOKENS,
     BadLineage,
     BadRequest,
     BlockKey,
@@ -217,3 +218,21 @@ def test_a_batch_of_lineage_events_decodes_as_msgpack_vllm_shape() -> None:
         "lora_name",
     }
     assert event["medium"] == "CPU" and event["token_ids"] == list(range(5, 13))
+
+
+def test_a_snapshot_of_large_lineage_comes_in_pages_within_the_control_limit() -> None:
+    """4,096 token ids a block (the most): 16 KiB of lineage each; 80 blocks are 1.3 MiB,
+    more than one control message holds."""
+    block_tokens = MAX_BLOCK_TOKENS
+    config = ServerConfig(port=0, host_capacity=4 * 100 * (BB + 16640), handoff_ttl=0)
+    with (
+        CacheServer(config) as served,
+        _client(served, block_tokens=block_tokens, name="large") as client,
+    ):
+        assert client.block_tokens == block_tokens and client.capacity_blocks >= 80
+        ks = keys(0, 80)
+        lineage = [Lineage.of(None, [n] * block_tokens) for n in range(80)]
+        client.put(ks, payloads(ks, BB), lineage=lineage)
+        snapshot = client.snapshot(lineage=True)
+        kept = dict(zip(snapshot.keys, snapshot.lineage or [], strict=True))
+        assert [kept[k] for k in ks] == lineage

@@ -203,14 +203,8 @@ class NamespaceTable:
         cfg = self._config
         share = cfg.host_capacity // cfg.max_namespaces
         disk = _data_share(cfg) if self._dirs is not None else 0
-        lineage = max(share, disk) // block_bytes * lineage_bytes(block_tokens)
-        if share - lineage < block_bytes:
-            raise StoreFull(
-                f"a namespace's {share} bytes of host memory hold no block beside the "
-                f"{lineage} bytes of token ids of its blocks"
-            )
         return {
-            "host_capacity": share - lineage,
+            "host_capacity": _memory_beside_lineage(share, disk, block_bytes, block_tokens),
             "namespace": name,
             "pin_ttl": cfg.lease_ttl,
             "policy": cfg.policy,
@@ -354,6 +348,23 @@ def _disk_path(ns: Namespace) -> Path:
     disk = ns.store.tiers[-1]
     assert isinstance(disk, DiskTier)
     return Path(disk.path)
+
+
+def _memory_beside_lineage(share: int, disk: int, block_bytes: int, block_tokens: int) -> int:
+    """Bytes of blocks a host share of ``share`` holds beside the lineage of every block the
+    namespace may hold: its memory's, or its disk's where that holds more (write-through:
+    the disk has every block). :class:`StoreFull` where not one block fits."""
+    each = lineage_bytes(block_tokens)
+    memory = share // (block_bytes + each)
+    on_disk = disk // block_bytes
+    if on_disk > memory:
+        memory = max(0, share - on_disk * each) // block_bytes
+    if memory < 1:
+        raise StoreFull(
+            f"a namespace's {share} bytes of host memory hold no block beside the token ids "
+            f"of its blocks ({each} bytes each, {max(memory, on_disk)} blocks)"
+        )
+    return memory * block_bytes
 
 
 def _data_share(cfg: ServerConfig) -> int:

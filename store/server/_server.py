@@ -44,7 +44,7 @@ from ..._bounded_log import BoundedLog
 from ...transfer import Caller, NotifyRefused, TransferEngine
 from .._errors import BlockNotFound, BlockPinned, StoreError
 from .._keys import BlockKey
-from .._lineage import check_block_tokens, from_wire
+from .._lineage import STAGE_LINEAGE_BYTES, check_block_tokens, from_wire, lineage_bytes
 from .._stats import StoreStats
 from .._stream import MEDIUM
 from .._wire import (
@@ -486,7 +486,7 @@ class CacheServer:
         snap = self._snapshots.page(caller.session, ns.handle, sid)
         if offset < 0:
             raise BadRequest(f"offset {offset} is negative")
-        end = offset + MAX_KEYS_PER_REQUEST // 4 if lineage else offset + MAX_KEYS_PER_REQUEST
+        end = offset + _page_keys(ns.block_tokens if lineage else 0)
         page, more = snap.keys[offset:end], end < len(snap.keys)
         reply = {"snapshot": sid, "seq": snap.seq, "keys": page, "more": more}
         if lineage:
@@ -535,6 +535,14 @@ def _in_memory(ns: Namespace, body: dict[str, Any]) -> bool:
     """Whether every block a pin names is in the namespace's top (memory) tier now."""
     top = ns.store.tiers[0].index
     return all(key in top for key in keys_field(body))
+
+
+def _page_keys(block_tokens: int) -> int:
+    """Keys in one page of a snapshot: with lineage of ``block_tokens`` token ids each, as
+    many as fit a control message as a ``stage`` request's do."""
+    if not block_tokens:
+        return MAX_KEYS_PER_REQUEST
+    return max(1, min(MAX_KEYS_PER_REQUEST, STAGE_LINEAGE_BYTES // lineage_bytes(block_tokens)))
 
 
 def _put_id(body: dict[str, Any]) -> int | None:
