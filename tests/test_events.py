@@ -27,6 +27,7 @@ from kvbridge.store import (
     CacheServer,
     EventSubscriber,
     KeyMirror,
+    Lineage,
     Message,
     ServerConfig,
     StoreClient,
@@ -272,23 +273,28 @@ def test_a_server_without_an_events_port_says_so() -> None:
 
 @pytest.mark.slow
 def test_kvbridge_events_prints_json_lines_and_one_line_errors(server: ServeProcess) -> None:
-    """``kvbridge events``: a snapshot, then each message as a JSON line (keys in hex);
-    against a server without events, one line and exit status 1."""
+    """``kvbridge events``: a snapshot, then each message as a JSON line (keys in hex, a
+    chain's token ids as they were saved); against a server without events, one line and
+    exit status 1."""
     args = [sys.executable, "-m", "kvbridge", "events", server.address]
     args += ["--namespace", "events", "--block-bytes", str(BB), "--snapshot", "--count", "1"]
+    saver = StoreClient(server.address, block_bytes=BB, namespace="events", block_tokens=2)
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
         first = json.loads(proc.stdout.readline())  # the snapshot: subscribed by now
         assert first["snapshot"]["keys"] == []
         ks = keys(0, 3)
-        with _client(server) as client:
-            client.put(ks, payloads(ks, BB))
+        head = keys(9, 10)[0]  # the chain goes on from a block saved before
+        lineage = [Lineage.of(up, [n, n]) for n, up in enumerate([head, *ks[:-1]])]
+        saver.put(ks, payloads(ks, BB), lineage=lineage)
         line = json.loads(proc.stdout.readline())
-        assert line["events"][0]["type"] == "BlockStored"
-        assert line["events"][0]["block_hashes"] == [k.hex() for k in ks]
+        event = line["events"][0]
+        assert event["type"] == "BlockStored" and event["block_hashes"] == [k.hex() for k in ks]
+        assert (event["parent_block_hash"], event["token_ids"]) == (head.hex(), [0, 0, 1, 1, 2, 2])
         assert proc.wait(30) == 0
     finally:
+        saver.close()
         reap(proc)
     plain = ServeProcess(*_SMALL)
     try:

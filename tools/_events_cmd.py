@@ -2,7 +2,8 @@
 as JSON lines (``docs/EVENTS.md``), for a router author or an operator to watch.
 
 Each message is one line: ``{"seq", "ts", "events": [{"type", "block_hashes" (hex),
-"medium"}]}``; ``--snapshot`` first prints the namespace's keys (``{"snapshot": {"seq",
+"medium", and for a chain saved with its token ids "parent_block_hash" (hex), "token_ids",
+"block_size"}]}``; ``--snapshot`` first prints the namespace's keys (``{"snapshot": {"seq",
 "keys"}}``), ``--heartbeats`` the heartbeats too. A gap in the numbers is printed as
 ``{"gap": {"after", "seq"}}``: the reader then needs a snapshot. The command subscribes
 again when the stream falls silent (the server restarted, the namespace left it). With
@@ -123,10 +124,14 @@ def _show(message: Message, last: int | None, heartbeats: bool) -> int:
 
 
 def _event(event: dict[str, object]) -> dict[str, object]:
+    """An event as JSON takes it: keys (the hashes, a chain's parent) in hex."""
     shown = dict(event)
     hashes = event.get("block_hashes")
     if isinstance(hashes, list):
         shown["block_hashes"] = [h.hex() if isinstance(h, bytes) else h for h in hashes]
+    parent = event.get("parent_block_hash")
+    if isinstance(parent, bytes):
+        shown["parent_block_hash"] = parent.hex()
     return shown
 
 
