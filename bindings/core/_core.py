@@ -75,8 +75,11 @@ class ConnectorCore(Closing):
         connections: int = 1,
         clock: Callable[[], float] = time.monotonic,
         device: Device | None = None,
+        token_ids: bool = False,
     ) -> None:
-        """``saves``: run :meth:`save_later` jobs on a thread of its own; ``mirror``: keep
+        """``saves``: run :meth:`save_later` jobs on a thread of its own; ``token_ids``: the
+        engine's saves send their blocks' token ids (:meth:`lineage`), so the namespace is
+        opened to keep them (vLLM's; SGLang hands over page hashes only); ``mirror``: keep
         the namespace's keys from the server's event stream (:meth:`mirrored`; where
         ``config.mirror`` allows it); ``connections``: how many threads may call the store
         at once (see :class:`ServerBackend`); ``device``: how moves are ordered against the
@@ -88,6 +91,7 @@ class ConnectorCore(Closing):
         self.namespace = tenant + identity.namespace()  # inside the tenant's default prefix
         self._name_key = hashlib.blake2b(self.namespace, digest_size=32).digest()
         self.block_tokens = identity.block_tokens
+        self._lineage_tokens = identity.block_tokens if token_ids else 0
         self.stats = ConnectorStats()
         self._clock = clock
         self._failed: dict[BlockKey, float] = {}
@@ -544,7 +548,7 @@ class ConnectorCore(Closing):
             )
         return ServerBackend(
             *(address, secret, self.namespace, block_bytes, timeout),
-            block_tokens=self.block_tokens,
+            block_tokens=self._lineage_tokens,
             **settings,
         )
 

@@ -72,6 +72,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             saves=saves and worker,
             mirror=not worker,
             connections=1 if worker else LOOKUP_THREADS,
+            token_ids=True,  # saves carry them: KV-aware routers index the store by them
         )
         self._handshake: Handshake | None = None
         if worker and config.server is None:  # the store lives here; the scheduler connects
