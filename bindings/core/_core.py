@@ -575,6 +575,7 @@ class ConnectorCore(Closing):
             secret=secret,
             tenant=config.tenant,
             timeout=min(config.timeout, _MIRROR_TIMEOUT_S),
+            block_tokens=self._lineage_tokens,  # it may be the namespace's first opener
         )
 
     def _store(self) -> Backend:
