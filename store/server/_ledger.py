@@ -187,8 +187,6 @@ class Leases:
         if not store_id:
             return 0, slots
         taken = [(key, slot) for key, slot in zip(keys, slots, strict=True) if slot is not None]
-        if lineage:
-            chosen = [entry for entry, slot in zip(lineage, slots, strict=True) if slot is not None]
         record = self._open(
             "stage",
             session=session,
@@ -198,8 +196,9 @@ class Leases:
             ttl=ttl,
         )
         record.store_id = store_id
-        if lineage:
-            record.lineage = tuple(chosen)
+        if lineage:  # the new blocks' own, in the record's order
+            new = zip(lineage, slots, strict=True)
+            record.lineage = tuple(entry for entry, slot in new if slot is not None)
         self._index.staged[list(record.slots)] = record.id
         return record.id, slots
 
