@@ -3,7 +3,7 @@
 - :class:`Relay` (``kvbridge events --publish``): a namespace's event stream republished in
   the shape Dynamo's KV indexer and llm-d's read (integer hashes, token ids, block size,
   media by name), numbered, with a replay socket; :class:`RelayStats`, what it did.
-- :class:`Shape` (the events' layout and media names), :func:`router_hash` (a key's
+- :class:`Shape` (the events' :data:`Layout` and media names), :func:`router_hash` (a key's
   integer hash: its low 64 bits), :data:`DEFAULT_MEDIA`.
 
 The format and its rules: ``docs/EVENTS.md`` ("For routers").
@@ -12,6 +12,6 @@ The format and its rules: ``docs/EVENTS.md`` ("For routers").
 from __future__ import annotations
 
 from ._relay import Relay, RelayStats
-from ._shape import DEFAULT_MEDIA, Shape, router_hash
+from ._shape import DEFAULT_MEDIA, Layout, Shape, router_hash
 
-__all__ = ["DEFAULT_MEDIA", "Relay", "RelayStats", "Shape", "router_hash"]
+__all__ = ["DEFAULT_MEDIA", "Layout", "Relay", "RelayStats", "Shape", "router_hash"]

@@ -19,9 +19,10 @@ Public surface (what a user needs; the building blocks live in the subpackages):
 - The namespaces' event streams (``kvbridge serve --events-port``, ``docs/EVENTS.md``):
   :class:`KeyMirror`, a namespace's keys kept from its stream, and
   :class:`EventSubscriber`, one subscription read message by message; :func:`decode_events`, a
-  message read (:class:`MalformedEvent` if it is none), :func:`encode_events` and
-  :func:`pack_events`, one written; :class:`Subscription` and :class:`KeySnapshot`, what
-  :class:`StoreClient` hands a subscriber; :data:`EVENT_TICKET_PREFIX`.
+  message read (:class:`MalformedEvent` if it is none), :func:`encode_events` (of
+  :data:`Noted` changes) and :func:`pack_events`, one written; :class:`Subscription` and
+  :class:`KeySnapshot`, what :class:`StoreClient` hands a subscriber;
+  :data:`EVENT_TICKET_PREFIX`.
 - Typed errors, all subclasses of :class:`StoreError`; :class:`StoreStats`.
 
 The layout (``docs/ARCHITECTURE.md``): the keys, errors, wire and settings every part
@@ -55,7 +56,7 @@ from ._lineage import MAX_BLOCK_TOKENS, TOKEN_BYTES, BadLineage, Lineage
 from ._sizes import parse_size
 from ._stats import StoreStats, TierStats
 from ._stream import TICKET_PREFIX as EVENT_TICKET_PREFIX
-from ._stream import KeySnapshot, MalformedEvent, Message, Subscription
+from ._stream import KeySnapshot, MalformedEvent, Message, Noted, Subscription
 from ._stream import decode as decode_events
 from ._stream import encode as encode_events
 from ._stream import pack as pack_events
@@ -125,6 +126,7 @@ __all__ = [
     "MalformedEvent",
     "Message",
     "NotPermitted",
+    "Noted",
     "ServerConfig",
     "StoreClient",
     "StoreClosed",

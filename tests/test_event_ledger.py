@@ -14,8 +14,8 @@ import pytest
 import zmq
 from helpers import FakeClock, keys, until
 
-from kvbridge.store import Lineage, ServerConfig, TooManyRequests
-from kvbridge.store._stream import LAPSED, RENEW, TICKET_PREFIX, Noted, decode
+from kvbridge.store import Lineage, Noted, ServerConfig, TooManyRequests
+from kvbridge.store._stream import LAPSED, RENEW, TICKET_PREFIX, decode
 from kvbridge.store.server import load_tenants
 from kvbridge.store.server._event_bounds import (
     MESSAGE_BATCH_BYTES,

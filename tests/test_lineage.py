@@ -21,12 +21,12 @@ from kvbridge.store import (
     EventSubscriber,
     Lineage,
     Message,
+    Noted,
     ServerConfig,
     StoreClient,
     encode_events,
     pack_events,
 )
-from kvbridge.store._stream import Noted
 
 BB = 4096
 TOKENS = 4

@@ -13,7 +13,14 @@ import pytest
 import zmq
 from helpers import key, until
 
-from kvbridge.store import EVENT_TICKET_PREFIX, KeyMirror, KeySnapshot, Subscription
+from kvbridge.store import (
+    EVENT_TICKET_PREFIX,
+    BlockKey,
+    KeyMirror,
+    KeySnapshot,
+    Noted,
+    Subscription,
+)
 from kvbridge.store import encode_events as encode
 from kvbridge.store import pack_events as pack
 
@@ -56,9 +63,10 @@ class _Publisher:
             self.keys |= set(stored)
             self.keys -= set(removed)
             self.seq += 1
-            changes = [(k, "host") for k in stored] + [(k, None) for k in removed]
+            changes: list[Noted] = [(BlockKey(k), "host", None) for k in stored]
+            changes += [(BlockKey(k), None, None) for k in removed]
             if send:
-                self.raw([TOPIC, self.seq.to_bytes(8, "big"), pack(encode(changes), 0.0)])  # type: ignore[arg-type]
+                self.raw([TOPIC, self.seq.to_bytes(8, "big"), pack(encode(changes), 0.0)])
 
     def beat(self) -> None:
         self.raw([TOPIC, self.seq.to_bytes(8, "big"), pack([], 0.0)])

@@ -32,7 +32,7 @@ from peer_namespace import PeerNamespace, unavailable
 from serve import ServeProcess
 from vllm.distributed.kv_events import BlockStored, KVEventBatch
 
-from kvbridge.routing import Relay, Shape, router_hash
+from kvbridge.routing import Layout, Relay, Shape, router_hash
 from kvbridge.store import BlockKey, CacheServer, Lineage, ServerConfig, StoreClient
 
 DYNAMO = HERE.parents[1] / ".venv-dynamo" / "bin" / "python"
@@ -187,8 +187,9 @@ def test_the_relays_frames_decode_with_vllms_own_types() -> None:
                 payloads(ks, 4096),
                 lineage=[Lineage.of(None, [1, 2, 3, 4]), Lineage.of(ks[0], [5, 6, 7, 8])],
             )
-        for layout in ("map", "array"):
-            payload = _first_message(server.address, size, Shape(layout))  # type: ignore[arg-type]
+        layouts: tuple[Layout, ...] = ("map", "array")
+        for layout in layouts:
+            payload = _first_message(server.address, size, Shape(layout))
             if layout == "map":
                 batch = msgspec.msgpack.Decoder(type=KVEventBatch).decode(payload)
                 stored = [e for e in batch.events if isinstance(e, BlockStored)]
