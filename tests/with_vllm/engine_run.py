@@ -5,7 +5,8 @@ that every engine is a fresh process (as a restarted or second instance is).
 SPEC: model, dtype (float32 unless named), prompts (lists of token ids), ready (seconds to
 wait, before the first round, for the scheduler's connector to reach its server and hold
 its keys in step; the result's ``ready`` says whether it did), rounds, max_tokens, batched
-(max_num_batched_tokens), prefix_caching, blocks (num_gpu_blocks_override), connector
+(max_num_batched_tokens), prefix_caching, blocks (num_gpu_blocks_override), kv_events
+(vLLM's ``KVEventsConfig`` fields: its own KV events published), connector
 (extra config, or null for none), role, failure_policy, abort (abort every request once a
 load ran), engine (more arguments of ``LLM``: ``hf_overrides``, ``served_model_name``,
 ...), kill_after_round and kill_pid (SIGKILL a process between two rounds), kill_in_round
@@ -40,7 +41,10 @@ _bindings.setLevel(logging.INFO)
 _bindings.addHandler(logging.StreamHandler(sys.stderr))
 
 from vllm import LLM, SamplingParams  # noqa: E402  (after the environment vLLM reads)
-from vllm.config import KVTransferConfig  # noqa: E402  (after the environment vLLM reads)
+from vllm.config import (  # noqa: E402  (after the environment vLLM reads)
+    KVEventsConfig,
+    KVTransferConfig,
+)
 from vllm.distributed.kv_transfer.kv_transfer_state import (  # noqa: E402
     get_kv_transfer_group,
     has_kv_transfer_group,
@@ -73,6 +77,7 @@ def _engine(spec: dict[str, Any]) -> Any:
         enable_prefix_caching=spec.get("prefix_caching", False),
         num_gpu_blocks_override=spec.get("blocks"),
         kv_transfer_config=transfer,
+        kv_events_config=KVEventsConfig(**spec["kv_events"]) if spec.get("kv_events") else None,
         **spec.get("engine", {}),
     )
 

@@ -17,6 +17,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,7 +33,7 @@ from peer_namespace import PeerNamespace, unavailable
 from serve import ServeProcess
 from vllm.distributed.kv_events import BlockStored, KVEventBatch
 
-from kvbridge.routing import Layout, Relay, Shape, router_hash
+from kvbridge.routing import Layout, PrefixIndex, Relay, Shape, router_hash
 from kvbridge.store import BlockKey, CacheServer, Lineage, ServerConfig, StoreClient
 
 DYNAMO = HERE.parents[1] / ".venv-dynamo" / "bin" / "python"
@@ -222,3 +223,39 @@ def _first_message(address: str, size: int, shape: Shape) -> bytes:
                     return payload
         finally:
             sub.close(linger=0)
+
+
+def test_vllms_own_kv_events_index_what_its_prefix_cache_holds(model: str) -> None:
+    """vLLM's CPU build publishes its prefix cache's events (``--kv-events-config``): read
+    by ``PrefixIndex``, they say the engine holds every full block of each prompt it ran."""
+    context: zmq.Context[Any] = zmq.Context.instance()
+    sub: zmq.Socket[bytes] = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    # vLLM's publisher binds an endpoint with a wildcard host (every interface) and connects
+    # to one with a host: the test binds loopback, and the engine connects to it.
+    port = sub.bind_to_random_port("tcp://127.0.0.1")
+    endpoint = f"tcp://127.0.0.1:{port}"
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}
+    heard: list[bytes] = []
+    done = threading.Event()
+
+    def listen() -> None:
+        while not done.is_set():
+            if sub.poll(100):
+                heard.append(sub.recv_multipart()[-1])
+
+    listener = threading.Thread(target=listen)
+    listener.start()
+    try:
+        run_engine(spec(model, None, prefix_caching=True, kv_events=events))
+    finally:
+        done.set()
+        listener.join()
+        sub.close(linger=0)
+    index = PrefixIndex(BLOCK)
+    for payload in heard:
+        index.apply("engine", msgpack.unpackb(payload, raw=False)[1])
+    assert index.stats.malformed == 0 and index.stats.dropped_orphans == 0
+    for prompt in PROMPTS:
+        whole = len(prompt) // BLOCK * BLOCK
+        assert index.matched(prompt) == ({"engine": whole} if whole else {})
