@@ -3,6 +3,8 @@ either layout; checked against a model that keeps each publisher's held prefixes
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -11,7 +13,7 @@ from kvbridge.routing import PrefixIndex
 SIZE = 2
 
 
-def _stored(hashes: list[object], parent: object, tokens: list[int], *, array: bool) -> object:
+def _stored(hashes: Sequence[object], parent: object, tokens: list[int], *, array: bool) -> object:
     if array:
         return ["BlockStored", hashes, parent, tokens, SIZE, None, "GPU", None]
     return {
@@ -108,9 +110,9 @@ def test_matches_a_model_of_held_prefixes(ops: list[tuple[str, str, int, int]]) 
             held[source].clear()
     for prompt in _PROMPTS:
         want = {}
-        for source, prefixes in held.items():
+        for source, kept in held.items():
             n = 0
-            while n < 4 and tuple(prompt[: (n + 1) * SIZE]) in prefixes:
+            while n < 4 and tuple(prompt[: (n + 1) * SIZE]) in kept:
                 n += 1
             if n:
                 want[source] = n * SIZE
