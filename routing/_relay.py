@@ -99,12 +99,10 @@ class RelayStats:
     keys_out: int = 0
     resyncs: int = 0
     replays: int = 0
+    untokened: int = 0
+    """Blocks heard of without token ids: never published (a router could not index them)."""
     lag_s: float = 0.0
     """The last republished message's age: its server timestamp to its send."""
-
-    @property
-    def published(self) -> int:
-        return self.keys_out
 
 
 class _Resync(Exception):
@@ -268,6 +266,7 @@ class Relay(Closing):
 
     def _send(self, ts: float) -> None:
         assert self._published is not None
+        self.stats.untokened = self._published.untokened
         for events in self._published.take():
             if events:
                 self._publish(events, ts)

@@ -16,7 +16,7 @@ import pytest
 from helpers import free_port, keys, payloads, until
 from router_model import RouterModel
 
-from kvbridge.routing import Relay, Shape, router_hash
+from kvbridge.routing import Layout, Relay, Shape, router_hash
 from kvbridge.store import BlockKey, CacheServer, Lineage, ServerConfig, StoreClient
 
 BB = 4096
@@ -75,7 +75,7 @@ def _follows(router: RouterModel, expected: list[tuple[list[int], int]]) -> None
 
 @pytest.mark.parametrize("layout", ["array", "map"])
 def test_a_router_that_joins_late_matches_every_saved_prompt(
-    server: CacheServer, layout: str
+    server: CacheServer, layout: Layout
 ) -> None:
     a, b = _prompt(1, 5), _prompt(2, 3)
     branch = a[: 3 * SIZE] + _prompt(3, 2)  # shares a's first three blocks
@@ -94,8 +94,9 @@ def test_a_router_that_joins_late_matches_every_saved_prompt(
             ],
         )
         _save(client, _prompt(4, 2), 300, tokens=False)  # no token ids: a router can't use it
-        with _relay(server.address, shape=Shape(layout)) as relay:  # type: ignore[arg-type]
+        with _relay(server.address, shape=Shape(layout)) as relay:
             until(lambda: relay.blocks == 10, "the relay told of every block with tokens")
+            until(lambda: relay.stats.untokened == 2, "prompt 4, saved without token ids, left out")
             router = _router(relay)  # after the relay's first messages: it needs a replay
             expected = [(a, len(a)), (b, len(b)), (branch, len(branch)), (_prompt(4, 2), 0)]
             _follows(router, expected)
