@@ -39,6 +39,7 @@ from aiohttp import ClientSession, ClientTimeout, web
 # soak starts them again and again) imports aiohttp only, and starts in half the time.
 if TYPE_CHECKING:
     from kvbridge.tools._proxy_app import ProxyServer
+    from kvbridge.tools._proxy_kv import KvRouting
     from kvbridge.tools._proxy_settings import ProxySettings
 
 T = TypeVar("T")
@@ -496,11 +497,19 @@ class Deployment:
     loop (the proxy served by ``ProxyServer``, as ``kvbridge proxy`` serves it)."""
 
     def __init__(
-        self, prefills: int = 1, decodes: int = 1, settings: ProxySettings | None = None
+        self,
+        prefills: int = 1,
+        decodes: int = 1,
+        settings: ProxySettings | None = None,
+        kv: Callable[[list[str]], KvRouting] | None = None,
     ) -> None:
+        """``kv``: makes ``--route kv``'s routing for the prefill fakes' URLs (the test
+        closes it)."""
         self.prefills = [FakeVllm("prefill") for _ in range(prefills)]
         self.decodes = [FakeVllm("decode", model=f"model-{i}") for i in range(decodes)]
         self._settings = settings
+        self._kv = kv
+        self.kv: KvRouting | None = None
         self._server: ProxyServer | None = None
         self.url = ""
 
@@ -509,11 +518,9 @@ class Deployment:
 
         for fake in (*self.prefills, *self.decodes):
             await fake.start()
-        app = make_app(
-            [fake.url for fake in self.prefills],
-            [fake.url for fake in self.decodes],
-            self._settings,
-        )
+        urls = [fake.url for fake in self.prefills]
+        self.kv = None if self._kv is None else self._kv(urls)
+        app = make_app(urls, [fake.url for fake in self.decodes], self._settings, self.kv)
         self._server = ProxyServer(app, shutdown_grace=1)
         self.url = await self._server.start()
         return self
@@ -523,6 +530,8 @@ class Deployment:
             await fake.stop()
         if self._server is not None:
             await self._server.close()
+        if self.kv is not None:
+            self.kv.close()
 
     async def metrics(self) -> Metrics:
         return await scrape(self.url)

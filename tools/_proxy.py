@@ -43,11 +43,14 @@ from ._proxy_settings import (
     client_room,
     files_reserve,
     soft_open_files,
+    upstream_url,
     upstream_urls,
 )
 
 if TYPE_CHECKING:
     from aiohttp import web
+
+    from ._proxy_kv import KvRouting
 
 _log = logging.getLogger("kvbridge.proxy")
 
@@ -85,11 +88,38 @@ def add_parser(commands: Any) -> None:
         )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="0: a free port (printed)")
+    _add_routing(parser)
     _add_limits(parser)
     parser.add_argument(
         "--log-level", default="info", choices=("debug", "info", "warning", "error")
     )
     parser.set_defaults(run=run)
+
+
+def _add_routing(parser: argparse.ArgumentParser) -> None:
+    routing = parser.add_argument_group("choosing the prefill instance (--route kv)")
+    routing.add_argument(
+        "--route",
+        choices=("least-loaded", "kv"),
+        default="least-loaded",
+        help="least-loaded (the default), or kv: where the prompt's prefix is cached first",
+    )
+    routing.add_argument(
+        "--kv-events",
+        action="append",
+        default=[],
+        metavar="URL=ENDPOINT",
+        help="a prefill instance's KV events: the proxy binds ENDPOINT (tcp://host:port), the "
+        "instance's --kv-events-config names it as its endpoint; one per prefill instance",
+    )
+    routing.add_argument(
+        "--kvbridge-events",
+        metavar="ENDPOINT[,REPLAY]",
+        help="the shared tiers' events: a `kvbridge events --publish` relay's endpoints",
+    )
+    routing.add_argument(
+        "--block-size", type=int, default=0, help="the instances' block size, in tokens"
+    )
 
 
 def _add_limits(parser: argparse.ArgumentParser) -> None:
@@ -148,12 +178,45 @@ def run(args: argparse.Namespace) -> int:
 
     with ProxyLog(getattr(logging, args.log_level.upper())):
         settings = _fitted(settings, len(prefill) + len(decode))
-        app = make_app(prefill, decode, settings)
         try:
+            kv = _kv_routing(args, prefill)
+        except (ValueError, OSError) as exc:  # a bad flag, or an endpoint it cannot bind
+            return fail(_PREFIX, exc)
+        try:
+            app = make_app(prefill, decode, settings, kv)
             asyncio.run(serve(app, args.host, args.port, _announce))
         except OSError as exc:
             return fail(_PREFIX, f"cannot listen on {args.host}:{args.port}: {exc}")
+        finally:
+            if kv is not None:
+                kv.close()
     return 0
+
+
+def _kv_routing(args: argparse.Namespace, prefill: list[str]) -> KvRouting | None:
+    """``--route kv``'s index and its event sources, from the flags (``ValueError`` names a
+    missing or bad one); ``None`` for ``--route least-loaded``."""
+    if args.route != "kv":
+        return None
+    if args.block_size <= 0:
+        raise ValueError("--route kv needs --block-size (the instances' block size, in tokens)")
+    endpoints: dict[str, str] = {}
+    for given in args.kv_events:
+        named, _, endpoint = given.partition("=")
+        url = upstream_url(named)
+        if url not in prefill or not endpoint.startswith("tcp://"):
+            raise ValueError(f"--kv-events {given!r}: a --prefill URL=tcp://host:port")
+        endpoints[url] = endpoint
+    missing = [url for url in prefill if url not in endpoints]
+    if missing:
+        raise ValueError(f"--route kv: no --kv-events for {', '.join(missing)}")
+    shared = None
+    if args.kvbridge_events:
+        publish, _, replay = args.kvbridge_events.partition(",")
+        shared = (publish, replay or None)
+    from ._proxy_kv import KvRouting  # noqa: PLC0415  (pyzmq, msgpack: loaded when asked)
+
+    return KvRouting(args.block_size, endpoints, shared)
 
 
 def _fitted(settings: ProxySettings, instances: int) -> ProxySettings:
@@ -173,12 +236,15 @@ def _fitted(settings: ProxySettings, instances: int) -> ProxySettings:
 
 
 def make_app(
-    prefill: Sequence[str], decode: Sequence[str], settings: ProxySettings | None = None
+    prefill: Sequence[str],
+    decode: Sequence[str],
+    settings: ProxySettings | None = None,
+    kv: KvRouting | None = None,
 ) -> web.Application:
     """The proxy as an aiohttp application (``_proxy_app.make_app``, loaded on first use)."""
     from ._proxy_app import make_app as make  # noqa: PLC0415
 
-    return make(prefill, decode, settings)
+    return make(prefill, decode, settings, kv)
 
 
 def _checked(args: argparse.Namespace) -> tuple[ProxySettings, list[str], list[str]]:

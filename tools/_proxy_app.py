@@ -34,6 +34,7 @@ from aiohttp import hdrs, web
 
 from ._proxy_clients import ClientConnections, GuardedSite
 from ._proxy_forward import ClientGone, Forwarder, error_response, from_json, to_json
+from ._proxy_kv import KvRouting
 from ._proxy_metrics import CONTENT_TYPE, ProxyMetrics
 from ._proxy_settings import (
     ACCEPTS_PER_TURN,
@@ -72,10 +73,14 @@ _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def make_app(
-    prefill: Sequence[str], decode: Sequence[str], settings: ProxySettings | None = None
+    prefill: Sequence[str],
+    decode: Sequence[str],
+    settings: ProxySettings | None = None,
+    kv: KvRouting | None = None,
 ) -> web.Application:
     """The proxy in front of these prefill and decode instances (URLs; ``ValueError`` names
-    a bad one)."""
+    a bad one); ``kv``: prefill instances chosen by their caches (``--route kv``; its owner
+    closes it)."""
     settings = settings or ProxySettings()
     upstreams = Upstreams(
         upstream_urls("prefill", list(prefill)), upstream_urls("decode", list(decode)), settings
@@ -83,7 +88,7 @@ def make_app(
     clients = ClientConnections(
         _client_cap(settings, upstreams), settings.head_timeout, settings.idle_timeout
     )
-    proxy = _Proxy(upstreams, clients, settings)
+    proxy = _Proxy(upstreams, clients, settings, kv)
     app = web.Application(client_max_size=settings.max_body, middlewares=[proxy.observe])
     app[CLIENTS] = clients
     app.cleanup_ctx.append(proxy.lifetime)
@@ -111,7 +116,11 @@ class _Proxy:
     """The handlers, and the state they share."""
 
     def __init__(
-        self, upstreams: Upstreams, clients: ClientConnections, settings: ProxySettings
+        self,
+        upstreams: Upstreams,
+        clients: ClientConnections,
+        settings: ProxySettings,
+        kv: KvRouting | None = None,
     ) -> None:
         self.upstreams = upstreams
         self.clients = clients
@@ -119,7 +128,7 @@ class _Proxy:
         self.in_progress = 0
         self.closing = False
         self.metrics = ProxyMetrics(upstreams, clients, lambda: self.in_progress)
-        self.forward = Forwarder(upstreams, self.metrics, settings)
+        self.forward = Forwarder(upstreams, self.metrics, settings, kv)
 
     async def lifetime(self, app: web.Application) -> AsyncIterator[None]:
         await self.upstreams.start()

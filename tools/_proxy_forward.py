@@ -41,6 +41,7 @@ from aiohttp import (
 )
 
 from ._fail import one_line
+from ._proxy_kv import KvRouting
 from ._proxy_metrics import ProxyMetrics
 from ._proxy_settings import ATTEMPTS, PREFILL_ANSWER_MAX, ProxySettings
 from ._proxy_upstreams import Instance, Pool, Upstreams
@@ -125,10 +126,16 @@ class Forwarder:
     """Sends a completion's prefill and decode to the instances ``Upstreams`` picks."""
 
     def __init__(
-        self, upstreams: Upstreams, metrics: ProxyMetrics, settings: ProxySettings
+        self,
+        upstreams: Upstreams,
+        metrics: ProxyMetrics,
+        settings: ProxySettings,
+        kv: KvRouting | None = None,
     ) -> None:
+        """``kv``: prefill instances chosen by their caches (``--route kv``), else by load."""
         self._upstreams = upstreams
         self._metrics = metrics
+        self._kv = kv
         self._prefill_timeout = ClientTimeout(total=settings.prefill_timeout)
         self._control = ClientTimeout(total=settings.health_timeout)
 
@@ -141,7 +148,7 @@ class Forwarder:
         started = loop.time()
         try:
             data = await to_json(prefill_body(body), size_hint)
-            params, reason, why = await self._prefill(path, data, headers)
+            params, reason, why = await self._prefill(path, data, headers, self._scores(body))
         finally:
             self._metrics.prefill_time(loop.time() - started)
         if params is None:
@@ -180,14 +187,32 @@ class Forwarder:
         except (ClientError, asyncio.TimeoutError) as exc:
             return error_response(502, f"decode: {_describe(exc)}", "upstream_error")
 
+    def _scores(self, body: Mapping[str, Any]) -> dict[str, int] | None:
+        """``--route kv``: per prefill instance, the prompt's tokens it holds or can load."""
+        if self._kv is None:
+            return None
+        scores = self._kv.scores(body)
+        if scores is None:
+            self._metrics.kv_unrouted()
+        return scores
+
     async def _prefill(
-        self, path: str, data: bytes, headers: Mapping[str, str]
+        self,
+        path: str,
+        data: bytes,
+        headers: Mapping[str, str],
+        scores: Mapping[str, int] | None = None,
     ) -> tuple[dict[str, Any] | None, str, str]:
         """``(params, "", "")``, or ``(None, reason, why)``."""
         pool = self._upstreams.prefill
-        exchange = self._answer(pool, "POST", path, data, headers, timeout=self._prefill_timeout)
+        exchange = self._answer(
+            pool, "POST", path, data, headers, timeout=self._prefill_timeout, scores=scores
+        )
         try:
             async with exchange as (instance, answer):
+                if scores is not None:
+                    held = scores.get(instance.url, scores.get("", 0))
+                    self._metrics.kv_routed(held, best=held == max(scores.values()))
                 return await self._params(instance, answer)
         except NoAnswer as exc:
             return None, exc.reason, exc.why
@@ -228,6 +253,7 @@ class Forwarder:
         headers: Mapping[str, str],
         *,
         timeout: ClientTimeout | None = None,
+        scores: Mapping[str, int] | None = None,
     ) -> AsyncIterator[tuple[Instance, ClientResponse]]:
         """The first answer (its status and headers) of a healthy instance of ``pool``,
         held open (and the instance's request outstanding) for the block; ``NoAnswer`` when
@@ -235,7 +261,7 @@ class Forwarder:
         tried: list[Instance] = []
         reason, why = "unavailable", "no healthy instance"
         for attempt in range(1, ATTEMPTS + 1):
-            instance = pool.pick(exclude=tried) or pool.pick()
+            instance = pool.pick(tried, scores) or pool.pick(scores=scores)
             if instance is None:
                 break
             tried.append(instance)

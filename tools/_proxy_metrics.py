@@ -62,6 +62,19 @@ class ProxyMetrics:
             "Requests whose client went away before the answer ended",
             registry=self.registry,
         )
+        self._routed = Counter(
+            "kvbridge_proxy_kv_routed_tokens",
+            "--route kv: prompt tokens the chosen prefill instance held or could load, by "
+            "whether it was the best-placed instance (hit) or another (load: the best one "
+            "was busier than the slack)",
+            ["choice"],
+            registry=self.registry,
+        )
+        self._unrouted = Counter(
+            "kvbridge_proxy_kv_unrouted",
+            "--route kv: requests routed by load alone (a text prompt, a chat, a batch)",
+            registry=self.registry,
+        )
         self._prefill = Histogram(
             "kvbridge_proxy_prefill_seconds",
             "Time from a request's arrival to the end of its prefill (answer or failure)",
@@ -79,6 +92,12 @@ class ProxyMetrics:
 
     def upstream_error(self, role: str, instance: str, kind: str) -> None:
         self._errors.labels(role=role, instance=instance, kind=kind).inc()
+
+    def kv_routed(self, tokens: int, *, best: bool) -> None:
+        self._routed.labels(choice="hit" if best else "load").inc(tokens)
+
+    def kv_unrouted(self) -> None:
+        self._unrouted.inc()
 
     def client_disconnect(self) -> None:
         self._disconnects.inc()

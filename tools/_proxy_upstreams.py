@@ -12,12 +12,13 @@ to it is refused, and comes back when a check passes.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 
 from aiohttp import ClientSession, ClientTimeout, TCPConnector
 
 from ._proxy_health import HealthChecker
+from ._proxy_kv import SLACK
 from ._proxy_settings import CONNECT_TIMEOUT, KEEPALIVE_S, ProxySettings
 
 _log = logging.getLogger("kvbridge.proxy")
@@ -84,14 +85,27 @@ class Pool:
     def healthy(self) -> list[Instance]:
         return [instance for instance in self.instances if instance.healthy]
 
-    def pick(self, exclude: Collection[Instance] = ()) -> Instance | None:
+    def pick(
+        self, exclude: Collection[Instance] = (), scores: Mapping[str, int] | None = None
+    ) -> Instance | None:
         """The least-loaded healthy instance not in ``exclude`` (ties: whose turn it is), or
-        ``None`` when there is none."""
+        ``None`` when there is none. With ``scores`` (``--route kv``: per URL, the prompt's
+        tokens it holds; ``""`` for any other), the highest-scoring of those at most
+        ``SLACK`` requests busier than the least busy."""
         candidates = [i for i in self.instances if i.healthy and i not in exclude]
         if not candidates:
             return None
         count = len(self.instances)
-        best = min(candidates, key=lambda i: (i.outstanding, (i.index - self._turn) % count))
+
+        def load(i: Instance) -> tuple[int, int]:
+            return i.outstanding, (i.index - self._turn) % count
+
+        if scores is not None:
+            idle = min(i.outstanding for i in candidates)
+            candidates = [i for i in candidates if i.outstanding <= idle + SLACK]
+            best = min(candidates, key=lambda i: (-scores.get(i.url, scores.get("", 0)), *load(i)))
+        else:
+            best = min(candidates, key=load)
         self._turn = best.index + 1
         return best
 
