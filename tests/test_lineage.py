@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import msgpack
 import pytest
+from attack import raw
 from helpers import keys, payloads, until
 from serve import ServeProcess
 
@@ -138,9 +139,8 @@ def test_bad_lineage_is_refused_whole_and_changes_nothing(server: CacheServer) -
             [None],  # not one per key
             "not a list",
         ):
-            body = {"op": "stage", "ns": client._ns, "keys": list(ks), "lineage": lineage}
             with pytest.raises(BadRequest):
-                client._call(body)
+                raw(client).op("stage", keys=list(ks), lineage=lineage)
         assert client.contains(ks) == [False, False]
         assert client.stats().puts == 0
 
