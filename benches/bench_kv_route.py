@@ -7,14 +7,10 @@ walked through ``PrefixIndex`` under its lock, then the pick) for a 4,096-token 
 from __future__ import annotations
 
 import random
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 from conftest import _EXTRA_LINES
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 
 from kvbridge.routing import PrefixIndex
 from kvbridge.tools._proxy_upstreams import Pool

@@ -99,11 +99,9 @@ class EventFollower(Closing):
             return
         seq = int.from_bytes(frames[1], "big")
         last = self._last.get(source.name)
-        if last is not None and seq <= last:
-            return  # had it (a publisher's repeat of its last message)
         if last is not None and seq > last + 1 and source.replay is not None:
             self._replay(source, last + 1)
-        self._apply(source, seq, frames[2])
+        self._apply(source, seq, frames[2])  # one it had (a publisher's repeat) is dropped
 
     def _replay(self, source: Source, start: int) -> None:
         """What the source still holds from ``start`` on, through its replay socket."""

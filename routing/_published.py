@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvbridge.store import BlockKey, KeySnapshot, Lineage
+from kvbridge.store import TOKEN_BYTES, BlockKey, KeySnapshot, Lineage
 
 from ._shape import Shape
 
@@ -44,7 +44,6 @@ class Published:
 
     def __init__(self, shape: Shape, block_tokens: int) -> None:
         self._shape = shape
-        self._block_bytes = block_tokens * 4
         self._block_tokens = block_tokens
         self._told: dict[BlockKey, _Told] = {}
         self._ops: list[_Op] = []
@@ -60,7 +59,7 @@ class Published:
         told = self._told.get(key)
         if lineage is None and told is not None:
             lineage = told.lineage  # a tier change the server reported without it
-        if lineage is None or len(lineage.tokens) != self._block_bytes:
+        if lineage is None or len(lineage.tokens) != self._block_tokens * TOKEN_BYTES:
             self.untokened += 1
             return
         named = self._shape.medium(medium)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-
-from kvbridge._closing import Closing
+from contextlib import AbstractContextManager
+from typing import Any
 
 
 def unavailable() -> str | None:
@@ -25,7 +25,7 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
 
 
-class PeerNamespace(Closing):
+class PeerNamespace(AbstractContextManager["PeerNamespace"]):
     def __init__(self, index: int = 0) -> None:
         tag = f"{os.getpid() % 100000}{index}"
         self.name = f"kvb-peer-{tag}"
@@ -48,6 +48,9 @@ class PeerNamespace(Closing):
     def command(self, argv: list[str]) -> list[str]:
         """``argv`` run inside the namespace."""
         return ["ip", "netns", "exec", self.name, *argv]
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def close(self) -> None:
         subprocess.run(["ip", "link", "del", self.here], capture_output=True, check=False)

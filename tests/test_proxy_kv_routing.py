@@ -21,7 +21,8 @@ import zmq
 from aiohttp import ClientSession
 from proxy_support import Deployment, completion, post, until_async
 
-from kvbridge.tools._proxy_kv import SLACK, KvRouting
+from kvbridge.tools._proxy_kv import KvRouting
+from kvbridge.tools._proxy_settings import KV_SLACK as SLACK
 
 BLOCK = 2
 

@@ -214,7 +214,7 @@ def _kv_routing(args: argparse.Namespace, prefill: list[str]) -> KvRouting | Non
     if args.kvbridge_events:
         publish, _, replay = args.kvbridge_events.partition(",")
         shared = (publish, replay or None)
-    from ._proxy_kv import KvRouting  # noqa: PLC0415  (pyzmq, msgpack: loaded when asked)
+    from ._proxy_kv import KvRouting  # noqa: PLC0415  (--route kv only)
 
     return KvRouting(args.block_size, endpoints, shared)
 

@@ -28,13 +28,12 @@ import socket
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextvars import ContextVar
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import hdrs, web
 
 from ._proxy_clients import ClientConnections, GuardedSite
 from ._proxy_forward import ClientGone, Forwarder, error_response, from_json, to_json
-from ._proxy_kv import KvRouting
 from ._proxy_metrics import CONTENT_TYPE, ProxyMetrics
 from ._proxy_settings import (
     ACCEPTS_PER_TURN,
@@ -45,6 +44,9 @@ from ._proxy_settings import (
     upstream_urls,
 )
 from ._proxy_upstreams import Upstreams
+
+if TYPE_CHECKING:
+    from ._proxy_kv import KvRouting
 
 _log = logging.getLogger("kvbridge.proxy")
 

@@ -27,7 +27,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Mapping
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import (
     ClientConnectionError,
@@ -41,10 +41,12 @@ from aiohttp import (
 )
 
 from ._fail import one_line
-from ._proxy_kv import KvRouting
 from ._proxy_metrics import ProxyMetrics
-from ._proxy_settings import ATTEMPTS, PREFILL_ANSWER_MAX, ProxySettings
+from ._proxy_settings import ATTEMPTS, PREFILL_ANSWER_MAX, ProxySettings, kv_score
 from ._proxy_upstreams import Instance, Pool, Upstreams
+
+if TYPE_CHECKING:
+    from ._proxy_kv import KvRouting
 
 _log = logging.getLogger("kvbridge.proxy")
 
@@ -211,7 +213,7 @@ class Forwarder:
         try:
             async with exchange as (instance, answer):
                 if scores is not None:
-                    held = scores.get(instance.url, scores.get("", 0))
+                    held = kv_score(scores, instance.url)
                     self._metrics.kv_routed(held, best=held == max(scores.values()))
                 return await self._params(instance, answer)
         except NoAnswer as exc:

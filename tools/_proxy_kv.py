@@ -6,9 +6,9 @@ cache; vLLM's ``--kv-events-config`` publisher connects to the endpoint the prox
 it) and, optionally, by a relay of kvbridge's shared tiers (``kvbridge events --publish``),
 whose blocks any instance can load. An instance's score is the prompt's leading tokens it
 holds itself or can load from the shared tiers, whichever is more. Among the healthy
-instances no more than :data:`SLACK` requests busier than the least busy, the one with the
-highest score takes the request (ties: the least loaded), so a popular prefix does not pile
-every request on one instance.
+instances no more than ``KV_SLACK`` (``_proxy_settings``) requests busier than the least
+busy, the one with the highest score takes the request (ties: the least loaded), so a
+popular prefix does not pile every request on one instance.
 
 Prompts are read as token ids (``prompt`` a list of ints, or a list of one); a text prompt,
 a chat, or a batch of several prompts is routed by load alone and counted.
@@ -23,10 +23,6 @@ from typing import Any
 from kvbridge._closing import Closing
 from kvbridge.routing import EventFollower, PrefixIndex, Source
 
-SLACK = 4
-"""Requests an instance may have outstanding beyond the least busy one's and still be
-chosen for its cache: enough that a cached prefix wins over a small queue, few enough that
-one prefix shared by every request cannot pile them all on one instance."""
 SHARED = "kvbridge"
 """The index's name for the shared tiers' source."""
 

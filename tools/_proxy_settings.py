@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from urllib.parse import urlsplit
 
 from kvbridge.transfer import open_files_limit
@@ -43,6 +44,18 @@ proxy seldom sends a request on a connection the server is closing."""
 PREFILL_ANSWER_MAX = 8 << 20
 """A one-token prefill answer is a few kB; anything longer is not one (the proxy keeps only
 its ``kv_transfer_params``), so it is dropped and decode computes the prompt."""
+
+KV_SLACK = 4
+"""``--route kv``: requests an instance may have outstanding beyond the least busy one's and
+still be chosen for its cache: enough that a cached prefix wins over a small queue, few
+enough that one prefix shared by every request cannot pile them all on one instance."""
+
+
+def kv_score(scores: Mapping[str, int], url: str) -> int:
+    """``--route kv``: the prompt's tokens the instance at ``url`` holds or can load
+    (``scores[""]``: what any instance can load from the shared tiers)."""
+    return scores.get(url, scores.get("", 0))
+
 
 DEFAULT_HEAD_TIMEOUT = 10.0
 """A client sends a request head (its line and headers, a few kB) in one round trip; 10 s is

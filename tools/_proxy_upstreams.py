@@ -18,8 +18,7 @@ from contextlib import contextmanager
 from aiohttp import ClientSession, ClientTimeout, TCPConnector
 
 from ._proxy_health import HealthChecker
-from ._proxy_kv import SLACK
-from ._proxy_settings import CONNECT_TIMEOUT, KEEPALIVE_S, ProxySettings
+from ._proxy_settings import CONNECT_TIMEOUT, KEEPALIVE_S, KV_SLACK, ProxySettings, kv_score
 
 _log = logging.getLogger("kvbridge.proxy")
 
@@ -91,7 +90,7 @@ class Pool:
         """The least-loaded healthy instance not in ``exclude`` (ties: whose turn it is), or
         ``None`` when there is none. With ``scores`` (``--route kv``: per URL, the prompt's
         tokens it holds; ``""`` for any other), the highest-scoring of those at most
-        ``SLACK`` requests busier than the least busy."""
+        ``KV_SLACK`` requests busier than the least busy."""
         candidates = [i for i in self.instances if i.healthy and i not in exclude]
         if not candidates:
             return None
@@ -102,8 +101,8 @@ class Pool:
 
         if scores is not None:
             idle = min(i.outstanding for i in candidates)
-            candidates = [i for i in candidates if i.outstanding <= idle + SLACK]
-            best = min(candidates, key=lambda i: (-scores.get(i.url, scores.get("", 0)), *load(i)))
+            candidates = [i for i in candidates if i.outstanding <= idle + KV_SLACK]
+            best = min(candidates, key=lambda i: (-kv_score(scores, i.url), *load(i)))
         else:
             best = min(candidates, key=load)
         self._turn = best.index + 1

@@ -385,7 +385,7 @@ class ConnectorCore(Closing):
         self, keys: Sequence[BlockKey], parent: BlockKey | None, token_ids: Sequence[int]
     ) -> tuple[Lineage, ...]:
         """Each key's lineage in a chain: its parent the key before it (``parent`` for the
-        first), its token ids ``block_tokens`` of ``token_ids`` (one block's each). None
+        first), its token ids ``block_tokens`` of ``token_ids`` (one block's each); nothing
         when the token ids do not cover the keys (a caller that sends none)."""
         block = self.block_tokens
         if len(token_ids) != len(keys) * block:

@@ -23,7 +23,6 @@ vLLM keeps for it, its saves run before the step ends, and its loads are asynchr
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -362,21 +361,36 @@ class SchedulerSide:
             if NULL_BLOCK in ids[lo:hi]:  # never read or write the null block
                 hi = ids.index(NULL_BLOCK, lo, hi)
             if lo < hi:
-                move = _transfer(req_id, keys[lo:hi], ids[lo:hi], lo, group)
-                if save:
+                parent: BlockKey | None = None
+                tokens: tuple[int, ...] = ()
+                if save:  # what the server's events tell KV-aware routers
                     parent = keys[lo - 1] if lo else None
                     tokens = tuple(state.tokens[lo * self._block : hi * self._block])
-                    move = dataclasses.replace(move, parent=parent, token_ids=tokens)
-                moves.append(move)
+                moves.append(
+                    _transfer(
+                        req_id, keys[lo:hi], ids[lo:hi], lo, group, parent=parent, token_ids=tokens
+                    )
+                )
         return moves
 
 
 def _transfer(
-    request: str, keys: Iterable[BlockKey], block_ids: Iterable[int], start: int, group: Group
+    request: str,
+    keys: Iterable[BlockKey],
+    block_ids: Iterable[int],
+    start: int,
+    group: Group,
+    *,
+    parent: BlockKey | None = None,
+    token_ids: tuple[int, ...] = (),
 ) -> Transfer:
     """A transfer of one group's blocks; a window group's save runs before the step ends
-    (vLLM frees its blocks once they leave the window, and may hand them out at once)."""
-    return Transfer(request, tuple(keys), tuple(block_ids), start, now=group.kind == "window")
+    (vLLM frees its blocks once they leave the window, and may hand them out at once).
+    A save's ``parent`` and ``token_ids``: its lineage (``Transfer``)."""
+    now = group.kind == "window"
+    return Transfer(
+        request, tuple(keys), tuple(block_ids), start, now, parent=parent, token_ids=token_ids
+    )
 
 
 def _extra(request: Any) -> bytes:

@@ -43,7 +43,14 @@ from ...transfer import (
 from .._errors import LeaseExpired, StoreClosed, StoreFull
 from .._keys import BlockKey, check_keys, namespace_bytes
 from .._lease import Lease
-from .._lineage import STAGE_LINEAGE_BYTES, BadLineage, Lineage, check_block_tokens, lineage_bytes
+from .._lineage import (
+    STAGE_LINEAGE_BYTES,
+    TOKEN_BYTES,
+    BadLineage,
+    Lineage,
+    check_block_tokens,
+    lineage_bytes,
+)
 from .._sizes import positive_int
 from .._stats import StoreStats, TierStats
 from .._stream import KeySnapshot, Subscription
@@ -110,6 +117,7 @@ class StoreClient(Closing):
         self.block_tokens = 0
         """Token ids per block of the lineage puts send: as asked, where the namespace
         keeps that many; else 0 (none sent)."""
+        self._said_refused = False
         self.namespace = namespace_bytes(namespace)
         self._own_engine = engine is None
         self.engine = engine or TransferEngine(
@@ -147,7 +155,8 @@ class StoreClient(Closing):
         opened = self._call(request)
         kept = opened.get("block_tokens", 0)
         self.block_tokens = self._asked_tokens if kept == self._asked_tokens else 0
-        if self._asked_tokens and not self.block_tokens:
+        if self._asked_tokens and not self.block_tokens and not self._said_refused:
+            self._said_refused = True  # once, not again at each reopen
             _log.warning(
                 "namespace %s keeps %s token ids a block, not %d: saves send no lineage "
                 "(its events carry keys only)",
@@ -484,7 +493,7 @@ class StoreClient(Closing):
             return None
         if len(lineage) != count:
             raise BadLineage(f"{len(lineage)} lineage entries for {count} keys")
-        want = self.block_tokens * 4
+        want = self.block_tokens * TOKEN_BYTES
         if any(entry is not None and len(entry.tokens) != want for entry in lineage):
             raise BadLineage(f"this client sends {self.block_tokens} token ids a block")
         return [None if entry is None else entry.wire() for entry in lineage]
