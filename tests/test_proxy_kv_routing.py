@@ -36,6 +36,7 @@ class _Publisher:
         self.socket.setsockopt(zmq.LINGER, 0)
         (self.socket.bind if bind else self.socket.connect)(endpoint)
         self.seq = 0
+        self.sent: list[bytes] = []
 
     def stored(self, prompt: list[int], *, medium: str = "GPU") -> None:
         blocks = len(prompt) // BLOCK
@@ -50,7 +51,16 @@ class _Publisher:
             "medium": medium,
             "lora_name": None,
         }
-        batch = msgpack.packb([time.time(), [event], None])
+        self.sent.append(msgpack.packb([time.time(), [event], None]))
+        self._send(self.sent[-1])
+
+    def repeat(self) -> None:
+        """Everything said so far, again (a PUB drops what it sends before its subscriber
+        has joined; storing a block again changes nothing)."""
+        for batch in self.sent:
+            self._send(batch)
+
+    def _send(self, batch: bytes) -> None:
         self.socket.send_multipart([b"", self.seq.to_bytes(8, "big"), batch])
         self.seq += 1
 
@@ -99,13 +109,22 @@ async def _prefilled_by(session: ClientSession, d: Deployment, prompt: Any) -> i
     return index
 
 
-async def _known(d: Deployment, prompt: list[int], scores: dict[str, int]) -> None:
-    """Until the proxy's index says ``scores`` of ``prompt`` (its events arrived)."""
+async def _known(
+    d: Deployment, routing: _Routing, prompt: list[int], scores: dict[str, int]
+) -> None:
+    """Until the proxy's index says ``scores`` of ``prompt``: every publisher says again
+    what it said until its events arrived (the first may go before its subscriber joined)."""
     kv = d.kv
     assert kv is not None
-    await until_async(
-        lambda: _async(kv.scores({"prompt": prompt}) == scores), "the events reached the index"
-    )
+
+    async def arrived() -> bool:
+        if kv.scores({"prompt": prompt}) == scores:
+            return True
+        for publisher in [*routing.publishers, routing.shared]:
+            publisher.repeat()
+        return False
+
+    await until_async(arrived, "the events reached the index")
 
 
 async def _async(value: bool) -> bool:
@@ -121,7 +140,7 @@ def test_a_prompt_goes_where_its_prefix_is_cached(routing: _Routing) -> None:
             publishers = routing.publishers
             publishers[2].stored(long_prompt)  # instance 2 holds all of it
             publishers[1].stored(long_prompt[:4])  # instance 1 its first two blocks
-            await _known(d, long_prompt, {urls[2]: 12, urls[1]: 4, "": 0})
+            await _known(d, routing, long_prompt, {urls[2]: 12, urls[1]: 4, "": 0})
             assert [await _prefilled_by(session, d, long_prompt) for _ in range(3)] == [2, 2, 2]
             assert await _prefilled_by(session, d, [long_prompt]) == 2  # a batch of one
             # No instance holds it: load alone (in turn)
@@ -134,7 +153,7 @@ def test_a_prompt_goes_where_its_prefix_is_cached(routing: _Routing) -> None:
             assert metrics.value("kvbridge_proxy_kv_routed_tokens_total", choice="hit") == 48
             # The shared tiers hold it: every instance can load it, so load decides
             routing.shared.stored(other)
-            await _known(d, other, {"": 10})
+            await _known(d, routing, other, {"": 10})
             assert {await _prefilled_by(session, d, other) for _ in range(3)} == {0, 1, 2}
 
     asyncio.run(scenario())
@@ -147,7 +166,7 @@ def test_a_busy_instance_past_the_slack_gives_way(routing: _Routing) -> None:
         async with Deployment(prefills=3, kv=routing.make) as d, ClientSession() as session:
             urls = [fake.url for fake in d.prefills]
             routing.publishers[0].stored(prompt)
-            await _known(d, prompt, {urls[0]: 8, "": 0})
+            await _known(d, routing, prompt, {urls[0]: 8, "": 0})
             d.prefills[0].mode = "stall"  # its prefills wait: outstanding
             stalled = [
                 asyncio.create_task(
