@@ -4,8 +4,9 @@ its metrics as numbers, and waits on conditions.
 
 ``FakeVllm`` answers ``/health``, ``/v1/models`` and the two completion routes. How it
 answers a completion comes from the request body's ``"x_fake"`` object (``{"prefill":
-mode, "decode": mode, "chunks": n}``; the proxy passes it through to both roles) or, when
-set, from the fake's own ``mode``. Modes:
+mode, "decode": mode, "chunks": n, "usage": u}``; the proxy passes it through to both roles)
+or, when set, from the fake's own ``mode``; an ``ok`` prefill answers ``u`` as its
+``usage``. Modes:
 
 - prefill: ``ok`` (a JSON object with ``kv_transfer_params``), ``list``, ``string``,
   ``number``, ``null``, ``notjson``, ``html``, ``noparams``, ``params_list``,
@@ -141,8 +142,10 @@ class FakeVllm:
         self, request: web.Request, body: dict[str, Any], mode: str, chunks: int
     ) -> web.StreamResponse:
         params = {"prefill": self.port, "rid": request.headers.get("X-Request-Id")}
+        usage = (body.get("x_fake") or {}).get("usage")
+        ok = {"choices": [{"text": "x"}], "kv_transfer_params": params, "usage": usage}
         texts = {
-            "ok": json.dumps({"choices": [{"text": "x"}], "kv_transfer_params": params}),
+            "ok": json.dumps(ok),
             "list": "[1, 2, 3]",
             "string": '"done"',
             "number": "7",
@@ -293,10 +296,14 @@ async def post(
         return answer.status, await answer.read()
 
 
-def completion(decode: str = "ok", prefill: str = "ok", **fields: Any) -> dict[str, Any]:
-    """A streamed completion request whose fakes answer as told."""
+def completion(
+    decode: str = "ok", prefill: str = "ok", usage: Any = None, **fields: Any
+) -> dict[str, Any]:
+    """A streamed completion request whose fakes answer as told (an ``ok`` prefill with
+    ``usage`` as its usage)."""
     body = {"model": "fake-model", "prompt": [1, 2, 3], "max_tokens": 8, "stream": True}
-    return {**body, **fields, "x_fake": {"prefill": prefill, "decode": decode}}
+    fake = {"prefill": prefill, "decode": decode, "usage": usage}
+    return {**body, **fields, "x_fake": fake}
 
 
 _WITH_FILES = (

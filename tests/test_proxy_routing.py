@@ -293,6 +293,33 @@ def test_metrics_count_requests_fallbacks_errors_and_prefill_time() -> None:
     asyncio.run(scenario())
 
 
+def test_metrics_count_the_prompt_tokens_each_prefill_computed_and_had_cached() -> None:
+    """From each prefill answer's ``usage``; a usage that is missing or makes no sense is
+    not counted, and the request is served all the same."""
+    usages = [
+        {"prompt_tokens": 100, "prompt_tokens_details": {"cached_tokens": 64}},
+        {"prompt_tokens": 40},  # an instance without --enable-prompt-tokens-details
+        {"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": 11}},  # > prompt
+        {"prompt_tokens": True},
+        {"prompt_tokens": -3},
+        "lots",
+        None,
+    ]
+
+    async def scenario() -> None:
+        async with Deployment() as d, ClientSession() as session:
+            for usage in usages:
+                status, _ = await post(session, f"{d.url}/v1/completions", completion(usage=usage))
+                assert status == 200
+            metrics = await d.metrics()
+        (prefill,) = d.prefills
+        tokens = "kvbridge_proxy_prefill_tokens_total"
+        assert metrics.value(tokens, instance=prefill.url, kind="prompt") == 150
+        assert metrics.value(tokens, instance=prefill.url, kind="cached") == 64
+
+    asyncio.run(scenario())
+
+
 def test_closing_the_proxy_ends_every_task_it_started() -> None:
     async def scenario() -> None:
         before = asyncio.all_tasks()

@@ -240,10 +240,21 @@ class Forwarder:
             return None, "answer", f"{where} something that is not JSON"
         if not isinstance(parsed, dict):
             return None, "answer", f"{where} JSON that is not an object"
+        self._count_usage(instance, parsed.get("usage"))
         params = parsed.get("kv_transfer_params")
         if not isinstance(params, dict):
             return None, "no_params", f"{where} no kv_transfer_params object"
         return params, "", ""
+
+    def _count_usage(self, instance: Instance, usage: Any) -> None:
+        """The prefill's prompt tokens, and how many it did not compute (where it says)."""
+        if not isinstance(usage, dict) or not _count(usage.get("prompt_tokens")):
+            return
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        prompt = usage["prompt_tokens"]
+        reported = cached if _count(cached) and cached <= prompt else None
+        self._metrics.prefill_tokens(instance.url, prompt, reported)
 
     @asynccontextmanager
     async def _answer(
@@ -365,3 +376,8 @@ def _describe(exc: BaseException) -> str:
 
 def _rid(headers: Mapping[str, str]) -> str:
     return headers.get("X-Request-Id", "")
+
+
+def _count(value: Any) -> bool:
+    """A token count an upstream reported: an int, not a bool, not negative."""
+    return type(value) is int and value >= 0

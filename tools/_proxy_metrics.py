@@ -4,7 +4,10 @@ one process never share a counter), served as text at ``GET /metrics``.
 Counters: ``kvbridge_proxy_requests_total{route,status}`` (status 499: the client went away
 first), ``kvbridge_proxy_prefill_fallbacks_total{reason}`` (decode computed the prompt),
 ``kvbridge_proxy_upstream_errors_total{role,instance,kind}``,
-``kvbridge_proxy_client_disconnects_total``. Histogram: ``kvbridge_proxy_prefill_seconds``.
+``kvbridge_proxy_client_disconnects_total``, ``kvbridge_proxy_prefill_tokens_total{instance,kind}``
+(from each prefill answer's ``usage``: ``prompt`` tokens, and of them ``cached``, those the
+instance did not compute, from its prefix cache or loaded by its connector; vLLM reports them
+with ``--enable-prompt-tokens-details``). Histogram: ``kvbridge_proxy_prefill_seconds``.
 Gauges, read when scraped: ``kvbridge_proxy_outstanding_requests{role,instance}``,
 ``kvbridge_proxy_instance_healthy{role,instance}`` (1 in the rotation, 0 out),
 ``kvbridge_proxy_requests_in_progress`` (requests being handled, the scrape's own included),
@@ -75,6 +78,13 @@ class ProxyMetrics:
             "--route kv: requests routed by load alone (a text prompt, a chat, a batch)",
             registry=self.registry,
         )
+        self._prefill_tokens = Counter(
+            "kvbridge_proxy_prefill_tokens",
+            "Prompt tokens of prefills answered, by instance and kind: prompt (all), cached "
+            "(of them, not computed: held in the instance's prefix cache or loaded)",
+            ["instance", "kind"],
+            registry=self.registry,
+        )
         self._prefill = Histogram(
             "kvbridge_proxy_prefill_seconds",
             "Time from a request's arrival to the end of its prefill (answer or failure)",
@@ -98,6 +108,12 @@ class ProxyMetrics:
 
     def kv_unrouted(self) -> None:
         self._unrouted.inc()
+
+    def prefill_tokens(self, instance: str, prompt: int, cached: int | None) -> None:
+        """A prefill's usage: its prompt tokens and, where reported, how many were cached."""
+        self._prefill_tokens.labels(instance=instance, kind="prompt").inc(prompt)
+        if cached is not None:
+            self._prefill_tokens.labels(instance=instance, kind="cached").inc(cached)
 
     def client_disconnect(self) -> None:
         self._disconnects.inc()
