@@ -34,7 +34,8 @@ def run_engine(
     """Run ``engine_run.py`` with ``spec`` in a fresh process (of ``python``: another
     lane's vLLM); its result (rounds, stats) and its log (``result["log"]``)."""
     proc = subprocess.run(
-        [python, str(HERE / "engine_run.py"), json.dumps(spec)],
+        [python, str(HERE / "engine_run.py"), "-"],
+        input=json.dumps(spec),
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 from harness import BLOCK, PROMPTS, run_engine, tokens
+from pd_deployment import complete, deployment
 from serve import ServeProcess
-from test_vllm_pd import complete, deployment
 from tiny import make_gemma3, make_qwen3_next
 
 SHAPES: dict[str, tuple[Callable[[Path], Path], str]] = {
@@ -38,7 +38,7 @@ def test_pd_of_a_hybrid_model_through_the_proxy_equals_a_single_instance(
     try:
         with deployment(model, server.address, {}, dtype) as urls:
             for prompt, expected in zip(PROMPTS, tokens(alone), strict=True):
-                answer, computed = complete(urls["proxy"], model, prompt)
+                answer, computed = complete(urls.proxies["proxy"], model, prompt)
                 assert answer == expected
                 if loadable:
                     assert 1 <= computed <= BLOCK  # decode loaded every full block but the last
