@@ -1,7 +1,8 @@
 """Run one vLLM engine (in this process) over token-id prompts and print what it did as
-one JSON line: ``python engine_run.py SPEC_JSON`` (or ``-``: the spec on standard input,
-as ``harness.run_engine`` sends it, for prompts past an argument's 128 KiB). The tests start
-it as a subprocess, so that every engine is a fresh process (as a restarted or second instance is).
+one JSON line: ``python engine_run.py SPEC`` (SPEC: JSON, or the path of a file holding it,
+as ``harness.run_engine`` passes it: prompts may be past an argument's 128 KiB; a process
+vLLM spawns reads the same file). The tests start it as a subprocess, so that every engine
+is a fresh process (as a restarted or second instance is).
 
 SPEC: model, dtype (float32 unless named), prompts (lists of token ids), ready (seconds to
 wait, before the first round, for the scheduler's connector to reach its server and hold
@@ -28,6 +29,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -35,7 +37,7 @@ os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 # The engine in this process (its worker's counters are readable), unless the spec asks for
 # vLLM's default: scheduler and worker in processes of their own.
 _GIVEN = sys.argv[1] if len(sys.argv) > 1 else "{}"
-_SPEC = json.loads(sys.stdin.read() if _GIVEN == "-" else _GIVEN)
+_SPEC = json.loads(_GIVEN if _GIVEN.startswith("{") else Path(_GIVEN).read_text())
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if _SPEC.get("multiprocessing") else "0"
 # The connector's start line (its namespace, as an operator reads it) in the result's log.
 _bindings = logging.getLogger("kvbridge.bindings")

@@ -8,6 +8,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +34,23 @@ def run_engine(
 ) -> dict[str, Any]:
     """Run ``engine_run.py`` with ``spec`` in a fresh process (of ``python``: another
     lane's vLLM); its result (rounds, stats) and its log (``result["log"]``)."""
-    proc = subprocess.run(
-        [python, str(HERE / "engine_run.py"), "-"],
-        input=json.dumps(spec),
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as given:
+        given.write(json.dumps(spec))
+        given.flush()
+        proc = _engine_process(python, given.name, timeout, env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise AssertionError(f"engine failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
+    result["log"] = proc.stderr
+    return result
+
+
+def _engine_process(
+    python: str, spec_path: str, timeout: float, env: dict[str, str] | None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [python, str(HERE / "engine_run.py"), spec_path],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -44,12 +59,6 @@ def run_engine(
         env={**os.environ, "VLLM_LOGGING_STREAM": "ext://sys.stderr", **(env or {})},
         check=False,
     )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise AssertionError(f"engine failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
-    result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
-    result["log"] = proc.stderr
-    return result
 
 
 def other_lane() -> tuple[str, str] | None:
