@@ -115,7 +115,8 @@ def _add_routing(parser: argparse.ArgumentParser) -> None:
     routing.add_argument(
         "--kvbridge-events",
         metavar="ENDPOINT[,REPLAY]",
-        help="the shared tiers' events: a `kvbridge events --publish` relay's endpoints",
+        help="the shared tiers' events: a `kvbridge events --publish` relay's endpoints "
+        "(only where the prefill instances load from kvbridge: kv_both)",
     )
     routing.add_argument(
         "--block-size", type=int, default=0, help="the instances' block size, in tokens"
