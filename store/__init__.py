@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 from .._lazy import lazy
 from ._contract import BlockStore
 from ._errors import (
+    BlockCorrupt,
     BlockNotFound,
     BlockPinned,
     IncompatibleStore,
@@ -102,6 +103,7 @@ __all__ = [
     "TOKEN_BYTES",
     "BadLineage",
     "BadRequest",
+    "BlockCorrupt",
     "BlockKey",
     "BlockNotFound",
     "BlockPinned",

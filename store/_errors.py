@@ -37,6 +37,21 @@ class BlockNotFound(StoreError, LookupError):
         super().__init__(f"{len(self.keys)} block(s) not found: {shown}{more}")
 
 
+class BlockCorrupt(BlockNotFound):
+    """Blocks whose bytes, once landed, did not match the checksum their writer sent: a
+    miss from the first of them on (``keys`` names them, ``first`` is the first one's index
+    in the request). The blocks before ``first`` landed whole and verified; what the buffer
+    holds from ``first`` on must not be used. A ``LookupError``, like any miss."""
+
+    def __init__(self, keys: Sequence[bytes], first: int = 0) -> None:
+        super().__init__(keys)
+        self.first = first
+        self.args = (
+            f"block {first} of the request failed its checksum once landed: a miss from it on "
+            f"({len(self.keys)} block(s))",
+        )
+
+
 class BlockPinned(StoreError):
     """The operation would remove or move a pinned block; ``keys`` names them."""
 

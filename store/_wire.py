@@ -18,9 +18,13 @@ match      ns, keys                                     count
 room       ns, keys                                     new (keys not stored), room (blocks
                                                         the namespace can take now)
 stage      ns, keys                                     lease, slots (int or nil), saved_bytes
-commit     ns, lease                                    stored
+commit     ns, lease, sums (optional: one XXH3-64 per  stored
+           staged block, 0 for none: _checksums.py)
 abort      ns, lease                                    (empty)
-pin        ns, keys                                     lease, slots
+pin        ns, keys                                     lease, slots, sums (per key: its
+                                                        writer's checksum, 0 for none)
+verify     ns, keys (a reader found them corrupt)       dropped (bools: the stored copy was
+                                                        bad too, and is gone)
 release    ns, lease                                    (empty), or error LeaseExpired
 remove     ns, keys                                     removed (bools)
 clear      ns                                           removed (count)
@@ -38,6 +42,7 @@ from typing import Any
 
 from ..transfer import APP_CODES
 from ._errors import (
+    BlockCorrupt,
     BlockNotFound,
     BlockPinned,
     InvalidKey,
@@ -93,6 +98,7 @@ CODES: dict[type[StoreError], int] = {
             UnknownNamespace,
             InternalError,
             NotPermitted,
+            BlockCorrupt,
         ),
         start=1,
     )
@@ -125,7 +131,7 @@ def error_reply(exc: StoreError) -> dict[str, Any]:
 def error_for(code: int | None, message: str, keys: list[bytes] | None = None) -> StoreError:
     """The store error a wire code stands for (``InternalError`` for an unknown code)."""
     cls = ERRORS.get(code, InternalError) if isinstance(code, int) else InternalError
-    if cls in (BlockNotFound, BlockPinned):
+    if cls in (BlockNotFound, BlockPinned, BlockCorrupt):
         return cls(keys or [])
     return cls(message)
 

@@ -269,6 +269,13 @@ class TransferEngine(Closing):
         if self._nixl is not None:
             self._nixl.unregister(region)
 
+    def host_view(self, region_id: int) -> memoryview | None:
+        """The bytes of a registered region in host memory (to checksum what it sends or
+        received), or ``None`` for GPU memory; raises ``LocalProtocolError`` for an id not
+        registered here."""
+        region = self._regions.get(region_id)
+        return None if region.device else region.view
+
     @property
     def address(self) -> str:
         """``host:port`` of the control socket: what :meth:`dial` takes."""

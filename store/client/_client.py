@@ -40,7 +40,8 @@ from ...transfer import (
     TransferError,
     parse_address,
 )
-from .._errors import LeaseExpired, StoreClosed, StoreFull
+from .._checksums import NO_SUM, check_sums, sums_of
+from .._errors import BlockCorrupt, LeaseExpired, StoreClosed, StoreFull
 from .._keys import BlockKey, check_keys, namespace_bytes
 from .._lease import Lease
 from .._lineage import (
@@ -103,6 +104,7 @@ class StoreClient(Closing):
         engine: TransferEngine | None = None,
         clock: Callable[[], float] = time.monotonic,
         block_tokens: int = 0,
+        verify: bool = True,
     ) -> None:
         """``streams``: TCP data streams to the server (``TransferSettings.streams``; more
         where the machine has the cores to drive a fast link). ``clock`` times deadlines and
@@ -110,8 +112,10 @@ class StoreClient(Closing):
         token ids per block of the lineage this client's puts send (``put(lineage=...)``,
         ``docs/EVENTS.md``); 0 sends none. The namespace's creator chose how many it keeps:
         where that is another number, :attr:`block_tokens` is 0 after the open and puts
-        send no lineage (logged once)."""
+        send no lineage (logged once). ``verify``: check each block a get lands against the
+        checksum its writer sent (``store/_checksums.py``; a put always sends them)."""
         positive_int("block_bytes", block_bytes)
+        self.verify = verify
         self.block_bytes = block_bytes
         self._asked_tokens = check_block_tokens(block_tokens)
         self.block_tokens = 0
@@ -131,7 +135,12 @@ class StoreClient(Closing):
             connect_timeout=min(timeout, DEFAULT_CONNECT_TIMEOUT_S),
             serve=False,  # a client only dials: no listener, no control server
         )
-        self.counters = {"bytes_pushed": 0, "bytes_saved": 0, "bytes_pulled": 0}
+        self.counters = {
+            "bytes_pushed": 0,
+            "bytes_saved": 0,
+            "bytes_pulled": 0,
+            "blocks_corrupt": 0,
+        }
         self._timeout = timeout
         self._clock = clock
         self._closed = False
@@ -535,7 +544,9 @@ class StoreClient(Closing):
         slots, lease = staged["slots"], int(staged["lease"])
         picked = [i for i, slot in enumerate(slots) if slot is not None]
         if lease:
-            commit = msgpack.packb({"op": "commit", "ns": self._ns, "lease": lease})
+            sums = self._sums(where, start, picked)  # of the bytes as they leave
+            body = {"op": "commit", "ns": self._ns, "lease": lease, "sums": sums}
+            commit = msgpack.packb(body)
             try:
                 ops = self._ops(where, start, picked, [slots[i] for i in picked])
                 left = self._left()  # past the deadline: raises before a byte is read
@@ -594,6 +605,7 @@ class StoreClient(Closing):
             try:
                 ops = self._ops(where, start, list(range(len(chunk))), slots)
                 self.peer.wait(self.peer.read(ops), self._left())
+                bad = self._first_bad(where, start, pinned.get("sums"), len(chunk))
             except TimeoutError:
                 # The read may still be landing: close the streams (joined) so that no byte
                 # arrives after the caller reused its buffer; the session and its pin end.
@@ -607,7 +619,39 @@ class StoreClient(Closing):
                 self.peer.cast(release)  # the pin held while we read: no answer needed
             else:
                 self._call(release)  # raises LeaseExpired if the bytes may have changed
+            if bad is not None:
+                self._corrupt(keys, start + bad)
             self.counters["bytes_pulled"] += len(chunk) * self.block_bytes
+
+    def _sums(self, where: _Locations, start: int, picked: list[int]) -> list[int]:
+        """The checksums of the picked blocks' bytes (``NO_SUM`` for GPU memory)."""
+        regions, offsets = where
+        index = np.asarray(picked, dtype=np.int64) + start
+        part = self.block_bytes // regions.shape[1]
+        return sums_of(self.engine.host_view, regions[index], offsets[index], part)
+
+    def _first_bad(self, where: _Locations, start: int, expected: object, count: int) -> int | None:
+        """The index of the first landed block that does not match its writer's checksum
+        (blocks without one pass), or ``None``; none checked where :attr:`verify` is off or
+        the server sent none (an older server)."""
+        sums = check_sums(expected, count) if self.verify else None
+        if sums is None or not any(sums):
+            return None
+        got = self._sums(where, start, list(range(count)))
+        for i, (want, have) in enumerate(zip(sums, got, strict=True)):
+            if want != NO_SUM and have not in (want, NO_SUM):
+                return i
+        return None
+
+    def _corrupt(self, keys: Sequence[BlockKey], bad: int) -> NoReturn:
+        """Tell the server of a block that landed bad (it checks its own copy and drops it
+        if that is bad too), and raise :class:`BlockCorrupt` from it on."""
+        self.counters["blocks_corrupt"] += 1
+        _log.warning(
+            "block %s failed its checksum once landed: a miss from it on", keys[bad].hex()[:16]
+        )
+        self._quietly({"op": "verify", "ns": self._ns, "keys": [keys[bad]]})
+        raise BlockCorrupt(keys[bad:], bad)
 
     def _ops(
         self, where: _Locations, start: int, picked: list[int], slots: list[int]

@@ -19,8 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from .._buffers import BlockArray, Positions, copy_blocks, fill_slots
+from .._buffers import BlockArray, Positions, copy_blocks, fill_slots, to_host
+from .._checksums import NO_SUM, block_sum
 from .._errors import (
+    BlockCorrupt,
     StoreClosed,
     StoreError,
     StoreFull,
@@ -225,11 +227,19 @@ class Placement:
                 return t, slot
         raise StoreFull("no tier has room")  # unreachable: put checked the room first
 
-    def copy_through(self, key: BlockKey, src: BlockArray, protect: Container[BlockKey]) -> None:
+    def copy_through(
+        self,
+        key: BlockKey,
+        src: BlockArray,
+        protect: Container[BlockKey],
+        checksum: int = NO_SUM,
+    ) -> None:
+        """The write-through copy of a new block (:class:`BlockCorrupt` when its bytes do
+        not match its writer's ``checksum``)."""
         assert self.persistent is not None
         if not self._make_room(self.persistent, protect):
             raise StoreFull("no room for the write-through copy")  # unreachable, see _room
-        self.tiers[self.persistent].store(key, src)
+        self.tiers[self.persistent].store(key, src, checksum)
 
     def _make_room(self, t: int, protect: Container[BlockKey]) -> bool:
         """Ensure tier ``t`` has a free slot, evicting one unpinned, unprotected block."""
@@ -281,14 +291,20 @@ class Placement:
         tier.delete(key)
 
     def _demote(self, tier: Tier, below: int, key: BlockKey, protect: Container[BlockKey]) -> bool:
+        """Copy ``key`` one tier down; False when there is no room, or when its bytes are
+        found bad on the way (they fail the disk's read or the block's checksum)."""
         if not self._make_room(below, protect):
             return False
         with tier.reading() as read:
             src = read(key)
-            if src is None:
+            try:
+                if src is None:
+                    raise BlockCorrupt([key])
+                self.tiers[below].store(key, src, tier.checksum(key))
+            except BlockCorrupt:
                 self.stats.corrupt += 1
+                _log.warning("block %s failed its checksum on its way down", key.hex()[:16])
                 return False
-            self.tiers[below].store(key, src)
         return True
 
     def use(self, key: BlockKey, data: BlockArray, protect: set[BlockKey]) -> None:
@@ -304,12 +320,13 @@ class Placement:
                 source.touch(key)
                 return
             source.touch(key)
-        else:  # move up: free the slot first, so that the top tier's victim can swap into it
+        checksum = source.checksum(key)
+        if not source.persistent:  # move up: free the slot first, for the top's victim
             source.delete(key)
             if not self._make_room(0, protect):
-                source.store(key, data)
+                source.store(key, data, checksum)
                 return
-        self.tiers[0].store(key, data)
+        self.tiers[0].store(key, data, checksum)
         self.stats.promotions += 1
 
     def fresh(self, keys: Sequence[BlockKey]) -> dict[BlockKey, int]:
@@ -344,6 +361,30 @@ class Placement:
                     if key in tier and tier.persistent:
                         tier.discard(key)
 
+    def verify(self, keys: Iterable[BlockKey]) -> list[bool]:
+        """A reader found these blocks bad once they landed: check each stored copy again
+        (a memory copy against its checksum, a disk copy against its own) and drop the bad
+        ones, unless pinned (a reader holds it: the next one finds it bad too). Per key,
+        whether a bad copy was found; a key whose copies are all good went bad in transit."""
+        found = []
+        for key in keys:
+            bad = [tier for tier in self.tiers if key in tier and not self._sound(tier, key)]
+            found.append(bool(bad))
+            if bad and key not in self.pins:
+                self.stats.corrupt += 1
+                for tier in bad:
+                    tier.discard(key)
+        return found
+
+    def _sound(self, tier: Tier, key: BlockKey) -> bool:
+        """Whether ``tier``'s copy of ``key`` matches its checksum (or has none to match)."""
+        with tier.reading() as read:
+            data = read(key)
+            if data is None:
+                return False
+            checksum = tier.checksum(key)
+            return checksum == NO_SUM or block_sum([to_host(data).data]) == checksum
+
     def withdraw(self, keys: Iterable[BlockKey]) -> None:
         """Take the blocks of a failed put or commit out of every tier. A disk delete
         stands even when its batch fails, so that failure hides nothing: it is dropped."""
@@ -371,25 +412,28 @@ class Placement:
         False when it is found bad (it is dropped, and nothing was moved for it). A copy in
         ``early`` stands in for the read if it is still of the block's current version."""
         source = self.tiers[t]
+        checksum = source.checksum(key)
         data = early.get(source, key) if early is not None else None
         if data is not None:
-            self._store_lifted(key, data, protect)
+            self._store_lifted(key, data, checksum, protect)
         else:
             with source.reading() as read:
                 data = read(key)
                 if data is None:
                     self.drop_corrupt([key])
                     return False
-                self._store_lifted(key, data, protect)
+                self._store_lifted(key, data, checksum, protect)
         if not source.persistent:
             source.delete(key)
         self.stats.promotions += 1
         return True
 
-    def _store_lifted(self, key: BlockKey, data: BlockArray, protect: set[BlockKey]) -> None:
+    def _store_lifted(
+        self, key: BlockKey, data: BlockArray, checksum: int, protect: set[BlockKey]
+    ) -> None:
         if not self._make_room(0, protect):  # unreachable: pin_resident checked
             raise StoreFull(f"the {self.tiers[0].name} tier has no unpinned slot")
-        self.tiers[0].store(key, data)
+        self.tiers[0].store(key, data, checksum)
 
     def check_open(self) -> None:
         if self.closed:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Container, Sequence
 from typing import TYPE_CHECKING
 
+from .._checksums import NO_SUM
 from .._errors import (
     BlockNotFound,
     LeaseExpired,
@@ -102,10 +103,12 @@ class RemoteAccess:
             new = {key for key in checked if self._p.locate(key) is None}
             return len(new), self._p.room_beside(checked)
 
-    def commit(self, lease_id: int) -> int:
+    def commit(self, lease_id: int, checksums: Sequence[int] = ()) -> int:
         """Make a staged put visible; return how many blocks it added (a key stored by
         someone else meanwhile is not stored twice). Raises :class:`LeaseExpired` when the
         lease is unknown or expired: the slots are then reclaimed and nothing is stored.
+        ``checksums``: per staged key (in the order :meth:`stage` gave slots), its writer's
+        end-to-end checksum, kept beside the block (none: ``NO_SUM``).
 
         All or nothing: when the write-through copy cannot be made (the disk tier holds
         fewer blocks, the disk is full) it raises :class:`StoreFull`, no block of the put
@@ -131,17 +134,20 @@ class RemoteAccess:
                     )
             protect = Keep(set(staging.keys), staging.protect)
             adopted: dict[BlockKey, int] = {}
+            sums = list(checksums) or [NO_SUM] * len(staging.keys)
             try:
                 with self._p.batch():
-                    for key, slot in zip(staging.keys, staging.slots, strict=True):
+                    for key, slot, checksum in zip(staging.keys, staging.slots, sums, strict=True):
                         where = self._p.locate(key)
                         if where is not None:
                             self._p.tiers[where].touch(key)
                             continue
                         top.adopt(key, slot)
+                        top.set_checksum(key, checksum)
                         adopted[key] = slot
                         if self._p.write_through and self._p.persistent != 0:
-                            self._p.copy_through(key, top.memory.slot(slot), protect)
+                            copy = top.memory.slot(slot)
+                            self._p.copy_through(key, copy, protect, checksum)
             except BaseException:
                 self._give_back(staging, list(adopted))
                 raise
@@ -219,6 +225,13 @@ class RemoteAccess:
             self._p.stats.bytes_out += len(checked) * self.block_bytes
             lease = Lease(self._p.release, self._p.pins.clock, lease_id, tuple(checked), deadline)
             return lease, [top.position(key) for key in checked]
+
+    def checksums(self, keys: Sequence[BlockKey]) -> list[int]:
+        """The end-to-end checksum of each of ``keys``, pinned in the top tier by the
+        caller (``NO_SUM`` where none is known)."""
+        with self._p.lock:
+            top = self._slot_top()
+            return [top.checksum(key) for key in keys]
 
     def _slot_top(self) -> SlotTier:
         top = self._p.tiers[0]

@@ -6,7 +6,10 @@ import contextlib
 from collections import deque
 from collections.abc import Container, Iterator, Sequence
 
+import numpy as np
+
 from .._buffers import BlockArray, copy_into
+from .._checksums import NO_SUM
 from .._keys import BlockKey
 from ._policy import EvictionPolicy, insert_all
 from ._slab import SlotMemory
@@ -18,6 +21,8 @@ class SlotTier:
 
     The free list is a FIFO of slot numbers (O(1) both ends); the index maps each key to
     its slot. ``view(key)`` is the zero-copy view that transfers read from and write to.
+    Each slot has its block's end-to-end checksum beside it (``_checksums``; ``NO_SUM``
+    until one is set), 8 bytes a slot.
     """
 
     persistent = False
@@ -33,6 +38,7 @@ class SlotTier:
         # Free slots are reused oldest-freed first, lowest first at the start: a batch then
         # tends to land in adjacent slots, which copy_blocks merges into one copy.
         self._free: deque[int] = deque(range(self.capacity))
+        self._sums = np.zeros(self.capacity, dtype=np.uint64)
 
     def __len__(self) -> int:
         return len(self._slot_of)
@@ -51,14 +57,22 @@ class SlotTier:
         """Zero-copy view of the block's slot; valid until the block leaves this tier."""
         return self.memory.slot(self._slot_of[key])
 
-    def store(self, key: BlockKey, src: BlockArray) -> None:
+    def store(self, key: BlockKey, src: BlockArray, checksum: int = NO_SUM) -> None:
         copy_into(self.reserve(key), src)
+        self._sums[self._slot_of[key]] = checksum
+
+    def checksum(self, key: BlockKey) -> int:
+        """The block's end-to-end checksum (``NO_SUM`` when none is known)."""
+        return int(self._sums[self._slot_of[key]])
+
+    def set_checksum(self, key: BlockKey, checksum: int) -> None:
+        self._sums[self._slot_of[key]] = checksum
 
     def reserve(self, key: BlockKey) -> BlockArray:
         """Index ``key`` in a free slot and return the slot's view, for the caller to fill
         before the block is read (``put`` fills a whole batch at once, merging copies)."""
         slot = self.take_slot()
-        self.adopt(key, slot)
+        self.adopt(key, slot)  # no checksum until the caller sets one
         return self.memory.slot(slot)
 
     def take_slot(self) -> int:
@@ -73,6 +87,7 @@ class SlotTier:
     def adopt(self, key: BlockKey, slot: int) -> None:
         """Index ``key`` in ``slot`` (taken with :meth:`take_slot`, already filled)."""
         self._slot_of[key] = slot
+        self._sums[slot] = NO_SUM
         self.policy.insert(key)
 
     def free_count(self) -> int:
@@ -84,6 +99,7 @@ class SlotTier:
         before anything reads them); ``free_count()`` must cover them."""
         free = self._free
         slots = [free.popleft() for _ in keys]
+        self._sums[slots] = NO_SUM
         self._slot_of.update(zip(keys, slots, strict=True))
         insert_all(self.policy, keys)
         return slots

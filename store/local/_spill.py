@@ -3,9 +3,10 @@ persistent tier so that a reopened store serves them."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
-from .._errors import StoreError
+from .._errors import BlockCorrupt, StoreError
 from .._keys import BlockKey
 from ._tier import Tier
 
@@ -41,7 +42,8 @@ def spill(tiers: Sequence[Tier], disk: Tier) -> int:
                     with tier.reading() as read:
                         data = read(key)
                         if data is not None:
-                            disk.store(key, data)
+                            with contextlib.suppress(BlockCorrupt):  # a bad copy stays out
+                                disk.store(key, data, tier.checksum(key))
         except StoreError:
             break
         written += len(chosen[start : start + step])

@@ -400,6 +400,17 @@ class TieredStore(Closing):
         self._placement.stats.removed += sum(removed)
         return removed
 
+    def verify(self, keys: Sequence[bytes]) -> list[bool]:
+        """A reader found these blocks bad once they landed (``_checksums``): check every
+        stored copy of each again and drop the bad ones (a pinned one stays until its
+        readers are done). Per key, whether a stored copy was bad; ``False`` for a block
+        that went bad on its way (or is gone)."""
+        checked = check_keys(keys)
+        with self._placement.lock:
+            self._placement.check_open()
+            with self._placement.batch():
+                return self._placement.verify(checked)
+
     def check(self, *, repair: bool = False) -> CheckReport:
         """Verify every block of the persistent tier against its checksum."""
         with self._placement.lock:

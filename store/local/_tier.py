@@ -37,8 +37,14 @@ class Tier(Protocol):
 
     def keys(self) -> Iterator[BlockKey]: ...
 
-    def store(self, key: BlockKey, src: BlockArray) -> None:
-        """Store a new block; the caller has checked ``len(self) < self.capacity``."""
+    def store(self, key: BlockKey, src: BlockArray, checksum: int = ...) -> None:
+        """Store a new block; the caller has checked ``len(self) < self.capacity``.
+        ``checksum``: the block's end-to-end checksum (``_checksums``), carried with it; a
+        tier that reads the bytes as it stores them (the disk) raises
+        :class:`BlockCorrupt`, storing nothing, when they do not match it."""
+
+    def checksum(self, key: BlockKey) -> int:
+        """The end-to-end checksum of ``key`` (present), ``NO_SUM`` when none is known."""
 
     def position(self, key: BlockKey) -> int | None:
         """The block's slot number in the tier's one buffer, or ``None`` (lets adjacent

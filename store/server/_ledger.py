@@ -202,14 +202,25 @@ class Leases:
         self._index.staged[list(record.slots)] = record.id
         return record.id, slots
 
-    def commit(self, session: int, lease_id: int, *, handoff_ttl: float, share: float) -> int:
+    def commit(
+        self,
+        session: int,
+        lease_id: int,
+        *,
+        handoff_ttl: float,
+        share: float,
+        checksums: Sequence[int] = (),
+    ) -> int:
         """OPEN -> gone: the session's staged blocks become visible (all or none: the
         store's rule); they are then held for their first read. :class:`LeaseExpired` when
         the lease is not the session's open staged one or its deadline passed (it ends),
-        :class:`BadRequest` while frames into it are in flight (it stays open)."""
+        :class:`BadRequest` while frames into it are in flight, or for ``checksums`` (one
+        per staged block, or none) of another count (it stays open)."""
         record = self._own(session, lease_id, "stage")
         if record.in_flight:
             raise BadRequest(f"lease {lease_id}: a commit while writes into it are in flight")
+        if checksums and len(checksums) != len(record.keys):
+            raise BadRequest(f"{len(checksums)} checksums for {len(record.keys)} staged blocks")
         if record.deadline <= self._clock():
             self._end(record)
             raise LeaseExpired(f"staged put {lease_id} expired before its commit")
@@ -217,7 +228,7 @@ class Leases:
         self._forget(record)
         if record.lineage:  # before the blocks are visible: their first event carries it
             self._lineage.keep(record.keys, record.lineage)
-        stored = self._remote.commit(record.store_id)  # its slots: the store's from here
+        stored = self._remote.commit(record.store_id, checksums)  # its slots: the store's now
         self.holds.hand_off(record.keys, handoff_ttl, record.principal, share)
         return stored
 
@@ -263,6 +274,10 @@ class Leases:
             readable.setdefault(slot, {})[record.id] = key
         self.holds.take(keys)
         return record.id, slots
+
+    def checksums(self, keys: Sequence[bytes]) -> list[int]:
+        """The checksums of blocks a lease of the caller's pins (see ``pin``)."""
+        return self._remote.checksums([BlockKey(key) for key in keys])
 
     def release(self, session: int, lease_id: int) -> None:
         """OPEN -> DRAINING or gone: the session is done reading. :class:`LeaseExpired`

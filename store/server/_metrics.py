@@ -57,6 +57,13 @@ class ServerMetrics:
             "Bytes clients did not send because the blocks were already stored",
             registry=self.registry,
         )
+        self.corrupt_reported = Counter(
+            "kvbridge_corrupt_reported",
+            "Blocks readers found corrupt once landed (their checksum), by namespace and where "
+            "they went bad: stored (the store's copy too, dropped) or transfer (it is sound)",
+            ["namespace", "where"],
+            registry=self.registry,
+        )
         self.registry.register(_StoreCollector(stores))
         self.registry.register(_RefusalCollector(refusals))
         self._http: MetricsHTTP | None = None

@@ -42,6 +42,7 @@ import msgpack
 
 from ..._bounded_log import BoundedLog
 from ...transfer import Caller, NotifyRefused, TransferEngine
+from .._checksums import check_sums
 from .._errors import BlockNotFound, BlockPinned, StoreError
 from .._keys import BlockKey
 from .._lineage import STAGE_LINEAGE_BYTES, check_block_tokens, from_wire, lineage_bytes
@@ -138,6 +139,7 @@ class CacheServer:
             "abort": self._abort,
             "pin": self._pin,
             "release": self._release,
+            "verify": self._verify,
             "remove": self._remove,
             "clear": self._clear,
             "events": self._subscribe,
@@ -409,7 +411,14 @@ class CacheServer:
         lease = message_field(body, "lease", int)
         ttl = min(self.config.handoff_ttl, self.config.lease_ttl)
         share = self._tenant(caller).slots
-        return {"stored": ns.leases.commit(caller.session, lease, handoff_ttl=ttl, share=share)}
+        given = body.get("sums", [])
+        sums = check_sums(given, len(given) if isinstance(given, list) else -1)
+        if sums is None:
+            raise BadRequest("sums must be a list of 64-bit checksums, one per staged block")
+        stored = ns.leases.commit(
+            caller.session, lease, handoff_ttl=ttl, share=share, checksums=sums
+        )
+        return {"stored": stored}
 
     def _abort(self, caller: Caller, ns: Namespace, body: dict[str, Any]) -> dict[str, Any]:
         ns.leases.abort(caller.session, message_field(body, "lease", int))
@@ -438,7 +447,29 @@ class CacheServer:
         with self._reserved(caller, ns, len(keys)) as reservation:
             lease, slots = ns.leases.pin(caller.session, caller.principal, keys, ttl, early)
             reservation.keep()
-        return {"lease": lease, "slots": slots}
+        return {"lease": lease, "slots": slots, "sums": ns.leases.checksums(keys)}
+
+    def _verify(self, caller: Caller, ns: Namespace, body: dict[str, Any]) -> dict[str, Any]:
+        """A reader's report of blocks that failed their checksum once landed: each stored
+        copy is checked again here, and a bad one dropped (a reader cannot make the server
+        drop a good block)."""
+        keys = keys_field(body)
+        if len(keys) > ns.request_blocks:
+            raise BadRequest(f"{len(keys)} keys to verify; at most {ns.request_blocks}")
+        dropped = ns.store.verify(keys)
+        stored = sum(dropped)
+        reported = self.metrics.corrupt_reported
+        reported.labels(namespace=ns.label, where="stored").inc(stored)
+        reported.labels(namespace=ns.label, where="transfer").inc(len(keys) - stored)
+        _log.warning(
+            "namespace %s: a reader found %d block(s) corrupt; %d bad in the store (dropped), "
+            "%d went bad on the way",
+            ns.label,
+            len(keys),
+            stored,
+            len(keys) - stored,
+        )
+        return {"dropped": dropped}
 
     def _release(self, caller: Caller, ns: Namespace, body: dict[str, Any]) -> dict[str, Any]:
         ns.leases.release(caller.session, message_field(body, "lease", int))

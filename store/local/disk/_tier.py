@@ -41,7 +41,8 @@ import numpy as np
 import xxhash
 
 from ..._buffers import BlockArray, to_host
-from ..._errors import StoreClosed, StoreError
+from ..._checksums import NO_SUM
+from ..._errors import BlockCorrupt, StoreClosed, StoreError
 from ..._keys import BlockKey
 from .._policy import EvictionPolicy
 from .._slab import PAGE_BYTES
@@ -305,14 +306,21 @@ class DiskTier:
             if error is not None:
                 raise error
 
-    def store(self, key: BlockKey, src: BlockArray) -> None:
+    def store(self, key: BlockKey, src: BlockArray, checksum: int = NO_SUM) -> None:
+        """Write a new block. ``checksum``: its writer's (``_checksums``), which the bytes
+        must match: :class:`BlockCorrupt` (nothing written) when they do not, as when a
+        memory copy went bad before it came down here. The record keeps the bytes' own
+        XXH3-64, which is the same number."""
         host = to_host(src)
+        computed = xxhash.xxh3_64_intdigest(host.data)
+        if checksum not in (NO_SUM, computed):
+            raise BlockCorrupt([key])
         with self._writing() as txn:
             if self._failed is not None:
                 raise type(self._failed)(str(self._failed))
             try:
                 txn.put(key, host, db=self._blocks)
-                checksum = xxhash.xxh3_64_intdigest(host.data)
+                checksum = computed
                 txn.put(key, SUM.pack(checksum, self._next_seq), db=self._sums)
             except lmdb.Error as e:
                 raise self._refuse(e) from e
@@ -321,6 +329,13 @@ class DiskTier:
             self._present.add(key)
             self._added.append(key)
             self.policy.insert(key)
+
+    def checksum(self, key: BlockKey) -> int:
+        """The block's checksum on record (``NO_SUM`` when it has none)."""
+        version = self._reads.version(key)
+        if version is None or len(version) != SUM.size:
+            return NO_SUM
+        return int(SUM.unpack(version)[0])
 
     def position(self, key: BlockKey) -> None:
         """Blocks on disk are not adjacent in any buffer a copy could merge."""

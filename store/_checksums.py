@@ -1,0 +1,69 @@
+"""End-to-end block checksums: XXH3-64 of a block's bytes, in order.
+
+The writer computes one per block from the bytes it sends (host memory: for a GPU cache, the
+staged copy), the store keeps it beside the block on every tier, and the reader verifies the
+bytes once they have landed, before it calls the block loaded. A block made of pages spread
+over several buffers (a KV cache's layers) is hashed as the pages one after another, so its
+checksum is the digest of the whole block whatever the layout: the disk tier's own checksum
+(``disk/_tier.py``) is the same number.
+
+``NO_SUM`` (0) stands for "no checksum known" (a writer that sends none, a block put locally):
+such a block is served unverified. A block whose real XXH3-64 is 0 (one in 2**64) is treated
+the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import xxhash
+
+NO_SUM = 0
+MAX_SUM = (1 << 64) - 1
+
+
+def block_sum(pages: Sequence[memoryview]) -> int:
+    """The checksum of a block given as its pages, in order."""
+    if len(pages) == 1:
+        return int(xxhash.xxh3_64_intdigest(pages[0]))
+    digest = xxhash.xxh3_64()
+    for page in pages:
+        digest.update(page)
+    return int(digest.intdigest())
+
+
+def sums_of(
+    views: Callable[[int], memoryview | None],
+    regions: np.ndarray,
+    offsets: np.ndarray,
+    part: int,
+) -> list[int]:
+    """Per row of ``regions``/``offsets`` (a block: one region id and offset per page of
+    ``part`` bytes), the block's checksum; ``NO_SUM`` for a block with a page outside host
+    memory (``views`` of its region is ``None``: GPU memory)."""
+    found: dict[int, memoryview | None] = {}
+    sums = []
+    for ids, ats in zip(regions.tolist(), offsets.tolist(), strict=True):
+        pages = []
+        for region, at in zip(ids, ats, strict=True):
+            if region not in found:
+                found[region] = views(region)
+            view = found[region]
+            if view is None:
+                break
+            pages.append(view[at : at + part])
+        else:
+            sums.append(block_sum(pages))
+            continue
+        sums.append(NO_SUM)
+    return sums
+
+
+def check_sums(sums: object, count: int) -> list[int] | None:
+    """``sums`` as ``count`` checksums, or ``None`` when it is not that (a bad request)."""
+    if not isinstance(sums, list) or len(sums) != count:
+        return None
+    if not all(type(s) is int and 0 <= s <= MAX_SUM for s in sums):
+        return None
+    return sums
