@@ -92,6 +92,7 @@ class ServerBackend(Closing):
         staging_bytes: int = 256 << 20,
         on_staged: Callable[[int], None] = lambda nbytes: None,
         block_tokens: int = 0,
+        verify: bool = True,
     ) -> None:
         """``on_staged(nbytes)`` counts bytes copied through the staging buffer;
         ``block_tokens``: the token ids per block of the lineage saves send."""
@@ -107,6 +108,7 @@ class ServerBackend(Closing):
             streams=streams,
             transports=transports,
             block_tokens=block_tokens,
+            verify=verify,
         )
         try:
             self._pool.connect(address)

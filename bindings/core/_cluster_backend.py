@@ -51,6 +51,7 @@ class ClusterBackend(Closing):
         staging: str = "auto",
         staging_bytes: int = 256 << 20,
         on_staged: Callable[[int], None] = lambda nbytes: None,
+        verify: bool = True,
     ) -> None:
         self._moves = PageMoves(block_bytes, staging, staging_bytes, on_staged)
         self._route: Route | None = None
@@ -65,6 +66,7 @@ class ClusterBackend(Closing):
             timeout=timeout,
             connections=connections,
             streams=streams,
+            verify=verify,
         )
         if not self._client.members():
             _log.warning("kvbridge: cluster %r in %s has no members yet: misses", cluster, url)

@@ -77,6 +77,11 @@ class ConnectorConfig:
     staging: str = "auto"
     """``"auto"``: pages in GPU memory that the transport cannot take go through a host
     staging buffer, host pages move directly; ``"always"``: every page goes through it."""
+    verify: bool = True
+    """Check each loaded block against the checksum its writer sent (XXH3-64 of its bytes,
+    ``store/_checksums.py``) before calling it loaded: one that fails is a miss from it on
+    (recomputed), counted (``tokens_lost_corrupt``) and reported to the server, which drops
+    its copy if that is bad too. Saves always send the checksums."""
     staging_bytes: int = DEFAULT_STAGING_BYTES
     """The staging buffer (allocated once, pinned for a GPU cache): a load or save larger
     than it runs in chunks of what it holds."""
@@ -157,6 +162,7 @@ _KINDS: dict[str, Kind] = {
     "failed_key_ttl": Seconds(),
     "async_load": Flag(),
     "mirror": Flag(),
+    "verify": Flag(),
     "lookup_wait": Seconds(),
     "pd_wait": Seconds(),
     "streams": Whole(1, 64),

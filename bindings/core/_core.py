@@ -19,11 +19,13 @@ from typing import Any
 
 from ..._closing import Closing
 from ...store import (
+    BlockCorrupt,
     BlockKey,
     CacheServer,
     ConfigError,
     KeyMirror,
     Lease,
+    LeaseExpired,
     Lineage,
     StoreClient,
     StoreClosed,
@@ -284,7 +286,9 @@ class ConnectorCore(Closing):
         after: object | None = None,
     ) -> int:
         """Load as many leading blocks as the store holds; returns how many were loaded.
-        Raises :class:`LayoutError` (nothing moved) when ``at`` is outside the memory."""
+        Blocks after one that landed bad (:class:`BlockCorrupt`) are never loaded; after
+        one gone, a ``partial`` load (SGLang's) loads those before it, another (vLLM's)
+        none. Raises :class:`LayoutError` (nothing moved) when ``at`` is outside the memory."""
         if not keys:
             return 0
         offsets = self._offsets(keys, at)
@@ -309,29 +313,34 @@ class ConnectorCore(Closing):
         count = len(keys)
         try:
             if not self._up():  # paused after a fault: a miss, and no new fault
-                self._load_failed(keys, partial)
+                self._load_failed(keys, partial, "paused")
                 return 0
             try:
                 move(self._store(), count)
+            except BlockCorrupt as exc:  # landed bad: the blocks before it are whole
+                count = exc.first
+                self._load_failed(keys[count:], partial, "corrupt")
             except LookupError:  # a block is gone: move the ones before it
                 if not partial:
                     raise
                 count = self._store().lookup(keys)
+                self._load_failed(keys[count:], partial, "gone")
                 move(self._store(), count)
         except FAULTS as exc:
-            self._load_failed(keys, partial)
+            self._load_failed(keys, partial, _lost_reason(exc))
             self._fault(what, exc)
             return 0
         self.stats.loaded(count * self.block_tokens, count * self.identity.block_bytes, started)
         return count
 
-    def _load_failed(self, keys: Sequence[BlockKey], partial: bool) -> None:
+    def _load_failed(self, keys: Sequence[BlockKey], partial: bool, reason: str) -> None:
         """An all-or-nothing load (vLLM's) that failed is remembered, so that the engine is
         not offered the same keys again at once (no livelock); a leading-run load's
-        (SGLang's) is not: its engine computes what did not load and moves on."""
+        (SGLang's) is not: its engine computes what did not load and moves on. Counted as
+        hits lost, by ``reason`` (``_stats.LOST_REASONS``)."""
         if not partial:
             self.mark_failed(keys)
-        self.stats.load_failed(len(keys) * self.block_tokens)
+        self.stats.load_failed(len(keys) * self.block_tokens, reason)
 
     def save(
         self,
@@ -538,6 +547,7 @@ class ConnectorCore(Closing):
             "staging": config.staging,
             "staging_bytes": config.staging_bytes,
             "on_staged": self.stats.staged,
+            "verify": config.verify,
         }
         block_bytes, timeout = self.identity.block_bytes, config.timeout
         if address.startswith(ETCD_SCHEME):
@@ -630,3 +640,14 @@ class ConnectorCore(Closing):
 def _utf8(name: str) -> bytes:
     """A name's bytes; a lone surrogate (no valid text has one) is kept as it is."""
     return name.encode("utf-8", "surrogatepass")
+
+
+def _lost_reason(exc: BaseException) -> str:
+    """Why a load that raised ``exc`` delivered nothing (``_stats.LOST_REASONS``)."""
+    if isinstance(exc, BlockCorrupt):
+        return "corrupt"
+    if isinstance(exc, LookupError):
+        return "gone"
+    if isinstance(exc, LeaseExpired):
+        return "lease"
+    return "timeout" if isinstance(exc, TimeoutError) else "fault"

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ...store import BlockKey, ClusterClient, Lineage, StoreClient
+from ...store import BlockCorrupt, BlockKey, ClusterClient, Lineage, StoreClient
 from ...transfer import LocalProtocolError, is_device
 from ._device import Device
 from ._pages import LayoutError, PageLayout
@@ -112,7 +112,10 @@ class PageMoves:
 
         def fetch(first: int, count: int) -> None:
             at = rows[:count, None]
-            mover.get_pages(keys[first : first + count], staging, at, start + first)
+            try:
+                mover.get_pages(keys[first : first + count], staging, at, start + first)
+            except BlockCorrupt as exc:  # the chunks before this one are in the memory
+                raise BlockCorrupt(keys[first:], first) from exc
 
         self._staged().load(self._attached(), offsets, fetch)
 

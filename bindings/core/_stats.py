@@ -17,6 +17,12 @@ COUNTERS = (
     "bytes_loaded",
     "load_failures",
     "tokens_load_failed",
+    "tokens_lost_gone",
+    "tokens_lost_corrupt",
+    "tokens_lost_lease",
+    "tokens_lost_timeout",
+    "tokens_lost_fault",
+    "tokens_lost_paused",
     "tokens_saved",
     "bytes_saved",
     "blocks_not_saved",
@@ -24,6 +30,12 @@ COUNTERS = (
     "bytes_staged",
 )
 TIMINGS = ("lookup_seconds", "load_seconds", "save_seconds")
+LOST_REASONS = ("gone", "corrupt", "lease", "timeout", "fault", "paused")
+"""Why hits a lookup advertised were not delivered (``tokens_lost_<reason>``): the block was
+evicted or removed between the lookup and the read (``gone``), landed bad (``corrupt``: its
+checksum), was read past its lease (``lease``), the read timed out (``timeout``), the store
+failed or refused otherwise (``fault``), or store calls were paused after a fault
+(``paused``)."""
 
 
 class ConnectorStats:
@@ -55,8 +67,9 @@ class ConnectorStats:
             tokens_loaded=tokens, bytes_loaded=nbytes, load_seconds=time.perf_counter() - started
         )
 
-    def load_failed(self, tokens: int) -> None:
-        self._add(load_failures=1, tokens_load_failed=tokens)
+    def load_failed(self, tokens: int, reason: str) -> None:
+        """Hits not delivered, by ``reason`` (one of :data:`LOST_REASONS`)."""
+        self._add(load_failures=1, tokens_load_failed=tokens, **{f"tokens_lost_{reason}": tokens})
 
     def saved(self, tokens: int, nbytes: int, started: float) -> None:
         self._add(

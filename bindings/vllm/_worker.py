@@ -105,9 +105,14 @@ class WorkerSide:
                 SaveJob(t.request, t.keys, t.block_ids, t.start, mark) for t in meta.async_loads
             )
         for load in meta.loads:
-            if not self._core.load(load.keys, load.block_ids, load.start, after=mark):
-                self._invalid.update(load.block_ids)
-                self._report.failed.update(load.keys)
+            # The blocks before a bad one (one gone, one that failed its checksum) are
+            # whole: vLLM recomputes from the first invalid block on.
+            loaded = self._core.load_leading(
+                load.keys, load.block_ids, load.start, partial=False, after=mark
+            )
+            if loaded < len(load.keys):
+                self._invalid.update(load.block_ids[loaded:])
+                self._report.failed.update(load.keys[loaded:])
                 self._poisoned = self._window
 
     def save(self, meta: StepMeta | None) -> None:

@@ -82,7 +82,8 @@ class ClusterClient(Closing):
     ``cluster`` names the cluster (``kvbridge serve --cluster-name``). Keys at positions
     below ``replicated_blocks`` of their chain (``chain_start`` says where a call's first
     key sits, 0 by default) are stored on ``replicas`` members. ``secret``, ``tenant``,
-    ``timeout``, ``transports`` and ``streams`` are every member connection's (a call to a
+    ``timeout``, ``transports``, ``streams`` and ``verify`` (``StoreClient``'s: check what a
+    get lands against its writer's checksums) are every member connection's (a call to a
     member that does not answer fails within ``timeout``); ``connections`` clients per
     member let that many threads call one member at once.
     Raises ``ConnectionError`` when etcd cannot be reached at start.
@@ -103,6 +104,7 @@ class ClusterClient(Closing):
         replicated_blocks: int = REPLICATED_BLOCKS,
         connections: int = 1,
         streams: int = DEFAULT_STREAMS,
+        verify: bool = True,
     ) -> None:
         positive_int("block_bytes", block_bytes)
         namespace_bytes(namespace)
@@ -123,6 +125,7 @@ class ClusterClient(Closing):
             transports=transports,
             timeout=timeout,
             streams=streams,
+            verify=verify,
         )
         self._buffers: list[object | None] = []  # in ClusterRegion.id order; None: failed
         self._owner = secrets.randbits(63)  # on this client's ClusterRegions
