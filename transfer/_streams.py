@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._bounded_log import BoundedLog
+from . import _seams
 from ._errors import (
     AccessDenied,
     AuthenticationError,
@@ -226,6 +227,8 @@ class InitiatorStream:
                 if isinstance(event, Data):
                     receiving = (event.request_id, pending)
                     self.pipe.recv_into_views(pending.views)
+                    if _seams.received is not None:  # a test's fault (testing.py)
+                        _seams.received(pending.views)
                     receiving = None
                     self.conn.payload_received()
                     pending.on_done()
@@ -406,6 +409,8 @@ def _receive_write(served: _Served, event: Write) -> None:
     views, use = resolved
     try:
         served.pipe.recv_into_views(views)
+        if _seams.received is not None:  # a test's fault (testing.py)
+            _seams.received(views)
     finally:
         served.regions.finish(use)  # the guard's holds end only once no byte can still land
     served.conn.payload_received()

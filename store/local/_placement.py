@@ -102,6 +102,8 @@ class Placement:
         for tier, order in zip(tiers, self.orders, strict=True):
             tier.policy = order  # the tier tells it what happens; pinned keys leave its walk
         self.staging = StagingTable(clock=self.pins.clock)
+        self._condemned: dict[BlockKey, list[Tier]] = {}
+        """Copies found bad while pinned: dropped when their last pin ends."""
         self.stats = StoreStats()
         self.tier_evictions = [0] * len(tiers)
         self.closed = False
@@ -155,6 +157,8 @@ class Placement:
                     order.hold(key)
                 else:
                     order.release(key)
+        if not pinned and key in self._condemned:
+            self._drop_condemned(key)
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
@@ -364,17 +368,24 @@ class Placement:
     def verify(self, keys: Iterable[BlockKey]) -> list[bool]:
         """A reader found these blocks bad once they landed: check each stored copy again
         (a memory copy against its checksum, a disk copy against its own) and drop the bad
-        ones, unless pinned (a reader holds it: the next one finds it bad too). Per key,
-        whether a bad copy was found; a key whose copies are all good went bad in transit."""
+        ones, a pinned one as its last pin ends (its slot is not reused under a reader).
+        Per key, whether a bad copy was found; one whose copies are sound went bad on its
+        way."""
         found = []
         for key in keys:
             bad = [tier for tier in self.tiers if key in tier and not self._sound(tier, key)]
             found.append(bool(bad))
-            if bad and key not in self.pins:
+            if bad:
                 self.stats.corrupt += 1
-                for tier in bad:
-                    tier.discard(key)
+                self._condemned[key] = bad
+                if key not in self.pins:
+                    self._drop_condemned(key)
         return found
+
+    def _drop_condemned(self, key: BlockKey) -> None:
+        for tier in self._condemned.pop(key, []):
+            if key in tier:
+                tier.discard(key)
 
     def _sound(self, tier: Tier, key: BlockKey) -> bool:
         """Whether ``tier``'s copy of ``key`` matches its checksum (or has none to match)."""
