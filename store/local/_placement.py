@@ -373,6 +373,9 @@ class Placement:
         way."""
         found = []
         for key in keys:
+            if key in self._condemned:  # found bad already, dropped when its pins end
+                found.append(True)
+                continue
             bad = [tier for tier in self.tiers if key in tier and not self._sound(tier, key)]
             found.append(bool(bad))
             if bad:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -59,6 +60,14 @@ def _engine_process(
         env={**os.environ, "VLLM_LOGGING_STREAM": "ext://sys.stderr", **(env or {})},
         check=False,
     )
+
+
+def namespace_of(log: str) -> tuple[str, int]:
+    """The connector's namespace and block bytes, as its start line in an engine's ``log``
+    names them."""
+    found = re.search(r"kvbridge connector: namespace (\S+), (\d+)-byte blocks", log)
+    assert found is not None, "the connector names its namespace in its log"
+    return found.group(1), int(found.group(2))
 
 
 def other_lane() -> tuple[str, str] | None:

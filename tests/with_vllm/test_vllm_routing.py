@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -27,7 +26,7 @@ import msgpack
 import msgspec
 import pytest
 import zmq
-from harness import BLOCK, HERE, PROMPTS, run_engine, spec, tokens
+from harness import BLOCK, HERE, PROMPTS, namespace_of, run_engine, spec, tokens
 from helpers import keys, payloads, until
 from peer_namespace import PeerNamespace, unavailable
 from serve import ServeProcess
@@ -94,12 +93,6 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _namespace(log: str) -> tuple[str, int]:
-    found = re.search(r"kvbridge connector: namespace (\S+), (\d+)-byte blocks", log)
-    assert found is not None, "the connector names its namespace in its log"
-    return found.group(1), int(found.group(2))
-
-
 def _relay(
     server: ServeProcess, ns: str, block_bytes: int, at: tuple[str, str]
 ) -> tuple[subprocess.Popen[str], dict[str, str]]:
@@ -136,7 +129,7 @@ def test_dynamos_indexer_answers_what_kvbridge_holds(
     try:
         first = run_engine(spec(model, {"server": server.address}))
         assert tokens(first) == baseline
-        ns, block_bytes = _namespace(first["log"])
+        ns, block_bytes = namespace_of(first["log"])
         here = f"tcp://{peer.address}:0"
         relay, bound = _relay(server, ns, block_bytes, (here, here))
         registration = {

@@ -6,13 +6,22 @@ aborted requests leave nothing held."""
 from __future__ import annotations
 
 import os
-import re
 import signal
 from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import BLOCK, LOADABLE, PATHS, PROMPTS, prompts, run_engine, spec, tokens
+from harness import (
+    BLOCK,
+    LOADABLE,
+    PATHS,
+    PROMPTS,
+    namespace_of,
+    prompts,
+    run_engine,
+    spec,
+    tokens,
+)
 from serve import ServeProcess
 
 from kvbridge.store import Lineage, StoreClient
@@ -29,9 +38,7 @@ def _namespaces(server: ServeProcess) -> list[dict[str, Any]]:
 def _saved_lineage(server: ServeProcess, log: str) -> dict[bytes, Lineage | None]:
     """The connector's namespace (named in its log) as the server keeps it: each key with
     what it was hashed from."""
-    found = re.search(r"kvbridge connector: namespace (\S+), (\d+)-byte blocks", log)
-    assert found is not None, "the connector names its namespace in its log"
-    name, block_bytes = found.group(1), int(found.group(2))
+    name, block_bytes = namespace_of(log)
     with StoreClient(server.address, block_bytes=block_bytes, namespace=name) as client:
         snapshot = client.snapshot(lineage=True)
     assert snapshot.lineage is not None
