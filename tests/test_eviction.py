@@ -58,6 +58,38 @@ def test_fifo_ignores_hits() -> None:
         assert order(s) == {"host": "bcd"}
 
 
+def test_arc_moves_its_split_by_the_ghosts_of_each_list() -> None:
+    """ARC: blocks used once (T1, first in the order while T1 is above its target ``p``),
+    blocks used again (T2); a block back from T1's ghosts raises ``p``, one back from
+    T2's ghosts lowers it, and both come back into T2."""
+    with TieredStore(BB, host_capacity=4 * BB, policy="arc") as s:
+        put(s, a, b, c, d)
+        get(s, c, d)
+        assert order(s) == {"host": "abcd"}  # T1 a b, then T2 c d (p = 0)
+        put(s, e)  # a leaves T1: a ghost in B1
+        assert order(s) == {"host": "becd"}
+        put(s, a)  # b goes; a is back from B1: p = 1, and a joins T2
+        assert order(s) == {"host": "cdae"}  # T1 (e) is at its target: T2 goes first
+        put(s, f)  # c leaves T2: a ghost in B2
+        assert order(s) == {"host": "edaf"}  # T1 (e f) is above p = 1 by one
+        put(s, c)  # e goes; c is back from B2: p = 0
+        assert order(s) == {"host": "fdac"}
+
+
+def test_arc_remembers_no_more_ghosts_than_its_size_allows() -> None:
+    """T1 and its ghosts together hold at most the tier's size: with the tier full of
+    blocks used once, an evicted one is forgotten at once and comes back as new."""
+    with TieredStore(BB, host_capacity=2 * BB, policy="arc") as s:
+        put(s, a, b)
+        put(s, c)  # a goes; T1 (b c) leaves B1 no room
+        put(s, a)  # b goes; a is new again: T1 c a (back from B1 it would be in T2: "ac")
+        assert order(s) == {"host": "ca"}
+        get(s, c)
+        put(s, d)  # a goes, and is remembered: T1 holds d alone
+        put(s, a)  # d goes; a is back from B1: T2 c a (new, it would be in T1: "ac")
+        assert order(s) == {"host": "ca"}
+
+
 def test_demotion_to_disk_promotion_back_and_drop_from_disk(tmp_path: Path) -> None:
     with TieredStore(BB, host_capacity=4 * BB, disk_path=tmp_path, disk_capacity=4 * BB) as s:
         put(s, a, b, c, d)

@@ -52,6 +52,37 @@ def test_stamp_order_matches_a_sorted_model(seed: int) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_policy_walks_its_keys_less_the_held_ones(name: str) -> None:
+    """Random inserts, uses, removals, holds and releases: the ranking is every present
+    key once, and the candidates are the ranking less the held keys."""
+    rng = random.Random(name)
+    policy = POLICIES[name]()
+    present: set[BlockKey] = set()
+    held: set[BlockKey] = set()
+    universe = [key(i) for i in range(30)]
+    for _ in range(1500):
+        k, op = rng.choice(universe), rng.random()
+        if k not in present:
+            policy.insert(k)
+            present.add(k)
+        elif op < 0.4:
+            policy.touch(k)
+        elif op < 0.6:
+            policy.remove(k)
+            present.discard(k)
+            held.discard(k)
+        elif op < 0.8:
+            policy.hold(k)
+            held.add(k)
+        else:
+            policy.release(k)
+            held.discard(k)
+        ranking = list(policy.ranking())
+        assert len(ranking) == len(present) and set(ranking) == present
+        assert list(policy.candidates()) == [k for k in ranking if k not in held]
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
 def test_a_released_key_is_back_at_its_place(name: str) -> None:
     policy = POLICIES[name]()
     ks = keys(0, 6)
@@ -71,10 +102,11 @@ def test_a_released_key_is_back_at_its_place(name: str) -> None:
     assert walk == list(policy.ranking()) and [k for k in walk if k != key(99)] == before
 
 
-@pytest.mark.parametrize("name", ["lru", "reuse"])
+@pytest.mark.parametrize("name", ["lru", "reuse", "arc"])
 def test_a_key_used_while_held_comes_back_hot(name: str) -> None:
     """Held and used: it stays out of the walk, and comes back at the hot end (for
-    ``reuse``, a first use also moves it to the reused queue, still held)."""
+    ``reuse`` and ``arc``, a first use also moves it to the queue of reused keys, still
+    held)."""
     policy = POLICIES[name]()
     a, b, c = keys(0, 3)
     for k in (a, b, c):
@@ -86,6 +118,31 @@ def test_a_key_used_while_held_comes_back_hot(name: str) -> None:
     assert list(policy.candidates()) == [b, c, a]
     policy.remove(a)
     assert list(policy.ranking()) == [b, c]
+
+
+def test_arc_ranks_a_held_key_where_its_list_has_it() -> None:
+    """ARC walks its two lists by their sizes against its target, and a held key still
+    counts in its list's size: with the used-once list over its target and its coldest key
+    held, that list's next key goes first. The ranking is the walk with each held key just
+    before the next key of its own list."""
+    policy = POLICIES["arc"]()
+    a, b, c, d, e, f = keys(0, 6)
+    for k in (a, b, c, d):
+        policy.insert(k)
+    policy.touch(c)
+    policy.touch(d)
+    policy.remove(a)  # a ghost of the keys used once
+    policy.insert(e)
+    policy.remove(b)
+    policy.insert(a)  # back from the ghosts: the used-once list's target grows to 1
+    assert list(policy.ranking()) == [c, d, a, e] == list(policy.candidates())
+    policy.insert(f)
+    assert list(policy.candidates()) == [e, c, d, a, f]  # used once: e and f, one too many
+    policy.hold(e)
+    assert list(policy.candidates()) == [f, c, d, a]
+    assert list(policy.ranking()) == [e, f, c, d, a]
+    policy.release(e)
+    assert list(policy.candidates()) == [e, c, d, a, f] == list(policy.ranking())
 
 
 def _counting(store: TieredStore) -> list[int]:

@@ -1,6 +1,6 @@
 """`kvbridge replay` against the reference hit rates published with the Mooncake traces
-(tests/data/traces/README.md says where the traces come from), and the `reuse` eviction
-policy."""
+(tests/data/traces/README.md says where the traces come from), and the `reuse` and `arc`
+eviction policies."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from helpers import keys, payloads
 
 from kvbridge.store import BlockKey, TieredStore
 from kvbridge.store.local import ReuseLRU
-from kvbridge.tools._replay import load_requests, parse_tokens, replay
+from kvbridge.tools._replay import TraceRequest, load_requests, parse_tokens, replay
 
 TRACES = Path(__file__).parent / "data" / "traces"
 CONVERSATION = TRACES / "conversation_first6000.jsonl"
@@ -90,7 +90,7 @@ def test_replay_command(tmp_path: Path) -> None:
     )
     base = [sys.executable, "-m", "kvbridge", "replay"]
     listed = subprocess.run([*base, "--list-policies"], capture_output=True, text=True, check=True)
-    assert "reuse" in listed.stdout and "belady" in listed.stdout
+    assert all(name in listed.stdout for name in ("reuse", "arc", "belady"))
     done = subprocess.run(
         [*base, str(trace), "--capacity", "1M", "--policy", "lru", "--json"],
         capture_output=True,
@@ -137,6 +137,21 @@ def test_a_reused_block_unused_for_long_loses_its_protection() -> None:
     for round_ in range(ReuseLRU.PROTECT * 4 + 4):  # churn: 4 keys, 8 x 4 accesses later
         policy.touch(_key(1 + round_ % 3))
     assert next(policy.candidates()) == _key(0)
+
+
+def test_arc_keeps_a_reused_set_that_scans_flush_from_lru() -> None:
+    """60 blocks used twice, then in every round used again after a scan of 50 blocks used
+    once, through a cache of 100 blocks: LRU drops each one before its next use (109 other
+    blocks come between), ARC keeps them in its list of reused blocks and lets the scan
+    run through its list of blocks used once."""
+    hot = [TraceRequest(512, (h,)) for h in range(60)]
+    requests = hot + hot
+    for round_ in range(20):
+        requests += hot + [TraceRequest(512, (1000 + 50 * round_ + i,)) for i in range(50)]
+    lru = replay(requests, 100 * 512, "lru", from_request=120)
+    arc = replay(requests, 100 * 512, "arc", from_request=120)
+    assert arc.hit_tokens == 20 * 60 * 512  # every reuse of the set, and nothing else
+    assert lru.hit_rate < 0.05 and arc.hit_rate > 0.5
 
 
 def test_the_store_runs_the_reuse_policy() -> None:

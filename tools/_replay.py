@@ -11,6 +11,10 @@ counts 512-token blocks (``tokens // 512``).
 
 ``belady`` is the offline optimum for reference: it evicts the block whose next use is
 farthest in the future (it reads the whole trace first).
+
+``--host-capacity`` with ``--disk-capacity`` replays the trace through a host tier over a
+disk tier instead, as a ``TieredStore`` places blocks, with hits, promotions and demotions
+by tier (:mod:`._replay_tiers`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 from kvbridge.store import BlockKey
 from kvbridge.store.local import POLICIES
 
+from ._replay_tiers import BYTES_PER_TOKEN, DISK_GBPS, LINK_GBPS, Costs, replay_tiers, table
 from ._workload import TRACE_BLOCK_TOKENS
 
 OFFLINE = "belady"
@@ -189,7 +194,9 @@ def add_parser(commands: Any) -> None:
         "replay",
         help="prefix-cache hit rate of a trace per capacity and eviction policy",
         description="Replay a Mooncake trace through the store's eviction policies and "
-        "print the token-level prefix hit rate per capacity and policy.",
+        "print the token-level prefix hit rate per capacity and policy, in one cache "
+        "(--capacity) or by tier, a host tier over a disk tier (--host-capacity, "
+        "--disk-capacity).",
     )
     parser.add_argument("trace", nargs="?", help="trace file (JSON lines)")
     parser.add_argument(
@@ -200,6 +207,24 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--from-request", type=int, default=0, help="count from request N")
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.add_argument("--sweep", help="draw hit rate against capacity into this PNG")
+    tiers = parser.add_argument_group("by tier (a host tier over a disk tier, as TieredStore)")
+    tiers.add_argument(
+        "--host-capacity", action="append", help="host tier size in tokens (repeatable)"
+    )
+    tiers.add_argument(
+        "--disk-capacity",
+        action="append",
+        help="disk tier size in tokens, one per --host-capacity (none: host only)",
+    )
+    tiers.add_argument(
+        "--bytes-per-token",
+        type=int,
+        help=f"KV bytes per token (default {BYTES_PER_TOKEN:,}: Llama-3-8B, bf16)",
+    )
+    tiers.add_argument(
+        "--link-gbps", type=float, help=f"host-to-engine link, Gbit/s (default {LINK_GBPS:g})"
+    )
+    tiers.add_argument("--disk-gbps", type=float, help=f"disk read, Gbit/s (default {DISK_GBPS:g})")
     parser.set_defaults(run=run)
 
 
@@ -210,40 +235,106 @@ def run(args: argparse.Namespace) -> int:
             print(f"{name:8s} {doc}")
         return 0
     try:
-        if not args.trace:
-            raise ValueError("give a trace file (Mooncake JSONL; tests/data/traces has two)")
-        requests = load_requests(args.trace)
-        capacities = [parse_tokens(c) for c in (args.capacity or ["3M"])]
-        policies = args.policy or ["lru", "reuse"]
-        for name in policies:
-            if name not in policy_names():
-                raise ValueError(f"unknown policy {name!r}; choose from {policy_names()}")
-        if not 0 <= args.from_request < len(requests):
-            raise ValueError(f"--from-request must be in 0..{len(requests) - 1}")
-        if args.sweep:
-            import matplotlib  # noqa: F401, PLC0415 - fail before the work if missing
+        pairs = _tier_pairs(args)
+        requests = _checked(args)
+        capacities = [_capacity(c) for c in (args.capacity or ["3M"])]
+        costs = _costs(args, tiered=bool(pairs))
     except (ValueError, OSError, ImportError) as exc:
         print(f"kvbridge replay: {exc}", file=sys.stderr)
         return 2
+    policies = args.policy or ["lru", "reuse"]
+    if pairs:
+        tiered = [
+            replay_tiers(requests, host, disk, name, from_request=args.from_request, costs=costs)
+            for host, disk in pairs
+            for name in policies
+        ]
+        print(json.dumps([r.__dict__ for r in tiered], indent=1) if args.json else table(tiered))
+        return 0
     results = [
         replay(requests, capacity, name, from_request=args.from_request)
         for capacity in capacities
         for name in policies
     ]
-    if args.json:
-        print(json.dumps([r.__dict__ for r in results], indent=1))
-    else:
-        lru = {r.capacity_tokens: r.hit_rate for r in results if r.policy == "lru"}
-        print(f"{'capacity':>12}  {'policy':8s}  {'hit rate':>8}  {'vs lru':>6}")
-        for r in results:
-            base = lru.get(r.capacity_tokens)
-            versus = f"{r.hit_rate / base:6.2f}" if base else "     -"
-            size = "unlimited" if r.capacity_tokens < 0 else f"{r.capacity_tokens:,}"
-            print(f"{size:>12}  {r.policy:8s}  {r.hit_rate:8.4f}  {versus}")
+    print(json.dumps([r.__dict__ for r in results], indent=1) if args.json else _table(results))
     if args.sweep:
         sweep(requests, policies, args.sweep, from_request=args.from_request)
         print(f"sweep: {args.sweep}", file=sys.stderr)
     return 0
+
+
+def _checked(args: argparse.Namespace) -> list[TraceRequest]:
+    """The trace's requests, once the policies, ``--from-request`` and ``--sweep`` are
+    checked: ``ValueError`` for a bad one (``OSError`` for an unreadable trace,
+    ``ImportError`` for a sweep without matplotlib)."""
+    if not args.trace:
+        raise ValueError("give a trace file (Mooncake JSONL; tests/data/traces has two)")
+    requests = load_requests(args.trace)
+    for name in args.policy or []:
+        if name not in policy_names():
+            raise ValueError(f"unknown policy {name!r}; choose from {policy_names()}")
+    if not 0 <= args.from_request < len(requests):
+        raise ValueError(f"--from-request must be in 0..{len(requests) - 1}")
+    if args.sweep:
+        import matplotlib  # noqa: F401, PLC0415 - fail before the work if missing
+    return requests
+
+
+def _tier_pairs(args: argparse.Namespace) -> list[tuple[float, float]]:
+    """(host, disk) capacities in tokens, disk 0 for none; empty for a one-tier replay."""
+    hosts, disks = args.host_capacity or [], args.disk_capacity or []
+    if not hosts:
+        if disks:
+            raise ValueError("--disk-capacity needs a --host-capacity above it")
+        return []
+    if args.capacity:
+        raise ValueError("--capacity is one cache, --host-capacity a tier: give one of them")
+    if disks and len(disks) != len(hosts):
+        raise ValueError(
+            f"give one --disk-capacity per --host-capacity ({len(hosts)} hosts, {len(disks)} disks)"
+        )
+    if args.sweep:
+        raise ValueError("--sweep draws one cache: leave --host-capacity out")
+    if OFFLINE in (args.policy or []):
+        raise ValueError(f"{OFFLINE} is one cache's optimum; the tiers run {sorted(POLICIES)}")
+    host_tokens = [_capacity(host) for host in hosts]
+    disk_tokens = [_capacity(disk) for disk in disks] or [0.0] * len(hosts)
+    return list(zip(host_tokens, disk_tokens, strict=True))
+
+
+def _capacity(text: str) -> float:
+    """:func:`parse_tokens` of a cache or tier size, which must hold a block."""
+    tokens = parse_tokens(text)
+    if tokens < TRACE_BLOCK_TOKENS:
+        raise ValueError(f"a capacity of {text} tokens holds no 512-token block")
+    return tokens
+
+
+def _costs(args: argparse.Namespace, *, tiered: bool) -> Costs:
+    """The tier replay's block size and rates, defaults where not given."""
+    given = {
+        "bytes_per_token": args.bytes_per_token,
+        "link_gbps": args.link_gbps,
+        "disk_gbps": args.disk_gbps,
+    }
+    for name, value in given.items():
+        flag = "--" + name.replace("_", "-")
+        if value is not None and not tiered:
+            raise ValueError(f"{flag} is for a replay by tier (--host-capacity)")
+        if value is not None and not 0 < value < float("inf"):
+            raise ValueError(f"{flag} must be a positive number, not {value}")
+    return Costs(**{name: value for name, value in given.items() if value is not None})
+
+
+def _table(results: Sequence[ReplayResult]) -> str:
+    lru = {r.capacity_tokens: r.hit_rate for r in results if r.policy == "lru"}
+    lines = [f"{'capacity':>12}  {'policy':8s}  {'hit rate':>8}  {'vs lru':>6}"]
+    for r in results:
+        base = lru.get(r.capacity_tokens)
+        versus = f"{r.hit_rate / base:6.2f}" if base else "     -"
+        size = "unlimited" if r.capacity_tokens < 0 else f"{r.capacity_tokens:,}"
+        lines.append(f"{size:>12}  {r.policy:8s}  {r.hit_rate:8.4f}  {versus}")
+    return "\n".join(lines)
 
 
 def _summary(name: str) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from .._lease import Lease
 from ._pins import DEFAULT_PIN_TTL_S
 from ._placement import Placement, Prefetched
-from ._policy import FIFO, LRU, POLICIES, EvictionPolicy, ReuseLRU
+from ._policy import ARC, FIFO, LRU, POLICIES, EvictionPolicy, ReuseLRU
 from ._remote import RemoteAccess
 from ._slab import DeviceSlab, HostSlab, SlotMemory
 from ._slots import SlotTier
@@ -21,6 +21,7 @@ from ._tier import Tier
 from .disk import CheckReport, DiskTier, blocks_within
 
 __all__ = [
+    "ARC",
     "DEFAULT_PIN_TTL_S",
     "FIFO",
     "LRU",

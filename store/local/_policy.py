@@ -7,7 +7,8 @@ coldest first). The store takes a pinned block out of the walk while it is pinne
 one, and walks the candidates itself (``Placement._make_room_for``).
 
 ``TieredStore`` defaults to ``lru``; the cache server to ``reuse`` (:class:`ReuseLRU`), which
-beats LRU on shared-prefix workloads (figures in ``benches/README.md``).
+beats LRU on shared-prefix workloads (figures in ``benches/README.md``). ``arc``
+(:class:`ARC`) is the Adaptive Replacement Cache, which vLLM's CPU offloading also offers.
 Every operation is O(1) (amortised; see :mod:`._order` for a release). Add a policy by
 writing a class with the methods of :class:`EvictionPolicy` and registering it in
 :data:`POLICIES`.
@@ -191,7 +192,140 @@ class ReuseLRU:
                 r = next(reused, None)
 
 
-POLICIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": LRU, "fifo": FIFO, "reuse": ReuseLRU}
+class ARC:
+    """Adaptive Replacement Cache: a recency and a frequency list, split by ghost hits.
+
+    ARC (Megiddo and Modha, FAST'03; vLLM's CPU offloading offers it too) keeps a list of
+    blocks seen once and a list of blocks used again, and moves the split between them by
+    what it would have kept, so that a scan of blocks used once cannot flush the blocks
+    used again.
+
+    Keys seen once are in T1, keys used again in T2, each in recency order (a first use
+    moves a key from T1 to T2, held or not). Keys that leave the tier are remembered in the
+    ghost list of the list they left (B1, B2). ``p`` is T1's target size: a key coming back
+    from B1 (T1 was too small to keep it) raises it by ``max(1, |B2| / |B1|)``, one from B2
+    lowers it by ``max(1, |B1| / |B2|)``, and it comes back into T2. The victim is T1's
+    coldest key while T1 holds more than ``p`` keys, else T2's (or the other list's when one
+    has no candidate left); ``candidates`` walks the victims of successive evictions, each
+    one from T1 shrinking T1 by one. (The paper also evicts from T1 when it holds exactly
+    ``p`` keys and the key to come is in B2: the policy does not know which key comes next.)
+    A held key still counts in its list's size, as its block still takes a slot: while T1
+    is above ``p`` with its coldest key held, T1's next key goes.
+
+    The tier's capacity ``c`` is not given: the policy takes the most keys it has held at
+    once, which is the capacity once the tier has been full and never more. ``p`` stays in
+    ``[0, c]``, and the ghosts keep the paper's bounds: ``|T1| + |B1| <= c`` and all four
+    lists at most ``2c``, so the ghosts never hold more than ``2c`` keys.
+
+    All operations are O(1) (amortised, as :class:`LRU`'s): two stamp-ordered queues and two
+    bounded ghost dicts. What it gains over LRU on the Mooncake traces: ``benches/README.md``.
+    """
+
+    def __init__(self) -> None:
+        self._t1 = StampOrder()
+        self._t2 = StampOrder()
+        self._b1: OrderedDict[BlockKey, None] = OrderedDict()
+        self._b2: OrderedDict[BlockKey, None] = OrderedDict()
+        self._clock = 0
+        self._size = 0
+        """Keys in T1 and T2."""
+        self._c = 0
+        """The most keys held at once: the tier's capacity once it has been full."""
+        self._p = 0.0
+        """T1's target size, in ``[0, c]``."""
+
+    def insert(self, key: BlockKey) -> None:
+        self._clock += 1
+        self._size += 1
+        self._c = max(self._c, self._size)
+        if key in self._b1:  # T1 was too small to keep it: give T1 more room
+            self._p = min(self._p + max(1.0, len(self._b2) / len(self._b1)), self._c)
+            del self._b1[key]
+            self._t2.add(key, self._clock)
+        elif key in self._b2:  # T2 was too small to keep it: give T2 more room
+            self._p = max(self._p - max(1.0, len(self._b1) / len(self._b2)), 0.0)
+            del self._b2[key]
+            self._t2.add(key, self._clock)
+        else:
+            self._t1.add(key, self._clock)
+        self._trim_ghosts()
+
+    def touch(self, key: BlockKey) -> None:
+        self._clock += 1
+        if self._t2.restamp(key, self._clock):
+            return
+        held = self._t1.is_held(key)  # a first reuse: the key changes lists, held or not
+        self._t1.remove(key)
+        self._t2.add(key, self._clock)
+        if held:
+            self._t2.hold(key)
+
+    def remove(self, key: BlockKey) -> None:
+        self._size -= 1
+        if self._t1.discard(key):
+            self._b1[key] = None
+        else:
+            self._t2.remove(key)
+            self._b2[key] = None
+        self._trim_ghosts()
+
+    def hold(self, key: BlockKey) -> None:
+        self._list_of(key).hold(key)
+
+    def release(self, key: BlockKey) -> None:
+        self._list_of(key).release(key)
+
+    def candidates(self) -> Iterator[BlockKey]:
+        return self._replace(self._t1.keys(), self._t2.keys())
+
+    def ranking(self) -> Iterator[BlockKey]:
+        """:meth:`candidates` with each held key just before the next key of its own list
+        (or after them all when none follows it): less the held keys, the same walk."""
+        every = {
+            True: (key for key, _ in self._t1.everything()),
+            False: (key for key, _ in self._t2.everything()),
+        }
+        for key in self.candidates():
+            for other in every[key in self._t1]:
+                yield other
+                if other == key:
+                    break
+        yield from every[True]
+        yield from every[False]
+
+    def _list_of(self, key: BlockKey) -> StampOrder:
+        return self._t1 if key in self._t1 else self._t2
+
+    def _replace(self, t1: Iterator[BlockKey], t2: Iterator[BlockKey]) -> Iterator[BlockKey]:
+        """ARC's victims one after another: T1's coldest while T1 is above ``p``, else
+        T2's; the other list's when one has none left."""
+        over = len(self._t1) - self._p
+        a, b = next(t1, None), next(t2, None)
+        while a is not None or b is not None:
+            if a is not None and (over > 0 or b is None):
+                yield a
+                over -= 1
+                a = next(t1, None)
+            else:
+                assert b is not None
+                yield b
+                b = next(t2, None)
+
+    def _trim_ghosts(self) -> None:
+        """Forget the oldest ghosts beyond ``|T1| + |B1| <= c`` and ``|B1| + |B2| <= 2c -
+        (|T1| + |T2|)``."""
+        while self._b1 and len(self._t1) + len(self._b1) > self._c:
+            self._b1.popitem(last=False)
+        while len(self._b1) + len(self._b2) > 2 * self._c - self._size:
+            (self._b2 or self._b1).popitem(last=False)
+
+
+POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
+    "lru": LRU,
+    "fifo": FIFO,
+    "reuse": ReuseLRU,
+    "arc": ARC,
+}
 """Policies selectable by name (``TieredStore(policy="lru")``)."""
 
 
