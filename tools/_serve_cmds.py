@@ -85,6 +85,12 @@ def add_parsers(commands: Any) -> None:
     serve.add_argument(
         "--handoff-ttl", type=float, help="seconds a new block is held for its first read (5)"
     )
+    serve.add_argument(
+        "--write-only-alarm",
+        type=float,
+        help="seconds a namespace may store while it delivers no block before it is logged "
+        "and gauged as write-only (600; 0: never)",
+    )
     serve.add_argument("--transports", help=_TRANSPORTS_HELP)
     serve.add_argument(
         "--keepalive",
@@ -143,6 +149,7 @@ def _serve(args: argparse.Namespace) -> int:
         *("host_capacity", "disk_path", "disk_capacity"),
         *("max_namespaces", "lease_ttl", "transports", "secret_file", "insecure", "policy"),
         *("tenants_file", "handoff_ttl", "max_leases_per_client", "keepalive"),
+        "write_only_alarm",
     ]
     try:
         config = load_config({name: getattr(args, name) for name in names}, args.config)

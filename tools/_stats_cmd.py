@@ -168,7 +168,33 @@ def format_stats(stats: dict[str, Any]) -> str:
                 )
             )
     lines += ["", *_table(tier_rows)]
+    served = [ns for ns in stats["namespaces"] if "served" in ns]  # an older server: none
+    if served:
+        lines += ["", *_table(_served_rows(served))]
     return "\n".join(lines)
+
+
+def _served_rows(namespaces: list[dict[str, Any]]) -> list[tuple[str, ...]]:
+    """Stored versus served (``store/server/_served.py``): what lookups advertised, what
+    was delivered, what was lost and why, and whether the write-only alarm is up."""
+    rows: list[tuple[str, ...]] = [
+        ("namespace", "lookups", "advertised", "delivered", "lost", "alarm")
+    ]
+    for ns in namespaces:
+        account = ns["served"]
+        lost = ", ".join(f"{why} {n}" for why, n in account["lost"].items() if n) or "0"
+        alarm = "WRITE-ONLY" if account["write_only"] else "-"
+        rows.append(
+            (
+                ns["name"],
+                str(account["lookups"]),
+                str(account["advertised"]),
+                str(account["delivered"]),
+                lost,
+                alarm,
+            )
+        )
+    return rows
 
 
 def _table(rows: Sequence[Sequence[str]]) -> list[str]:

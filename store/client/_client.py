@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import dataclasses
 import logging
 import secrets
 import time
@@ -323,12 +324,11 @@ class StoreClient(Closing):
 
     def stats(self) -> StoreStats:
         """The namespace's store counters, as the server sees them."""
+        known = {f.name for f in dataclasses.fields(StoreStats)} - {"tiers"}
         for entry in self.server_stats()["namespaces"]:
-            if entry["handle"] == self._ns:
-                tiers = [TierStats(**t) for t in entry.pop("tiers")]
-                entry.pop("handle")
-                entry.pop("name")
-                return StoreStats(**entry, tiers=tiers)
+            if entry["handle"] == self._ns:  # its other figures (served, ...) are not these
+                tiers = [TierStats(**t) for t in entry["tiers"]]
+                return StoreStats(**{k: v for k, v in entry.items() if k in known}, tiers=tiers)
         raise LookupError("the server no longer lists this namespace")
 
     def server_stats(self) -> dict[str, Any]:

@@ -18,6 +18,7 @@ TOML (``kvbridge serve --config server.toml``), every key optional, top level or
     max_namespaces = 4
     lease_ttl = 60.0
     handoff_ttl = 5.0
+    write_only_alarm = 600.0  # seconds of growth with no block delivered: logged, gauged
     keepalive = 5.0
     max_leases_per_client = 256
     policy = "reuse"
@@ -125,6 +126,9 @@ class ServerConfig:
     handoff_ttl: float = 5.0
     """Seconds a committed block is held for its first read (decode pulling what prefill
     pushed); 0 turns it off. Capped at ``lease_ttl``."""
+    write_only_alarm: float = 600.0
+    """Seconds a namespace's stored bytes may grow while it delivers no block before it is
+    logged (once) and gauged as write-only (``_served``); 0 turns the alarm off."""
     policy: str = "reuse"
     """Eviction policy of every tier (``reuse``, ``lru``, ``fifo``: see ``POLICIES``).
     ``reuse`` beat LRU at every capacity replayed on both Mooncake traces."""
@@ -182,6 +186,7 @@ _KINDS: dict[str, Kind] = {
     "lease_ttl": Seconds(),
     "max_leases_per_client": Whole(1),
     "handoff_ttl": Seconds(zero_ok=True),
+    "write_only_alarm": Seconds(zero_ok=True),
     "policy": Text(),
     "transports": Names(),
     "keepalive": Seconds(zero_ok=True),

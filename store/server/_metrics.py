@@ -24,6 +24,7 @@ from prometheus_client.registry import Collector
 
 from .._stats import StoreStats
 from ._metrics_http import MetricsHTTP
+from ._served import LOST_REASONS, Served
 
 _LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.5, 1.0)
 
@@ -35,9 +36,11 @@ class ServerMetrics:
         self,
         stores: Callable[[], dict[str, StoreStats]],
         refusals: Callable[[], dict[str, int]] = dict,
+        served: Callable[[], dict[str, Served]] = dict,
     ) -> None:
         """``stores``: each namespace's figures; ``refusals``: connections and handshakes
-        the engine refused, by kind (read when Prometheus scrapes)."""
+        the engine refused, by kind; ``served``: each namespace's stored-versus-served
+        account (all read when Prometheus scrapes)."""
         self.registry = CollectorRegistry()
         self.requests = Histogram(
             "kvbridge_request_seconds",
@@ -57,15 +60,9 @@ class ServerMetrics:
             "Bytes clients did not send because the blocks were already stored",
             registry=self.registry,
         )
-        self.corrupt_reported = Counter(
-            "kvbridge_corrupt_reported",
-            "Blocks readers found corrupt once landed (their checksum), by namespace and where "
-            "they went bad: stored (the store's copy too, dropped) or transfer (it is sound)",
-            ["namespace", "where"],
-            registry=self.registry,
-        )
         self.registry.register(_StoreCollector(stores))
         self.registry.register(_RefusalCollector(refusals))
+        self.registry.register(_ServedCollector(served))
         self._http: MetricsHTTP | None = None
 
     def serve(self, host: str, port: int, *, token: str | None = None) -> int:
@@ -145,3 +142,40 @@ class _RefusalCollector(Collector):
         for kind, count in sorted(self._refusals().items()):
             family.add_metric([kind], count)
         yield family
+
+
+class _ServedCollector(Collector):
+    def __init__(self, served: Callable[[], dict[str, Served]]) -> None:
+        self._served = served
+
+    def collect(self) -> Iterator[Any]:
+        labels = ["namespace"]
+        lookups = CounterMetricFamily(
+            "kvbridge_lookups", "Lookups (contains, match) answered", labels=labels
+        )
+        advertised = CounterMetricFamily(
+            "kvbridge_hits_advertised", "Blocks lookups said are held", labels=labels
+        )
+        delivered = CounterMetricFamily(
+            "kvbridge_hits_delivered", "Blocks pinned for a reader", labels=labels
+        )
+        lost = CounterMetricFamily(
+            "kvbridge_hits_lost",
+            "Blocks (reads, for lease) not delivered, by reason: gone (absent at the pin), "
+            "corrupt (bad in the store: dropped), transfer (went bad on the way), lease "
+            "(read past its lease)",
+            labels=["namespace", "reason"],
+        )
+        write_only = GaugeMetricFamily(
+            "kvbridge_write_only",
+            "1 while the namespace stored bytes and delivered no block for its alarm's window",
+            labels=labels,
+        )
+        for namespace, account in self._served().items():
+            lookups.add_metric([namespace], account.lookups)
+            advertised.add_metric([namespace], account.advertised)
+            delivered.add_metric([namespace], account.delivered)
+            for reason in LOST_REASONS:
+                lost.add_metric([namespace, reason], account.lost[reason])
+            write_only.add_metric([namespace], int(account.write_only))
+        yield from (lookups, advertised, delivered, lost, write_only)

@@ -229,7 +229,13 @@ class NamespaceTable:
             raise BadRequest(f"session {caller.session} has ended")
         handle = next(self._handles)
         ns = Namespace(
-            handle, name, store, self._counts, owner=tenant.name, block_tokens=block_tokens
+            handle,
+            name,
+            store,
+            self._counts,
+            owner=tenant.name,
+            block_tokens=block_tokens,
+            write_only_alarm=self._config.write_only_alarm,
         )
         top = store.tiers[0]
         assert isinstance(top, SlotTier)

@@ -30,6 +30,7 @@ from ..local._store import TieredStore
 from ._events import EventPublisher, EventStream
 from ._lease_counts import LeaseCounts
 from ._ledger import Leases
+from ._served import Served
 
 REQUEST_SHARE = 4
 """One request stages or pins at most 1/4 of a namespace's memory slots, so that a single
@@ -62,10 +63,15 @@ class Namespace:
     """Its event stream, from the first session that asked for it (``_events``)."""
     block_tokens: int = 0
     """Tokens per block, stated by its creator: the lineage it keeps (``_lineage``)."""
+    write_only_alarm: float = 0.0
+    """Seconds of stored growth without a delivered block that raise its alarm (0: never)."""
     lineage: LineageBook = field(init=False)
+    served: Served = field(init=False)
+    """What it was asked, advertised and delivered, and its write-only alarm (``_served``)."""
 
     def __post_init__(self) -> None:
         self.lineage = LineageBook(self.blocks if self.block_tokens else 0)
+        self.served = Served(self.label, self.write_only_alarm, self.store.clock)
         self.leases = Leases(self.store, self.counts, blocks=self.blocks, lineage=self.lineage)
 
     def events(self, publisher: EventPublisher) -> EventStream:

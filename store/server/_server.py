@@ -43,7 +43,7 @@ import msgpack
 from ..._bounded_log import BoundedLog
 from ...transfer import Caller, NotifyRefused, TransferEngine
 from .._checksums import check_sums
-from .._errors import BlockNotFound, BlockPinned, StoreError
+from .._errors import BlockNotFound, BlockPinned, LeaseExpired, StoreError
 from .._keys import BlockKey
 from .._lineage import STAGE_LINEAGE_BYTES, check_block_tokens, from_wire, lineage_bytes
 from .._stats import StoreStats
@@ -68,6 +68,7 @@ from ._lease_counts import LeaseCounts, Reservation
 from ._metrics import ServerMetrics, metrics_token
 from ._namespace_table import NamespaceTable
 from ._namespaces import Namespace
+from ._served import Served
 from ._snapshots import Snapshots
 from ._tenants import Tenant, default_tenant
 
@@ -111,7 +112,9 @@ class CacheServer:
         self._namespaces = NamespaceTable(cfg, self.engine, self._counts, clock)
         self._started = time.time()
         self._refusals = BoundedLog(_log)
-        self.metrics = ServerMetrics(self._store_stats, lambda: self.engine.stats()["refused"])
+        self.metrics = ServerMetrics(
+            self._store_stats, lambda: self.engine.stats()["refused"], self._served
+        )
         self.metrics_port: int | None = None
         self._events: EventPublisher | None = None
         self._snapshots = Snapshots(clock)
@@ -375,10 +378,14 @@ class CacheServer:
         }
 
     def _contains(self, caller: Caller, ns: Namespace, body: dict[str, Any]) -> dict[str, Any]:
-        return {"present": ns.store.contains(keys_field(body))}
+        present = ns.store.contains(keys_field(body))
+        ns.served.looked_up(sum(present))
+        return {"present": present}
 
     def _match(self, caller: Caller, ns: Namespace, body: dict[str, Any]) -> dict[str, Any]:
-        return {"count": ns.store.match_prefix(keys_field(body))}
+        count = ns.store.match_prefix(keys_field(body))
+        ns.served.looked_up(count)
+        return {"count": count}
 
     def _room_for(self, caller: Caller, ns: Namespace, body: dict[str, Any]) -> dict[str, Any]:
         """How many of the keys are new and how many new blocks fit beside the stored ones;
@@ -418,6 +425,7 @@ class CacheServer:
         stored = ns.leases.commit(
             caller.session, lease, handoff_ttl=ttl, share=share, checksums=sums
         )
+        ns.served.stored(stored * ns.store.block_bytes)
         return {"stored": stored}
 
     def _abort(self, caller: Caller, ns: Namespace, body: dict[str, Any]) -> dict[str, Any]:
@@ -445,8 +453,13 @@ class CacheServer:
             return {"lease": 0, "slots": []}  # nothing to read: no lease to count
         ttl = self.config.lease_ttl
         with self._reserved(caller, ns, len(keys)) as reservation:
-            lease, slots = ns.leases.pin(caller.session, caller.principal, keys, ttl, early)
+            try:
+                lease, slots = ns.leases.pin(caller.session, caller.principal, keys, ttl, early)
+            except BlockNotFound as exc:
+                ns.served.missed("gone", len(exc.keys))
+                raise
             reservation.keep()
+        ns.served.served(len(keys))
         return {"lease": lease, "slots": slots, "sums": ns.leases.checksums(keys)}
 
     def _verify(self, caller: Caller, ns: Namespace, body: dict[str, Any]) -> dict[str, Any]:
@@ -458,9 +471,8 @@ class CacheServer:
             raise BadRequest(f"{len(keys)} keys to verify; at most {ns.request_blocks}")
         dropped = ns.store.verify(keys)
         stored = sum(dropped)
-        reported = self.metrics.corrupt_reported
-        reported.labels(namespace=ns.label, where="stored").inc(stored)
-        reported.labels(namespace=ns.label, where="transfer").inc(len(keys) - stored)
+        ns.served.missed("corrupt", stored)
+        ns.served.missed("transfer", len(keys) - stored)
         _log.warning(
             "namespace %s: a reader found %d block(s) corrupt; %d bad in the store (dropped), "
             "%d went bad on the way",
@@ -472,7 +484,11 @@ class CacheServer:
         return {"dropped": dropped}
 
     def _release(self, caller: Caller, ns: Namespace, body: dict[str, Any]) -> dict[str, Any]:
-        ns.leases.release(caller.session, message_field(body, "lease", int))
+        try:
+            ns.leases.release(caller.session, message_field(body, "lease", int))
+        except LeaseExpired:
+            ns.served.missed("lease", 1)  # a read, its blocks no longer known here
+            raise
         return {}
 
     def _remove(self, caller: Caller, ns: Namespace, body: dict[str, Any]) -> dict[str, Any]:
@@ -553,10 +569,14 @@ class CacheServer:
                     "handle": ns.handle,
                     "name": ns.label if session is None or session in ns.openers else ns.anonymous,
                     **ns.store.stats().as_dict(),
+                    "served": ns.served.as_dict(),
                 }
                 for ns in namespaces
             ],
         }
+
+    def _served(self) -> dict[str, Served]:
+        return {ns.label: ns.served for ns in self._namespaces.snapshot()}
 
     def _store_stats(self) -> dict[str, StoreStats]:
         return {ns.label: ns.store.stats() for ns in self._namespaces.snapshot()}
