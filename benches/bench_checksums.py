@@ -1,0 +1,122 @@
+"""What end-to-end checksums cost (``store/_checksums.py``, goal: within 5% at 32 KiB
+pages): the same ``StoreClient`` calls against one ``kvbridge serve``, with checksums (the
+writer hashes each block's bytes as it sends them, the reader the bytes it received) and
+without (the baseline: a client that sends none and checks nothing, otherwise the same).
+
+Pages: 16 blocks of 1 MiB a round, as ``bench_connector.py`` lays them out (32 pages of
+32 KiB or 8 of 128 KiB per block, one op each). Blocks: 16 MiB a round in blocks of 4 KiB
+to 16 MiB, one contiguous buffer (``bench_transfer.py``'s sizes)."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+from serve import ServeProcess
+
+from kvbridge.store import StoreClient, prefix_hashes
+from kvbridge.store._checksums import NO_SUM
+
+ROUND_BYTES = 16 << 20
+PAGES = [(32, 32 << 10), (8, 128 << 10)]
+BLOCKS = [4 << 10, 64 << 10, 1 << 20, 16 << 20]
+
+
+class _Unchecked(StoreClient):
+    """The baseline: this client sends no checksum (and, made with ``verify=False``, checks
+    none): the cost of the hashing is the difference."""
+
+    def _sums(self, where: Any, start: int, picked: list[int]) -> list[int]:
+        return [NO_SUM] * len(picked)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServeProcess]:
+    proc = ServeProcess("--host-capacity", "1GiB", "--handoff-ttl", "0", "--max-namespaces", "2")
+    yield proc
+    proc.kill()
+
+
+def _clients(server: ServeProcess, block_bytes: int, name: str) -> tuple[StoreClient, StoreClient]:
+    checked = StoreClient(server.address, block_bytes=block_bytes, namespace=name)
+    plain = _Unchecked(server.address, block_bytes=block_bytes, namespace=name, verify=False)
+    return checked, plain
+
+
+@pytest.mark.parametrize("shape", PAGES, ids=[f"{page >> 10}KiB-pages" for _, page in PAGES])
+@pytest.mark.parametrize("direction", ["get", "put"])
+def test_pages_with_checksums(
+    compare: Callable[..., Any], server: ServeProcess, shape: tuple[int, int], direction: str
+) -> None:
+    layers, page = shape
+    block = layers * page
+    count = ROUND_BYTES // block
+    checked, plain = _clients(server, block, f"pages-{page}")
+    with checked, plain:
+        pages = [
+            np.random.default_rng(i).integers(0, 256, count * page, np.uint8) for i in range(layers)
+        ]
+        offsets = (np.arange(count, dtype=np.int64) * page)[:, None].repeat(layers, axis=1)
+        regions = {c: [c.register(p) for p in pages] for c in (checked, plain)}
+        rounds = itertools.count()
+
+        def keys() -> list[Any]:
+            start = (next(rounds) + 1) << 20
+            return prefix_hashes(range(start, start + 16 * count), 16)
+
+        stored = keys()
+        checked.put_pages(stored, regions[checked], offsets)
+
+        def move(client: StoreClient) -> Callable[[], Any]:
+            if direction == "get":
+                return lambda: client.get_pages(stored, regions[client], offsets)
+            return lambda: client.put_pages(keys(), regions[client], offsets)
+
+        compare(
+            f"{direction}_pages, {count} x {layers} pages of {page >> 10} KiB, checksums",
+            move(checked),
+            move(plain),
+            baseline_name="no checksums",
+            nbytes=ROUND_BYTES,
+        )
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=[f"{b >> 10}KiB" for b in BLOCKS])
+@pytest.mark.parametrize("direction", ["get", "put"])
+def test_blocks_with_checksums(
+    compare: Callable[..., Any], server: ServeProcess, block: int, direction: str
+) -> None:
+    count = ROUND_BYTES // block
+    checked, plain = _clients(server, block, f"blocks-{block}")
+    with checked, plain:
+        data = np.random.default_rng(block).integers(0, 256, ROUND_BYTES, np.uint8)
+        out = np.empty_like(data)
+        rounds = itertools.count()
+
+        def keys() -> list[Any]:
+            start = (next(rounds) + 1) << 20
+            return prefix_hashes(range(start, start + 16 * count), 16)
+
+        stored = keys()
+        checked.put(stored, data)
+
+        def move(client: StoreClient) -> Callable[[], Any]:
+            if direction == "get":
+                return lambda: client.get(stored, out)
+            return lambda: client.put(keys(), data)
+
+        compare(
+            f"{direction} of {count} x {block >> 10} KiB blocks, checksums",
+            move(checked),
+            move(plain),
+            baseline_name="no checksums",
+            nbytes=ROUND_BYTES,
+            rounds=10 if direction == "put" else 20,
+        )
