@@ -5,7 +5,9 @@ without (the baseline: a client that sends none and checks nothing, otherwise th
 
 Pages: 16 blocks of 1 MiB a round, as ``bench_connector.py`` lays them out (32 pages of
 32 KiB or 8 of 128 KiB per block, one op each). Blocks: 16 MiB a round in blocks of 4 KiB
-to 16 MiB, one contiguous buffer (``bench_transfer.py``'s sizes)."""
+to 16 MiB, one contiguous buffer (``bench_transfer.py``'s sizes). The connector's load, its
+``verify`` on and off. The transfer engine itself hashes nothing (``bench_transfer.py``,
+``bench_engine_pages.py`` measure it unchanged)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 from serve import ServeProcess
 
+from kvbridge.bindings import ConnectorConfig, ConnectorCore, Identity, PagedKV, SaveJob
 from kvbridge.store import StoreClient, prefix_hashes
 from kvbridge.store._checksums import NO_SUM
 
@@ -119,4 +122,36 @@ def test_blocks_with_checksums(
             baseline_name="no checksums",
             nbytes=ROUND_BYTES,
             rounds=10 if direction == "put" else 20,
+        )
+
+
+@pytest.mark.parametrize("shape", PAGES, ids=[f"{page >> 10}KiB-pages" for _, page in PAGES])
+def test_connector_load_with_checksums(
+    compare: Callable[..., Any], server: ServeProcess, shape: tuple[int, int]
+) -> None:
+    """``bench_connector.py``'s load, the connector's ``verify`` on against off (the blocks
+    were saved with checksums either way: the reader's check is the difference)."""
+    layers, page = shape
+    count = ROUND_BYTES // (layers * page)
+    rng = [np.random.default_rng(i) for i in range(layers)]
+    kv = PagedKV(tuple(r.integers(0, 256, (count + 3, page), np.uint8) for r in rng), "bench")
+    identity = Identity("bench", "m", "float32", f"cpu/{layers}", 32, layers * page, "tp0/1", "")
+    ids = list(range(3, 3 + count))
+
+    def core(verify: bool) -> ConnectorCore:
+        config = ConnectorConfig(server=server.address, verify=verify)
+        return ConnectorCore(config, identity, saves=True)
+
+    with core(True) as checked, core(False) as plain:
+        for c in (checked, plain):
+            c.attach(kv)
+        keys = checked.keys(list(range(32 * count)))
+        checked.save_later([SaveJob("r", tuple(keys), tuple(ids))])
+        assert checked.flush(["r"])
+        compare(
+            f"connector load, {count} x {layers} pages of {page >> 10} KiB, verify",
+            lambda: checked.load(keys, ids) or pytest.fail("load failed"),
+            lambda: plain.load(keys, ids) or pytest.fail("load failed"),
+            baseline_name="verify off",
+            nbytes=ROUND_BYTES,
         )

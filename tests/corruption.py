@@ -1,10 +1,18 @@
 """Damage on purpose, as a stray write, a failing DIMM or a bad disk sector would: bytes
 overwritten in place in another process's memory (through ``/proc/PID/mem``, as root or
-its owner) or in a file, found by what they hold."""
+its owner) or in a file, found by what they hold, or a bit flipped in an in-process
+server's memory slot."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvbridge.store import BlockKey
+from kvbridge.store.local import SlotTier
+
+if TYPE_CHECKING:
+    from kvbridge.store.server._namespaces import Namespace
 
 _LARGEST_REGION = 1 << 30
 """Mappings larger than this are address-space reservations, not a small server's data."""
@@ -28,6 +36,14 @@ def overwrite_in_memory(pid: int, needle: bytes, garbage: bytes) -> int:
                 found += 1
                 at = data.find(needle, at + len(needle))
     return found
+
+
+def flip_stored_bit(ns: Namespace, key: bytes, at: int) -> None:
+    """Flip one bit of the block ``key`` in place, in the memory slot of an in-process
+    server's namespace (``serve.namespaces``) that holds it."""
+    top = ns.store.placement.tiers[0]
+    assert isinstance(top, SlotTier)
+    top.view(BlockKey(key))[at] ^= 0x01
 
 
 def overwrite_in_files(root: Path, needle: bytes, garbage: bytes) -> int:

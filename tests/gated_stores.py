@@ -42,9 +42,9 @@ class GatedStores:
             disk = store.tiers[-1]
             write = disk.store
 
-            def waiting_write(key: BlockKey, src: Any) -> None:
+            def waiting_write(key: BlockKey, src: Any, checksum: int = 0) -> None:
                 self._wait()
-                write(key, src)
+                write(key, src, checksum)
 
             disk.store = waiting_write  # type: ignore[method-assign]
         return store

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 from attack import raw
-from corruption import overwrite_in_files, overwrite_in_memory
+from corruption import flip_stored_bit, overwrite_in_files, overwrite_in_memory
 from helpers import keys, payloads, until
 from serve import BLOCK, TRANSPORTS, ServeProcess, namespaces, small_config
 
@@ -119,8 +119,7 @@ def test_a_damaged_slot_is_a_miss_over_every_transport(served: tuple[CacheServer
         ks = keys(0, COUNT)
         client.put(ks, payloads(ks, BLOCK))
         (ns,) = namespaces(server)
-        top = ns.store.placement.tiers[0]
-        top.view(ks[BAD])[100] ^= 0x01  # one bit, in place
+        flip_stored_bit(ns, ks[BAD], 100)  # one bit, in place
         _a_miss_from_the_bad_block_on(client, ks)
         _dropped(client, ks[BAD])
         assert ns.store.stats().corrupt == 1
@@ -186,7 +185,7 @@ def test_with_verify_off_a_reader_takes_what_landed() -> None:
         ks = keys(0, COUNT)
         client.put(ks, payloads(ks, BLOCK))
         (ns,) = namespaces(server)
-        ns.store.placement.tiers[0].view(ks[BAD])[100] ^= 0x01
+        flip_stored_bit(ns, ks[BAD], 100)
         out = np.zeros((COUNT, BLOCK), dtype=np.uint8)
         client.get(ks, out)
         assert not np.array_equal(out[BAD], payloads(ks[BAD : BAD + 1], BLOCK)[0])
@@ -194,8 +193,8 @@ def test_with_verify_off_a_reader_takes_what_landed() -> None:
 
 def test_a_damaged_disk_block_is_a_miss_and_is_dropped(tmp_path: Path) -> None:
     disk = tmp_path / "disk"
-    flags = ("--host-capacity", str(4 * COUNT * BLOCK), "--max-namespaces", "1")
-    flags += ("--disk-path", str(disk), "--disk-capacity", "64MiB")
+    flags = ["--host-capacity", str(4 * COUNT * BLOCK), "--max-namespaces", "1"]
+    flags += ["--disk-path", str(disk), "--disk-capacity", "64MiB"]
     server = ServeProcess(*flags)
     ks = keys(0, COUNT)
     try:
@@ -232,7 +231,7 @@ def test_a_memory_copy_gone_bad_is_dropped_and_the_disk_copy_serves(tmp_path: Pa
         ks = keys(0, COUNT)
         client.put(ks, payloads(ks, BLOCK))
         (ns,) = namespaces(server)
-        ns.store.placement.tiers[0].view(ks[BAD])[7] ^= 0x80
+        flip_stored_bit(ns, ks[BAD], 7)
         _a_miss_from_the_bad_block_on(client, ks)
         until(
             lambda: ns.store.where(ks[BAD : BAD + 1]) == ["disk"],

@@ -143,6 +143,10 @@ def _case(tmp: Path) -> dict[str, tuple[dict[str, str], Check]]:
             _logged("max_leases_per_client=9"),
         ),
         "handoff_ttl": ({"KVBRIDGE_HANDOFF_TTL": "0"}, _logged("handoff_ttl=0.0")),
+        "write_only_alarm": (
+            {"KVBRIDGE_WRITE_ONLY_ALARM": "90"},
+            _logged("write_only_alarm=90.0"),
+        ),
         "policy": ({"KVBRIDGE_POLICY": "lru"}, _logged("policy=lru")),
         "keepalive": ({"KVBRIDGE_KEEPALIVE": "0.5"}, _logged("keepalive=0.5")),
         "transports": ({"KVBRIDGE_TRANSPORTS": "tcp"}, _logged("transports=('tcp',)")),
@@ -168,7 +172,7 @@ _SETTINGS = (
     *("host", "port", "data_port", "host_capacity", "disk_path", "metrics_port", "max_namespaces"),
     *("events_port", "events_hwm", "events_queue_bytes", "events_memory"),
     *("lease_ttl", "max_leases_per_client", "handoff_ttl", "policy", "transports", "keepalive"),
-    *("insecure", "secret_file", "tenants_file"),
+    *("insecure", "secret_file", "tenants_file", "write_only_alarm"),
 )
 
 

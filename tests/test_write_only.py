@@ -101,9 +101,9 @@ def test_two_engines_on_mismatched_namespaces_show_in_kvbridge_stats() -> None:
     rows = {
         line.split()[0]: dict(zip(header, line.split(), strict=True)) for line in lines[at + 1 :]
     }
-    reader, written = rows[_shown_as("model-b")], rows[_shown_as("model-a")]
-    assert (reader["lookups"], reader["advertised"], reader["delivered"]) == ("12", "0", "0")
-    assert written["alarm"] == "WRITE-ONLY" and reader["alarm"] == "-"
+    asked, written = rows[_shown_as("model-b")], rows[_shown_as("model-a")]
+    assert (asked["lookups"], asked["advertised"], asked["delivered"]) == ("12", "0", "0")
+    assert written["alarm"] == "WRITE-ONLY" and asked["alarm"] == "-"
 
 
 def _shown_as(namespace: str) -> str:
