@@ -550,7 +550,10 @@ class StoreClient(Closing):
         slots, lease = staged["slots"], int(staged["lease"])
         picked = [i for i, slot in enumerate(slots) if slot is not None]
         if lease:
-            ops = self._ops(where, start, picked, [slots[i] for i in picked])
+            try:
+                ops = self._ops(where, start, picked, [slots[i] for i in picked])
+            except BaseException as exc:  # a bad reply: the slots go back before it raises
+                self._abandon(lease, exc)
             if len(picked) * self.block_bytes < _OVERLAP_BYTES:
                 self._write_and_commit(lease, ops, self._sums(where, start, picked))
             else:  # hashed while the bytes move, then committed by a call
