@@ -63,6 +63,11 @@ class _Core:
     def load(self, keys: Any, block_ids: Any, start: int = 0, after: object = None) -> bool:
         return False
 
+    def load_leading(
+        self, keys: Any, block_ids: Any, start: int = 0, *, partial: bool = True, **_: object
+    ) -> int:
+        return 0  # not even the first block
+
     def save_later(self, jobs: list[SaveJob]) -> None:
         self.saved += jobs
 
