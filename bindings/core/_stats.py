@@ -23,6 +23,7 @@ COUNTERS = (
     "tokens_lost_timeout",
     "tokens_lost_fault",
     "tokens_lost_paused",
+    "tokens_lost_declined",
     "tokens_saved",
     "bytes_saved",
     "blocks_not_saved",
@@ -30,12 +31,13 @@ COUNTERS = (
     "bytes_staged",
 )
 TIMINGS = ("lookup_seconds", "load_seconds", "save_seconds")
-LOST_REASONS = ("gone", "corrupt", "lease", "timeout", "fault", "paused")
+LOST_REASONS = ("gone", "corrupt", "lease", "timeout", "fault", "paused", "declined")
 """Why hits a lookup advertised were not delivered (``tokens_lost_<reason>``): the block was
 evicted or removed between the lookup and the read (``gone``), landed bad (``corrupt``: its
 checksum), was read past its lease (``lease``), the read timed out (``timeout``), the store
-failed or refused otherwise (``fault``), or store calls were paused after a fault
-(``paused``)."""
+failed or refused otherwise (``fault``), store calls were paused after a fault
+(``paused``), or the engine did not take the hit it was offered (``declined``: vLLM gave the
+request fewer tokens to load than the lookup found)."""
 
 
 class ConnectorStats:
@@ -70,6 +72,10 @@ class ConnectorStats:
     def load_failed(self, tokens: int, reason: str) -> None:
         """Hits not delivered, by ``reason`` (one of :data:`LOST_REASONS`)."""
         self._add(load_failures=1, tokens_load_failed=tokens, **{f"tokens_lost_{reason}": tokens})
+
+    def declined(self, tokens: int) -> None:
+        """Hit tokens offered to the engine that it did not take (no load was tried)."""
+        self._add(tokens_lost_declined=tokens)
 
     def saved(self, tokens: int, nbytes: int, started: float) -> None:
         self._add(

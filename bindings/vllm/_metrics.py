@@ -27,6 +27,7 @@ _HELP = {
     "tokens_lost_timeout": "Hit tokens not loaded: the read timed out",
     "tokens_lost_fault": "Hit tokens not loaded: the store failed or refused",
     "tokens_lost_paused": "Hit tokens not loaded: store calls paused after a fault",
+    "tokens_lost_declined": "Hit tokens offered that vLLM did not take to load",
     "tokens_saved": "Prompt tokens offered to kvbridge in full blocks",
     "bytes_saved": "Bytes of KV written to kvbridge (blocks it lacked)",
     "blocks_not_saved": "Blocks not saved because the store was unreachable",

@@ -75,6 +75,8 @@ class _Request:
     expect: int = 0
     wait_until: float = 0.0
     looked_at: float = 0.0
+    offered: int = 0
+    """Tokens the last answer offered to load (what vLLM may take or decline)."""
 
 
 class SchedulerSide:
@@ -133,6 +135,7 @@ class SchedulerSide:
             return None, False  # the prefill's blocks are on their way
         assert state.hit is not None
         extra = state.hit - num_computed // self._block
+        state.offered = max(extra, 0) * self._block
         return (extra * self._block, self._async) if extra > 0 else (0, False)
 
     def may_load_async(self) -> bool:
@@ -145,6 +148,9 @@ class SchedulerSide:
         state = self._requests.get(request.request_id)
         if state is None:
             return
+        if state.offered > num_external_tokens:  # a hit vLLM did not take
+            self._core.stats.declined(state.offered - num_external_tokens)
+        state.offered = 0
         if num_external_tokens > 0:
             first = state.local // self._block
             state.load = (first, first + num_external_tokens // self._block)

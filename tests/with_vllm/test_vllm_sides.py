@@ -38,6 +38,8 @@ class _Core:
         """What the store's mirror says (``None``: no mirror in step)."""
         self.stats = SimpleNamespace(late=0)
         self.stats.lookup_late = lambda: setattr(self.stats, "late", self.stats.late + 1)
+        self.declined: list[int] = []
+        self.stats.declined = self.declined.append
 
     def keys(self, tokens: list[int], extra: bytes = b"") -> list[bytes]:
         return [bytes([i]) * 32 for i in range(len(tokens) // 32)]
@@ -160,6 +162,20 @@ def test_a_loads_pin_lasts_until_every_step_in_flight_ran(clock: FakeClock) -> N
         until(lambda: len(core.pins) == 1)
         side.build(_output([]))
     assert core.unpinned == core.pins  # released in order, on the connector's thread
+
+
+def test_a_hit_vllm_does_not_take_is_counted_as_declined(clock: FakeClock) -> None:
+    """Advertised, not delivered, and not a failure: vLLM gave the request fewer tokens to
+    load than it was offered (``tokens_lost_declined``)."""
+    core = _Core()
+    with _side(core, clock=clock) as side:
+        taken, declined = _request("taken", 100), _request("declined", 100)
+        for request in (taken, declined):
+            side.matched(request, 0)
+            assert _answer(side, request) == (96, False)
+        side.allocated(taken, None, 96)
+        side.allocated(declined, None, 0)
+    assert core.declined == [96]
 
 
 class _FrozenCore(_Core):
