@@ -60,10 +60,14 @@ def sums_of(
     return sums
 
 
-def check_sums(sums: object, count: int) -> list[int] | None:
-    """``sums`` as ``count`` checksums, or ``None`` when it is not that (a bad request)."""
-    if not isinstance(sums, list) or len(sums) != count:
-        return None
-    if not all(type(s) is int and 0 <= s <= MAX_SUM for s in sums):
+def as_sums(sums: object) -> list[int] | None:
+    """``sums`` as a list of checksums, or ``None`` when it is not one (a bad request)."""
+    if not isinstance(sums, list) or not all(type(s) is int and 0 <= s <= MAX_SUM for s in sums):
         return None
     return sums
+
+
+def check_sums(sums: object, count: int) -> list[int] | None:
+    """``sums`` as ``count`` checksums, or ``None`` when it is not that."""
+    checked = as_sums(sums)
+    return checked if checked is not None and len(checked) == count else None

@@ -14,8 +14,15 @@ import pytest
 import zmq
 from helpers import FakeClock, keys, until
 
-from kvbridge.store import Lineage, Noted, ServerConfig, TooManyRequests
-from kvbridge.store._stream import LAPSED, RENEW, TICKET_PREFIX, decode
+from kvbridge.store import (
+    EVENT_TICKET_PREFIX,
+    Lineage,
+    Noted,
+    ServerConfig,
+    TooManyRequests,
+    decode_events,
+)
+from kvbridge.store._stream import LAPSED, RENEW
 from kvbridge.store.server import load_tenants
 from kvbridge.store.server._event_bounds import (
     MESSAGE_BATCH_BYTES,
@@ -170,7 +177,7 @@ def test_changes_are_cut_into_messages_within_the_byte_bound_in_order() -> None:
     for changes in (alternating, one_kind, chains):
         out = list(batches(changes))
         assert all(len(b) <= MESSAGE_BATCH_BYTES for b in out)
-        heard = [c for b in out for c in decode([b"t", bytes(8), b], b"t").changes]
+        heard = [c for b in out for c in decode_events([b"t", bytes(8), b], b"t").changes]
         assert heard == [(k, tier is not None) for k, tier, _ in changes]
     assert len(list(batches(one_kind))) == 5  # 1,024 keys each
     assert len(list(batches(chains))) > 50  # cut by bytes: 256 token ids a key weigh
@@ -196,7 +203,7 @@ def _unread(pub: EventPublisher, ticket: bytes) -> tuple[zmq.Socket[bytes], byte
     routing_id = b"\x01" + os.urandom(15)
     socket.setsockopt(zmq.ROUTING_ID, routing_id)
     socket.connect(f"tcp://127.0.0.1:{pub.port}")
-    socket.send(TICKET_PREFIX + ticket)
+    socket.send(EVENT_TICKET_PREFIX + ticket)
     return socket, routing_id
 
 

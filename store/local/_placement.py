@@ -301,15 +301,13 @@ class Placement:
             return False
         with tier.reading() as read:
             src = read(key)
-            try:
-                if src is None:
-                    raise BlockCorrupt([key])
-                self.tiers[below].store(key, src, tier.checksum(key))
-            except BlockCorrupt:
-                self.stats.corrupt += 1
-                _log.warning("block %s failed its checksum on its way down", key.hex()[:16])
-                return False
-        return True
+            with contextlib.suppress(BlockCorrupt):
+                if src is not None:
+                    self.tiers[below].store(key, src, tier.checksum(key))
+                    return True
+        self.stats.corrupt += 1
+        _log.warning("block %s failed its checksum on its way down", key.hex()[:16])
+        return False
 
     def use(self, key: BlockKey, data: BlockArray, protect: set[BlockKey]) -> None:
         """Record a hit on ``key`` and promote it to the top tier where policy says so."""

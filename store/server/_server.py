@@ -42,7 +42,7 @@ import msgpack
 
 from ..._bounded_log import BoundedLog
 from ...transfer import Caller, NotifyRefused, TransferEngine
-from .._checksums import check_sums
+from .._checksums import as_sums
 from .._errors import BlockNotFound, BlockPinned, LeaseExpired, StoreError
 from .._keys import BlockKey
 from .._lineage import STAGE_LINEAGE_BYTES, check_block_tokens, from_wire, lineage_bytes
@@ -418,8 +418,7 @@ class CacheServer:
         lease = message_field(body, "lease", int)
         ttl = min(self.config.handoff_ttl, self.config.lease_ttl)
         share = self._tenant(caller).slots
-        given = body.get("sums", [])
-        sums = check_sums(given, len(given) if isinstance(given, list) else -1)
+        sums = as_sums(body.get("sums", []))  # their count: the ledger's to check
         if sums is None:
             raise BadRequest("sums must be a list of 64-bit checksums, one per staged block")
         stored = ns.leases.commit(
