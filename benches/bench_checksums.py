@@ -12,6 +12,7 @@ to 16 MiB, one contiguous buffer (``bench_transfer.py``'s sizes). The connector'
 from __future__ import annotations
 
 import itertools
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,23 +22,18 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+from checksum_clients import ROUND_BYTES, PagedRounds, clients
 from serve import ServeProcess
 
+from kvbridge._closing import Closing
 from kvbridge.bindings import ConnectorConfig, ConnectorCore, Identity, PagedKV, SaveJob
 from kvbridge.store import StoreClient, prefix_hashes
-from kvbridge.store._checksums import NO_SUM
+from kvbridge.tools import _netns
 
-ROUND_BYTES = 16 << 20
+SHAPED_GBIT = 8.0
+"""Below what loopback moves here (~2 GB/s, CPU-bound on two cores)."""
 PAGES = [(32, 32 << 10), (8, 128 << 10)]
 BLOCKS = [4 << 10, 64 << 10, 1 << 20, 16 << 20]
-
-
-class _Unchecked(StoreClient):
-    """The baseline: this client sends no checksum (and, made with ``verify=False``, checks
-    none): the cost of the hashing is the difference."""
-
-    def _sums(self, where: Any, start: int, picked: list[int]) -> list[int]:
-        return [NO_SUM] * len(picked)
 
 
 @pytest.fixture(scope="module")
@@ -47,48 +43,77 @@ def server() -> Iterator[ServeProcess]:
     proc.kill()
 
 
-def _clients(server: ServeProcess, block_bytes: int, name: str) -> tuple[StoreClient, StoreClient]:
-    checked = StoreClient(server.address, block_bytes=block_bytes, namespace=name)
-    plain = _Unchecked(server.address, block_bytes=block_bytes, namespace=name, verify=False)
-    return checked, plain
-
-
 @pytest.mark.parametrize("shape", PAGES, ids=[f"{page >> 10}KiB-pages" for _, page in PAGES])
 @pytest.mark.parametrize("direction", ["get", "put"])
 def test_pages_with_checksums(
     compare: Callable[..., Any], server: ServeProcess, shape: tuple[int, int], direction: str
 ) -> None:
     layers, page = shape
-    block = layers * page
-    count = ROUND_BYTES // block
-    checked, plain = _clients(server, block, f"pages-{page}")
+    checked, plain = clients(server.address, layers * page, f"pages-{page}")
     with checked, plain:
-        pages = [
-            np.random.default_rng(i).integers(0, 256, count * page, np.uint8) for i in range(layers)
-        ]
-        offsets = (np.arange(count, dtype=np.int64) * page)[:, None].repeat(layers, axis=1)
-        regions = {c: [c.register(p) for p in pages] for c in (checked, plain)}
-        rounds = itertools.count()
-
-        def keys() -> list[Any]:
-            start = (next(rounds) + 1) << 20
-            return prefix_hashes(range(start, start + 16 * count), 16)
-
-        stored = keys()
-        checked.put_pages(stored, regions[checked], offsets)
-
-        def move(client: StoreClient) -> Callable[[], Any]:
-            if direction == "get":
-                return lambda: client.get_pages(stored, regions[client], offsets)
-            return lambda: client.put_pages(keys(), regions[client], offsets)
-
+        rounds = PagedRounds((checked, plain), layers, page)
+        count = rounds.count
         compare(
             f"{direction}_pages, {count} x {layers} pages of {page >> 10} KiB, checksums",
-            move(checked),
-            move(plain),
+            rounds.mover(checked, direction),
+            rounds.mover(plain, direction),
             baseline_name="no checksums",
             nbytes=ROUND_BYTES,
         )
+
+
+class _Driver(Closing):
+    """A process moving :class:`PagedRounds` (``checksum_clients.py``), one per request."""
+
+    def __init__(self, command: list[str]) -> None:
+        self.proc = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        assert self._answer() == "ready"
+
+    def round(self, which: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(which + "\n")
+        self.proc.stdin.flush()
+        assert self._answer() == "done"
+
+    def _answer(self) -> str:
+        assert self.proc.stdout is not None
+        return self.proc.stdout.readline().strip()
+
+    def close(self) -> None:
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            self.proc.stdin.close()
+        self.proc.wait(60)
+
+
+@pytest.mark.skipif(_netns.available() is not None, reason=f"no namespaces: {_netns.available()}")
+@pytest.mark.parametrize("direction", ["get", "put"])
+def test_pages_on_a_shaped_link(compare: Callable[..., Any], direction: str) -> None:
+    """32 KiB pages where the link, not the CPU, sets the pace (as between machines): a veth
+    between two network namespaces shaped to ``SHAPED_GBIT`` (``tc tbf``), the server in
+    one, the clients in the other."""
+    layers, page = PAGES[0]
+    here = Path(__file__).with_name("checksum_clients.py")
+    with _netns.ShapedLink(SHAPED_GBIT * 1e9) as link:
+        server = ServeProcess(
+            *("--host", link.addresses[1], "--insecure", "--host-capacity", "1GiB"),
+            *("--handoff-ttl", "0"),
+            inside=link.command(1, []),
+        )
+        try:
+            argv = [sys.executable, str(here), server.address, direction, str(layers), str(page)]
+            with _Driver(link.command(0, argv)) as driver:
+                compare(
+                    f"{direction}_pages, 16 x {layers} pages of {page >> 10} KiB, "
+                    f"checksums, {SHAPED_GBIT:g} Gbit/s link",
+                    lambda: driver.round("checked"),
+                    lambda: driver.round("plain"),
+                    baseline_name="no checksums",
+                    nbytes=ROUND_BYTES,
+                )
+        finally:
+            server.kill()
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[f"{b >> 10}KiB" for b in BLOCKS])
@@ -97,7 +122,7 @@ def test_blocks_with_checksums(
     compare: Callable[..., Any], server: ServeProcess, block: int, direction: str
 ) -> None:
     count = ROUND_BYTES // block
-    checked, plain = _clients(server, block, f"blocks-{block}")
+    checked, plain = clients(server.address, block, f"blocks-{block}")
     with checked, plain:
         data = np.random.default_rng(block).integers(0, 256, ROUND_BYTES, np.uint8)
         out = np.empty_like(data)

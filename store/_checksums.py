@@ -14,9 +14,8 @@ the same way.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-import numpy as np
 import xxhash
 
 NO_SUM = 0
@@ -31,33 +30,6 @@ def block_sum(pages: Sequence[memoryview]) -> int:
     for page in pages:
         digest.update(page)
     return int(digest.intdigest())
-
-
-def sums_of(
-    views: Callable[[int], memoryview | None],
-    regions: np.ndarray,
-    offsets: np.ndarray,
-    part: int,
-) -> list[int]:
-    """Per row of ``regions``/``offsets`` (a block: one region id and offset per page of
-    ``part`` bytes), the block's checksum; ``NO_SUM`` for a block with a page outside host
-    memory (``views`` of its region is ``None``: GPU memory)."""
-    found: dict[int, memoryview | None] = {}
-    sums = []
-    for ids, ats in zip(regions.tolist(), offsets.tolist(), strict=True):
-        pages = []
-        for region, at in zip(ids, ats, strict=True):
-            if region not in found:
-                found[region] = views(region)
-            view = found[region]
-            if view is None:
-                break
-            pages.append(view[at : at + part])
-        else:
-            sums.append(block_sum(pages))
-            continue
-        sums.append(NO_SUM)
-    return sums
 
 
 def as_sums(sums: object) -> list[int] | None:

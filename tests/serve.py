@@ -7,6 +7,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -65,12 +66,19 @@ class ServeProcess:
     """A running ``kvbridge serve``; ``address`` (and the whole ``line``) is read from its
     first line. ``--port 0`` unless the arguments name a port."""
 
-    def __init__(self, *args: str, open_files: tuple[int, int] | None = None) -> None:
-        """``open_files``: the server's open-files limits (soft, hard) as it starts."""
+    def __init__(
+        self,
+        *args: str,
+        open_files: tuple[int, int] | None = None,
+        inside: Sequence[str] = (),
+    ) -> None:
+        """``open_files``: the server's open-files limits (soft, hard) as it starts.
+        ``inside``: what the command runs under (``ip netns exec NAME``)."""
         port = () if "--port" in args else ("--port", "0")
         command = [sys.executable, "-m", "kvbridge", "serve", *port, *args]
         if open_files is not None:  # set in the child before it runs the server (no preexec_fn)
             command = [sys.executable, "-c", _LIMITED, *map(str, open_files), *command]
+        command = [*inside, *command]
         self.proc = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import itertools
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import pytest
+import xxhash
 from attack import credentials, data_pipe, region_in_use
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -21,6 +23,7 @@ from kvbridge.transfer import (
     OP_DTYPE,
     AuthenticationError,
     Caller,
+    Digests,
     EngineClosed,
     LocalProtocolError,
     PeerClosed,
@@ -33,6 +36,7 @@ from kvbridge.transfer import (
 )
 from kvbridge.transfer._protocol import ErrorCode
 from kvbridge.transfer._streams import InitiatorStream
+from kvbridge.transfer.testing import corrupt_received
 
 # Every transport passes this suite; ucx runs wherever ucxx imports (it does on CPU), nixl
 # wherever NIXL's wheel loads (nixl-cu12, installed --no-deps; it does on CPU).
@@ -375,3 +379,171 @@ def test_a_notify_handler_can_refuse_a_batch(transport: str) -> None:
         assert refused.value.code == 1234  # the handler's own code reaches the writer
         peer.write([(here, 0, there.id, 0, 4096)], notify=b"again").wait(5)  # still up
         assert seen[-1] == ("a", b"again")
+
+
+def _layout(kind: str, blocks: int, block: int) -> tuple[list[np.ndarray], np.ndarray, int]:
+    """A batch's local side and its groups: ``pages``, 4 buffers holding a quarter of each
+    block (a KV cache's layers); ``contiguous``, one buffer (ops that merge and slice)."""
+    if kind == "pages":
+        layers = [_random(blocks * block // 4, seed=i) for i in range(4)]
+        rows = [
+            (layer, b * block // 4, b * block + layer * block // 4, block // 4)
+            for b in range(blocks)
+            for layer in range(4)
+        ]
+        return layers, np.array(rows, dtype=np.int64), 4
+    whole = _random(blocks * block, seed=9)
+    rows = [(0, b * block, b * block, block) for b in range(blocks)]
+    return [whole], np.array(rows, dtype=np.int64), 1
+
+
+def _block_sums(buffers: list[np.ndarray], rows: np.ndarray, per_block: int) -> list[int]:
+    sums = []
+    for start in range(0, len(rows), per_block):
+        state = xxhash.xxh3_64()
+        for layer, at, _, n in rows[start : start + per_block].tolist():
+            state.update(memoryview(buffers[layer])[at : at + n])
+        sums.append(state.intdigest())
+    return sums
+
+
+@pytest.mark.parametrize("kind", ["pages", "contiguous"])
+@pytest.mark.parametrize("frame_bytes", [64 << 10, 16 << 20], ids=["small-frames", "one-frame"])
+def test_digests_are_each_groups_xxh3_however_the_batch_is_cut(
+    transport: str, kind: str, frame_bytes: int
+) -> None:
+    """Pages one op each, or blocks that merge into one op and are sliced again; frames that
+    hold many groups, or cut through them: each group's digest, written and read, is the
+    XXH3-64 of its bytes one after another, as the other side holds them."""
+    blocks, block = 24, 48 << 10
+    settings = {"frame_bytes": frame_bytes, "slice_bytes": 16 << 10, "timeout": 10.0}
+    with (
+        TransferEngine(transports=(transport,), **settings) as a,
+        TransferEngine(transports=(transport,), **settings) as b,
+    ):
+        buffers, rows, per_block = _layout(kind, blocks, block)
+        remote = np.zeros(blocks * block, np.uint8)
+        regions, target = [a.register(x) for x in buffers], b.register(remote)
+        ops = np.zeros(len(rows), OP_DTYPE)
+        ops["local_region"] = [regions[i].id for i in rows[:, 0]]
+        ops["local_offset"], ops["remote_offset"], ops["length"] = (
+            rows[:, 1],
+            rows[:, 2],
+            rows[:, 3],
+        )
+        ops["remote_region"] = target.id
+        peer = a.connect(b.metadata())
+        expected = _block_sums(buffers, rows, per_block)
+        written = Digests(range(0, len(ops), per_block))
+        peer.write(ops, digests=written).wait(10)
+        assert written.values() == expected
+        for x in buffers:
+            x[:] = 0
+        read = Digests(range(0, len(ops), per_block))
+        peer.read(ops, digests=read).wait(10)
+        assert read.values() == expected == _block_sums(buffers, rows, per_block)
+
+
+def test_a_read_digest_is_of_the_bytes_that_landed_not_those_sent(
+    pair: tuple[TransferEngine, TransferEngine], transport: str
+) -> None:
+    """A receive buffer damaged as the bytes land (a faulty NIC, through the test seam): the
+    digest is of what landed, so a reader comparing it with the writer's sees the damage."""
+    if transport == "nixl":
+        pytest.skip(f"{ONE_SIDED}: no receive path of kvbridge's to damage")
+    a, b = pair
+    src, dst = _random(256 << 10), np.zeros(256 << 10, np.uint8)
+    s, d = b.register(src), a.register(dst)
+    peer = a.connect(b.metadata())
+    ops = [(d, i * (32 << 10), s.id, i * (32 << 10), 32 << 10) for i in range(8)]
+
+    def flip(views: Sequence[memoryview]) -> None:
+        views[0][0] ^= 0xFF
+
+    digests = Digests(range(0, 8, 4))
+    with corrupt_received(flip):  # type: ignore[arg-type]
+        peer.read(ops, digests=digests).wait(10)
+    assert dst[0] == src[0] ^ 0xFF
+    got = digests.values()
+    assert got == [
+        xxhash.xxh3_64_intdigest(dst[: 128 << 10]),
+        xxhash.xxh3_64_intdigest(dst[128 << 10 :]),
+    ]
+    assert got[0] != xxhash.xxh3_64_intdigest(src[: 128 << 10])
+
+
+@pytest.mark.parametrize("starts", [[1, 2], [0, 2, 2], [0, 3, 1], [0, 8], [0, -1]])
+def test_digest_groups_that_do_not_cut_the_batch_are_refused_before_a_byte_moves(
+    pair: tuple[TransferEngine, TransferEngine], starts: list[int]
+) -> None:
+    a, b = pair
+    src, dst = _random(8 << 10), np.zeros(8 << 10, np.uint8)
+    s, d = a.register(src), b.register(dst)
+    peer = a.connect(b.metadata())
+    ops = [(s, i << 10, d.id, i << 10, 1 << 10) for i in range(8)]
+    with pytest.raises(LocalProtocolError, match="digest groups"):
+        peer.write(ops, digests=Digests(starts))
+    assert not dst.any()
+    used = Digests([0])
+    peer.write(ops, digests=used).wait(10)
+    with pytest.raises(LocalProtocolError, match="one batch"):
+        peer.write(ops, digests=used)
+
+
+def test_a_notification_that_cannot_be_made_fails_its_batch_and_not_the_peer(
+    pair: tuple[TransferEngine, TransferEngine],
+) -> None:
+    a, b = pair
+    src, dst = _random(64 << 10), np.zeros(64 << 10, np.uint8)
+    s, d = a.register(src), b.register(dst)
+    peer = a.connect(b.metadata())
+
+    def broken() -> bytes:
+        raise RuntimeError("no commit to make")
+
+    with pytest.raises(LocalProtocolError, match="no commit to make"):
+        peer.write([(s, 0, d.id, 0, src.nbytes)], notify=broken).wait(10)
+    with pytest.raises(LocalProtocolError, match="notify must be bytes"):
+        peer.write([(s, 0, d.id, 0, src.nbytes)], notify=lambda: b"x" * (1 << 17)).wait(10)
+    assert b.notifications(timeout=0) == []
+    peer.write([(s, 0, d.id, 0, src.nbytes)], notify=lambda: b"made").wait(10)
+    assert [n.message for n in b.notifications(timeout=5)] == [b"made"]
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.data())
+def test_digests_hold_for_any_ops_groups_and_frames(data: st.DataObject) -> None:
+    """Ops of any sizes, contiguous (they merge) or scattered, cut into any groups, planned
+    into frames and slices of any size: every group's digest is its bytes' XXH3-64."""
+    count = data.draw(st.integers(1, 40))
+    lengths = data.draw(st.lists(st.integers(1, 40_000), min_size=count, max_size=count))
+    gaps = data.draw(st.sampled_from([0, 1]))  # 0: each op continues the last on both sides
+    cuts = data.draw(st.sets(st.integers(1, count - 1))) if count > 1 else set()
+    slice_bytes = data.draw(st.sampled_from([4096, 20_000, 1 << 20]))
+    frame_bytes = max(slice_bytes, data.draw(st.sampled_from([4096, 50_000, 16 << 20])))
+    offsets = np.cumsum([0, *[n + gaps for n in lengths]])
+    src, dst = _random(int(offsets[-1]) + 1, seed=count), np.zeros(int(offsets[-1]) + 1, np.uint8)
+    engine = {"transports": ("tcp",), "slice_bytes": slice_bytes, "frame_bytes": frame_bytes}
+    with TransferEngine(**engine) as a, TransferEngine(**engine) as b:  # type: ignore[arg-type]
+        s, d = a.register(src), b.register(dst)
+        ops = [(s, int(offsets[i]), d.id, int(offsets[i]), lengths[i]) for i in range(count)]
+        groups = [0, *sorted(cuts)]
+        bounds = [*groups, count]
+        expected = [
+            xxhash.xxh3_64_intdigest(src[offsets[g] : offsets[h - 1] + lengths[h - 1]].tobytes())
+            if not gaps
+            else _joined(src, offsets[g:h], lengths[g:h])
+            for g, h in itertools.pairwise(bounds)
+        ]
+        peer = a.connect(b.metadata())
+        written, read = Digests(groups), Digests(groups)
+        peer.write(ops, digests=written).wait(10)
+        src[:] = 0
+        peer.read(ops, digests=read).wait(10)
+        assert written.values() == expected == read.values()
+
+
+def _joined(data: np.ndarray, offsets: np.ndarray, lengths: list[int]) -> int:
+    return xxhash.xxh3_64_intdigest(
+        b"".join(data[o : o + n].tobytes() for o, n in zip(offsets.tolist(), lengths, strict=True))
+    )

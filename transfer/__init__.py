@@ -10,7 +10,8 @@ Register memory, exchange metadata, connect, then submit batches of reads and wr
         decode.notifications()  # [Notification(peer="prefill", message=b"req-17")]
 
 Public surface: :class:`TransferEngine`, :class:`Peer`, :class:`Region`,
-:class:`RegionInfo`, :class:`TransferHandle`, :class:`Notification`,
+:class:`RegionInfo`, :class:`TransferHandle`, :class:`Notification`, :class:`Digests` (the
+XXH3-64 of groups of a batch's bytes, taken as they move),
 :class:`TransferSettings`, :data:`OP_DTYPE`, :class:`Caller` and :class:`Admission` (what a
 request handler and a region guard are given and return), :class:`Principal` (whom an
 engine answers, each with a secret: ``TransferEngine(principals=...)``), and the errors
@@ -41,6 +42,7 @@ from ._protocol import APP_CODES
 from ._settings import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_STREAMS
 
 if TYPE_CHECKING:
+    from ._digests import Digests
     from ._engine import TRANSPORTS, Notification, TransferEngine
     from ._gate import Connection, ConnectionGate
     from ._handle import TransferHandle
@@ -61,6 +63,7 @@ _LAZY = {
     "Connection": "._gate",
     "ConnectionGate": "._gate",
     "TransferHandle": "._handle",
+    "Digests": "._digests",
     "DEFAULT_PRINCIPAL": "._keyring",
     "Principal": "._keyring",
     "OP_DTYPE": "._ops",
@@ -96,6 +99,7 @@ __all__ = [
     "Caller",
     "Connection",
     "ConnectionGate",
+    "Digests",
     "EngineClosed",
     "LocalProtocolError",
     "Notification",

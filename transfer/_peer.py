@@ -14,6 +14,7 @@ import numpy as np
 import zmq
 
 from ._control_client import ControlClient
+from ._digests import Digests
 from ._errors import LocalProtocolError, PeerClosed, StillInFlight, TransferError
 from ._handle import TransferHandle
 from ._metadata import EngineInfo
@@ -58,6 +59,37 @@ class EngineSide:
 _REQUEST_IDS = itertools.count(1)  # 0 is the stream HELLO
 
 
+_Notify = bytes | Callable[[], bytes]
+"""A write's notification, or what makes it once the bytes are written."""
+
+
+def _check_notify(notify: object) -> bytes:
+    if not isinstance(notify, bytes) or len(notify) > MAX_CONTROL_BYTES:
+        raise LocalProtocolError(f"notify must be bytes of at most {MAX_CONTROL_BYTES}")
+    return notify
+
+
+def _made(notify: _Notify) -> bytes:
+    """A write's notification, made now if a function makes it (its failure fails the
+    batch, not the stream's thread that calls it)."""
+    if not callable(notify):
+        return notify
+    try:
+        made = notify()
+    except Exception as exc:
+        raise LocalProtocolError(f"making the write's notification failed: {exc!r}") from exc
+    return _check_notify(made)
+
+
+def _after_header(landed: Callable[[int], None], count: int) -> None:
+    landed(count - 1)
+
+
+def _host_view(regions: RegionTable, region_id: int) -> memoryview | None:
+    region = regions.get(region_id)
+    return None if region.device else region.view
+
+
 class _Batch:
     """Counts a batch's frames down to completion and turns errors into batch errors."""
 
@@ -66,7 +98,7 @@ class _Batch:
         peer: Peer,
         ops: Any,
         handle: TransferHandle,
-        notify: bytes | None,
+        notify: _Notify | None,
         frames: int,
     ) -> None:
         self.peer = peer
@@ -354,31 +386,46 @@ class Peer:
 
     # -- batches -----------------------------------------------------------------------
 
-    def write(self, ops: Any, *, notify: bytes | None = None) -> TransferHandle:
+    def write(
+        self,
+        ops: Any,
+        *,
+        notify: bytes | Callable[[], bytes] | None = None,
+        digests: Digests | None = None,
+    ) -> TransferHandle:
         """Write local bytes into the peer's regions.
 
         ``ops``: a numpy ``OP_DTYPE`` array or a list of ``(local_region, local_offset,
         remote_region, remote_offset, length)``. Done means the peer acknowledged that
-        every byte is in its memory; then ``notify`` (bytes, at most 64 KiB) is delivered
-        to the peer's ``notifications()``, and only then is the handle done. Do not touch
-        the source bytes until the handle is done.
-        """
-        if notify is not None and (
-            not isinstance(notify, bytes) or len(notify) > MAX_CONTROL_BYTES
-        ):
+        every byte is in its memory; then ``notify`` (bytes, at most 64 KiB, or a function
+        that makes them then) is delivered to the peer's ``notifications()``, and only then
+        is the handle done. ``digests`` (:class:`Digests`): hashed as the bytes go, ready
+        for ``notify``. Do not touch the source bytes until the handle is done."""
+        if isinstance(notify, bytes):
+            _check_notify(notify)
+        elif notify is not None and not callable(notify):
             raise LocalProtocolError(f"notify must be bytes of at most {MAX_CONTROL_BYTES}")
-        return self._submit(ops, "w", notify)
+        return self._submit(ops, "w", notify, digests)
 
-    def read(self, ops: Any) -> TransferHandle:
-        """Read the peer's bytes into local regions; done when every byte has landed."""
-        return self._submit(ops, "r", None)
+    def read(self, ops: Any, *, digests: Digests | None = None) -> TransferHandle:
+        """Read the peer's bytes into local regions; done when every byte has landed.
+        ``digests``: see :class:`Digests` (hashed as the bytes land)."""
+        return self._submit(ops, "r", None, digests)
 
-    def _submit(self, ops: Any, access: str, notify: bytes | None) -> TransferHandle:
+    def _submit(
+        self, ops: Any, access: str, notify: _Notify | None, digests: Digests | None
+    ) -> TransferHandle:
         engine = self._engine
         engine.check_open()
+        if digests is not None:
+            ops = normalize(ops)
         if self._link is not None:
-            return self._submit_one_sided(ops, access, notify)
+            return self._submit_one_sided(ops, access, notify, digests)
         local, frames = self._plan(ops, access)
+        follow: list[Callable[[int], None] | None] = [None] * len(frames)
+        if digests is not None:  # the batch is sound: bound to it
+            digests.bind(ops, partial(_host_view, engine.regions))
+            follow = digests.follow(frames, access)
         with self._lock:
             if self._error is not None:
                 raise PeerClosed(f"peer {self.name} is closed: {self._error}")
@@ -402,12 +449,16 @@ class Peer:
             engine.settings.timeout, lambda: handle.done, lambda: self._expired(batch)
         )
         for i, frame in enumerate(frames):
-            self._send_frame(streams[(first + i) % len(streams)], frame, access, batch)
+            stream = streams[(first + i) % len(streams)]
+            self._send_frame(stream, frame, access, batch, follow[i])
         return handle
 
-    def _submit_one_sided(self, ops: Any, access: str, notify: bytes | None) -> TransferHandle:
+    def _submit_one_sided(
+        self, ops: Any, access: str, notify: _Notify | None, digests: Digests | None
+    ) -> TransferHandle:
         """The batch as NIXL transfers (checked here: the target checks nothing). A small
-        batch stays plain integers from the caller's list to NIXL's index lists."""
+        batch stays plain integers from the caller's list to NIXL's index lists. The
+        notification goes with the batch: made now, with the digests of a write."""
         engine = self._engine
         rows = small_rows(ops)
         batch: Rows | np.ndarray
@@ -419,6 +470,10 @@ class Peer:
             batch = normalize(ops)
             local = check(batch, engine.regions, self.regions, access, device_ok=True)
             nbytes = int(batch["length"].sum())
+        if digests is not None:
+            digests.bind(normalize(ops), partial(_host_view, engine.regions))
+        if notify is not None:
+            notify = _made(notify)
         with self._lock:
             link = self._link
             if self._error is not None or link is None:
@@ -475,7 +530,12 @@ class Peer:
         return local, frames
 
     def _send_frame(
-        self, stream: InitiatorStream, frame: FramePlan, access: str, batch: _Batch
+        self,
+        stream: InitiatorStream,
+        frame: FramePlan,
+        access: str,
+        batch: _Batch,
+        landed: Callable[[int], None] | None,
     ) -> None:
         request_id = next(_REQUEST_IDS)
         origin = frame.origin
@@ -489,16 +549,19 @@ class Peer:
         except ValueError as exc:  # one was unregistered between the check and the acquire
             batch.fail(LocalProtocolError(f"a local region of the batch is gone: {exc}"))
             return
+        ready = None
         if access == "w":
             message: list[bytes | memoryview] = [
                 stream.conn.write(request_id, frame.descriptors),
                 *views,
             ]
+            if landed is not None:  # hashed as they go: the header is the message's first
+                ready = partial(_after_header, landed)
         else:
             message = [stream.conn.read(request_id, frame.descriptors)]
-            pending.views = views
+            pending.views, pending.landed = views, landed
         try:
-            stream.submit(request_id, message, pending, frame.nbytes)
+            stream.submit(request_id, message, pending, frame.nbytes, ready)
         except TransferError as exc:
             batch.fail(exc)
 
@@ -513,7 +576,8 @@ class Peer:
         request_id = next(_REQUEST_IDS)
         pending = Pending(on_done=batch.handle.part_done, on_error=batch.fail)
         try:
-            stream.submit(request_id, [stream.conn.notify(request_id, batch.notify)], pending, 0)
+            message = _made(batch.notify)
+            stream.submit(request_id, [stream.conn.notify(request_id, message)], pending, 0)
         except TransferError as exc:
             batch.fail(exc)
 

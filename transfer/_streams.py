@@ -66,6 +66,11 @@ class Pending:
     on_error: Callable[[TransferError], None]
     views: list[memoryview] = field(default_factory=list)  # where DATA lands (reads)
     describe: Callable[[int | None], int | None] = lambda index: index
+    landed: Callable[[int], None] | None = None  # told as DATA fills views (digests)
+
+
+_Outgoing = tuple[list[bytes | memoryview], Callable[[int], None] | None]
+"""A frame to send, and what its pipe calls as it sends it (``Pipe.send``'s ``ready``)."""
 
 
 @dataclass(frozen=True)
@@ -89,7 +94,7 @@ class InitiatorStream:
         self.index = index
         self.conn = Connection(Role.INITIATOR)
         self._on_broken = on_broken
-        self._queue: deque[list[bytes | memoryview]] = deque()
+        self._queue: deque[_Outgoing] = deque()
         self._cond = threading.Condition()
         self._sending = False  # a frame is on its way out (frames never interleave)
         self._pending: dict[int, Pending] = {}
@@ -126,9 +131,15 @@ class InitiatorStream:
             thread.start()
 
     def submit(
-        self, request_id: int, frame: list[bytes | memoryview], pending: Pending, nbytes: int
+        self,
+        request_id: int,
+        frame: list[bytes | memoryview],
+        pending: Pending,
+        nbytes: int,
+        ready: Callable[[int], None] | None = None,
     ) -> None:
-        """Send one frame (its header already registered with ``conn``).
+        """Send one frame (its header already registered with ``conn``); ``ready``: what
+        the pipe calls as it sends (``Pipe.send``: a write's digests).
 
         A small frame on an idle stream is sent at once from the calling thread, saving a
         thread hand-off (latency); anything else is queued for the stream's sender thread,
@@ -144,10 +155,10 @@ class InitiatorStream:
             if inline:
                 self._sending = True
             else:
-                self._queue.append(frame)
+                self._queue.append((frame, ready))
                 self._cond.notify()
         if inline:
-            self._send(frame)
+            self._send((frame, ready))
 
     def close(self, reason: str = "closed") -> None:
         """Stop both threads, join them, and fail what is pending."""
@@ -189,7 +200,7 @@ class InitiatorStream:
     def _ready(self) -> bool:
         return bool(self._queue and not self._sending) or self._closed
 
-    def _idle_frame(self) -> list[bytes | memoryview] | None:
+    def _idle_frame(self) -> _Outgoing | None:
         """After a keepalive interval without new work (under ``_cond``): a PING if nothing
         went out since the last look and no PING is unanswered, else nothing."""
         sent, self._sent_seen = self._sent_seen != self._sent, self._sent
@@ -198,12 +209,12 @@ class InitiatorStream:
         with self._lock:
             judged = not self._pending
         self._ping = _Ping(time.monotonic(), judged)
-        return [self.conn.ping()]
+        return [self.conn.ping()], None
 
-    def _send(self, frame: list[bytes | memoryview]) -> bool:
+    def _send(self, outgoing: _Outgoing) -> bool:
         """Send one frame while holding the ``_sending`` flag; False if the stream broke."""
         try:
-            self.pipe.send(frame)
+            self.pipe.send(*outgoing)
         except (OSError, EOFError) as exc:
             self._broken(f"stream {self.index}: send failed: {exc}")
             return False
@@ -226,9 +237,10 @@ class InitiatorStream:
                 pending = self._take(event)
                 if isinstance(event, Data):
                     receiving = (event.request_id, pending)
-                    self.pipe.recv_into_views(pending.views)
-                    if _seams.received is not None:  # a test's fault (testing.py)
-                        _seams.received(pending.views)
+                    landed = _landing(pending)
+                    self.pipe.recv_into_views(pending.views, landed)
+                    if landed is not None:
+                        landed(len(pending.views))
                     receiving = None
                     self.conn.payload_received()
                     pending.on_done()
@@ -400,6 +412,25 @@ def _notify(served: _Served, event: Notify) -> None:
         pipe.send([conn.error(event.request_id, ErrorCode.INTERNAL, f"internal error: {exc}")])
     else:
         pipe.send([conn.ack(event.request_id)])
+
+
+def _landing(pending: Pending) -> Callable[[int], None] | None:
+    """What to tell as a read's views fill: a test's fault first (``testing.py``: the bytes
+    as a faulty NIC lands them), then the batch's digests."""
+    seam, landed = _seams.received, pending.landed
+    if seam is None:
+        return landed
+    views, done = pending.views, 0
+
+    def arrived(count: int) -> None:
+        nonlocal done
+        if count > done:
+            seam(views[done:count])
+            done = count
+        if landed is not None:
+            landed(count)
+
+    return arrived
 
 
 def _receive_write(served: _Served, event: Write) -> None:

@@ -298,7 +298,11 @@ class UcxPipe:
         self.close()
         raise EOFError("the peer closed the stream")
 
-    def send(self, buffers: Sequence[bytes | memoryview]) -> None:
+    def send(
+        self, buffers: Sequence[bytes | memoryview], ready: Callable[[int], None] | None = None
+    ) -> None:
+        if ready is not None:  # posted all at once
+            ready(len(buffers))
         first, *views = byte_views(buffers)
         messages: list[Any] = [first[:_HEADER_BYTES]]
         if len(first) > _HEADER_BYTES:
@@ -372,7 +376,9 @@ class UcxPipe:
         self._receive([buf])
         return bytes(buf)
 
-    def recv_into_views(self, views: Sequence[memoryview]) -> None:
+    def recv_into_views(
+        self, views: Sequence[memoryview], landed: Callable[[int], None] | None = None
+    ) -> None:
         targets: list[Any] = []
         unpack: list[tuple[bytearray, Sequence[memoryview]]] = []
         for start, end in message_runs([v.nbytes for v in views]):
@@ -385,6 +391,8 @@ class UcxPipe:
         self._receive(targets)
         for staging, parts in unpack:
             _unpack(staging, parts)
+        if landed is not None:  # messages land in any order: all at once
+            landed(len(views))
 
     def discard(self, lengths: Sequence[int]) -> None:
         self._receive([bytearray(sum(lengths[s:e])) for s, e in message_runs(list(lengths))])

@@ -22,7 +22,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import msgpack
 import numpy as np
@@ -34,6 +34,7 @@ from ...transfer import (
     DEFAULT_STREAMS,
     OP_DTYPE,
     AuthenticationError,
+    Digests,
     PeerClosed,
     Region,
     RemoteProtocolError,
@@ -42,7 +43,7 @@ from ...transfer import (
     TransferHandle,
     parse_address,
 )
-from .._checksums import NO_SUM, check_sums, sums_of
+from .._checksums import NO_SUM, check_sums
 from .._errors import BlockCorrupt, LeaseExpired, StoreClosed, StoreFull
 from .._keys import BlockKey, check_keys, namespace_bytes
 from .._lease import Lease
@@ -70,10 +71,6 @@ operating system's, and a deadline passed. A refusal is a ``StoreError`` instead
 _COURTESY_S = 0.1
 """Past a call's deadline, how long giving a lease back may wait (its TTL ends it anyway)."""
 
-_OVERLAP_BYTES = 2 << 20
-"""A put request of at least this many bytes is hashed while its bytes move (XXH3 at ~15
-GB/s would otherwise add a sixth to a 2-3 GB/s transfer), then committed by a call; below
-it the hashing costs less than that round trip, and the commit rides the write's notify."""
 
 _TRUSTED_LEASE_FRACTION = 0.5
 """A read that finished within this part of the lease TTL (counted from before the pin
@@ -554,40 +551,31 @@ class StoreClient(Closing):
                 ops = self._ops(where, start, picked, [slots[i] for i in picked])
             except BaseException as exc:  # a bad reply: the slots go back before it raises
                 self._abandon(lease, exc)
-            if len(picked) * self.block_bytes < _OVERLAP_BYTES:
-                self._write_and_commit(lease, ops, self._sums(where, start, picked))
-            else:  # hashed while the bytes move, then committed by a call
-                self._write(lease, ops, lambda: self._sums(where, start, picked))
+            self._write_and_commit(lease, ops, len(picked))
             self.counters["bytes_pushed"] += len(picked) * self.block_bytes
         return [slot is not None for slot in slots]
 
-    def _write_and_commit(self, lease: int, ops: np.ndarray, sums: list[int]) -> None:
-        """Write a staged put's bytes with its commit riding the write's notification."""
-        body = {"op": "commit", "ns": self._ns, "lease": lease, "sums": sums}
+    def _write_and_commit(self, lease: int, ops: np.ndarray, blocks: int) -> None:
+        """Write a staged put's bytes, each block hashed by the stream that sends it as it
+        goes; the commit, with their checksums, rides the write's notification (made once
+        every byte is in)."""
+        digests = self._digests(len(ops), blocks)
+
+        def commit() -> bytes:
+            sums = [NO_SUM] * blocks if digests is None else _sums(digests)
+            body = {"op": "commit", "ns": self._ns, "lease": lease, "sums": sums}
+            return cast(bytes, msgpack.packb(body))
+
         try:
             left = self._left()  # past the deadline: raises before a byte is read
-            done = self.peer.write(ops, notify=msgpack.packb(body))
+            done = self.peer.write(ops, notify=commit, digests=digests)
         except BaseException as exc:
             self._abandon(lease, exc)
         self._landed(lease, done, left)  # and committed
 
-    def _write(self, lease: int, ops: np.ndarray, sums: Callable[[], list[int]]) -> None:
-        """Write a staged put's bytes, take ``sums()`` of them meanwhile (the hashing runs
-        beside the streams, off the GIL), then commit."""
-        try:
-            left = self._left()
-            done = self.peer.write(ops)
-        except BaseException as exc:
-            self._abandon(lease, exc)
-        try:
-            checksums = sums()
-        finally:
-            self._landed(lease, done, left)
-        body = {"op": "commit", "ns": self._ns, "lease": lease, "sums": checksums}
-        try:
-            self._call(body)
-        except BaseException as exc:
-            self._abandon(lease, exc)
+    def _digests(self, ops: int, blocks: int) -> Digests | None:
+        """What hashes each of ``blocks`` blocks of ``ops`` ops (its pages) as it moves."""
+        return Digests(range(0, ops, ops // blocks)) if blocks else None
 
     def _landed(self, lease: int, done: TransferHandle, left: float) -> None:
         try:
@@ -640,7 +628,7 @@ class StoreClient(Closing):
             expected = check_sums(pinned.get("sums"), len(chunk)) if self.verify else None
             try:
                 ops = self._ops(where, start, list(range(len(chunk))), slots)
-                bad = self._read(ops, where, start, expected)
+                bad = self._read(ops, expected)
             except TimeoutError:
                 # The read may still be landing: close the streams (joined) so that no byte
                 # arrives after the caller reused its buffer; the session and its pin end.
@@ -658,33 +646,17 @@ class StoreClient(Closing):
                 self._corrupt(keys, start + bad)
             self.counters["bytes_pulled"] += len(chunk) * self.block_bytes
 
-    def _sums(self, where: _Locations, start: int, picked: list[int]) -> list[int]:
-        """The checksums of the picked blocks' bytes (``NO_SUM`` for GPU memory)."""
-        regions, offsets = where
-        index = np.asarray(picked, dtype=np.int64) + start
-        part = self.block_bytes // regions.shape[1]
-        return sums_of(self.engine.host_view, regions[index], offsets[index], part)
-
-    def _read(
-        self, ops: np.ndarray, where: _Locations, start: int, expected: list[int] | None
-    ) -> int | None:
-        """Read a pinned request's blocks; the index of the first that does not match its
-        writer's checksum (``expected``; ``None``: nothing to check), or ``None``. (Checking
-        parts of a large read while the later ones land ran at half the speed: the reads
-        of the parts and the checks contend on two cores.)"""
-        self.peer.wait(self.peer.read(ops), self._left())
-        if expected is None or not any(expected):
+    def _read(self, ops: np.ndarray, expected: list[int] | None) -> int | None:
+        """Read a pinned request's blocks, each hashed by the stream it lands on as soon as
+        its last byte is in (while the later ones arrive); the index of the first that does
+        not match its writer's checksum (``expected``; ``None``: nothing to check), or
+        ``None``."""
+        check = expected is not None and any(expected)
+        digests = self._digests(len(ops), len(expected or ())) if check else None
+        self.peer.wait(self.peer.read(ops, digests=digests), self._left())
+        if expected is None or digests is None:
             return None
-        return self._first_bad(where, start, expected)
-
-    def _first_bad(self, where: _Locations, start: int, expected: list[int]) -> int | None:
-        """The index of the first landed block that does not match its writer's checksum
-        (blocks without one, or in GPU memory, pass), or ``None``."""
-        got = self._sums(where, start, list(range(len(expected))))
-        for i, (want, have) in enumerate(zip(expected, got, strict=True)):
-            if want != NO_SUM and have not in (want, NO_SUM):
-                return i
-        return None
+        return _first_bad(expected, _sums(digests))
 
     def _corrupt(self, keys: Sequence[BlockKey], bad: int) -> NoReturn:
         """Tell the server of a block that landed bad (it checks its own copy and drops it
@@ -753,6 +725,20 @@ def _media_page(media: list[Any], count: int) -> list[str | None]:
     if len(media) != count or any(m is not None and type(m) is not str for m in media):
         raise BadLineage(f"a snapshot page of {count} keys with {len(media)} media")
     return media
+
+
+def _sums(digests: Digests) -> list[int]:
+    """Per block, its checksum (``NO_SUM`` for a block in GPU memory)."""
+    return [NO_SUM if value is None else value for value in digests.values()]
+
+
+def _first_bad(expected: list[int], got: list[int]) -> int | None:
+    """The index of the first landed block that does not match its writer's checksum
+    (blocks without one, or in GPU memory, pass), or ``None``."""
+    for i, (want, have) in enumerate(zip(expected, got, strict=True)):
+        if want != NO_SUM and have not in (want, NO_SUM):
+            return i
+    return None
 
 
 def _chunks(keys: Sequence[BlockKey], size: int) -> Iterator[tuple[int, list[bytes]]]:
