@@ -2,7 +2,9 @@
 
 The writer computes one per block from the bytes it sends (host memory: for a GPU cache, the
 staged copy), the store keeps it beside the block on every tier, and the reader verifies the
-bytes once they have landed, before it calls the block loaded. A block made of pages spread
+bytes once they have landed, before it calls the block loaded. Both hash as the bytes move:
+the transfer engine's ``Digests`` (``transfer/_digests.py``), one group per block, gives the
+same number as :func:`block_sum`. A block made of pages spread
 over several buffers (a KV cache's layers) is hashed as the pages one after another, so its
 checksum is the digest of the whole block whatever the layout: the disk tier's own checksum
 (``disk/_tier.py``) is the same number.

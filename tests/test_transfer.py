@@ -10,6 +10,7 @@ import importlib.util
 import itertools
 import threading
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import pytest
@@ -416,10 +417,10 @@ def test_digests_are_each_groups_xxh3_however_the_batch_is_cut(
     hold many groups, or cut through them: each group's digest, written and read, is the
     XXH3-64 of its bytes one after another, as the other side holds them."""
     blocks, block = 24, 48 << 10
-    settings = {"frame_bytes": frame_bytes, "slice_bytes": 16 << 10, "timeout": 10.0}
+    limits: dict[str, Any] = {"frame_bytes": frame_bytes, "slice_bytes": 16 << 10}
     with (
-        TransferEngine(transports=(transport,), **settings) as a,
-        TransferEngine(transports=(transport,), **settings) as b,
+        TransferEngine(transports=(transport,), timeout=10.0, **limits) as a,
+        TransferEngine(transports=(transport,), timeout=10.0, **limits) as b,
     ):
         buffers, rows, per_block = _layout(kind, blocks, block)
         remote = np.zeros(blocks * block, np.uint8)
@@ -461,15 +462,15 @@ def test_a_read_digest_is_of_the_bytes_that_landed_not_those_sent(
         views[0][0] ^= 0xFF
 
     digests = Digests(range(0, 8, 4))
-    with corrupt_received(flip):  # type: ignore[arg-type]
+    with corrupt_received(flip):
         peer.read(ops, digests=digests).wait(10)
     assert dst[0] == src[0] ^ 0xFF
     got = digests.values()
     assert got == [
-        xxhash.xxh3_64_intdigest(dst[: 128 << 10]),
-        xxhash.xxh3_64_intdigest(dst[128 << 10 :]),
+        xxhash.xxh3_64_intdigest(dst[: 128 << 10].tobytes()),
+        xxhash.xxh3_64_intdigest(dst[128 << 10 :].tobytes()),
     ]
-    assert got[0] != xxhash.xxh3_64_intdigest(src[: 128 << 10])
+    assert got[0] != xxhash.xxh3_64_intdigest(src[: 128 << 10].tobytes())
 
 
 @pytest.mark.parametrize("starts", [[1, 2], [0, 2, 2], [0, 3, 1], [0, 8], [0, -1]])
@@ -523,8 +524,11 @@ def test_digests_hold_for_any_ops_groups_and_frames(data: st.DataObject) -> None
     frame_bytes = max(slice_bytes, data.draw(st.sampled_from([4096, 50_000, 16 << 20])))
     offsets = np.cumsum([0, *[n + gaps for n in lengths]])
     src, dst = _random(int(offsets[-1]) + 1, seed=count), np.zeros(int(offsets[-1]) + 1, np.uint8)
-    engine = {"transports": ("tcp",), "slice_bytes": slice_bytes, "frame_bytes": frame_bytes}
-    with TransferEngine(**engine) as a, TransferEngine(**engine) as b:  # type: ignore[arg-type]
+    engine: dict[str, Any] = {"slice_bytes": slice_bytes, "frame_bytes": frame_bytes}
+    with (
+        TransferEngine(transports=("tcp",), **engine) as a,
+        TransferEngine(transports=("tcp",), **engine) as b,
+    ):
         s, d = a.register(src), b.register(dst)
         ops = [(s, int(offsets[i]), d.id, int(offsets[i]), lengths[i]) for i in range(count)]
         groups = [0, *sorted(cuts)]

@@ -20,6 +20,7 @@ by tier (:mod:`._replay_tiers`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import heapq
 import json
 import sys
@@ -30,7 +31,15 @@ from typing import Any
 from kvbridge.store import BlockKey
 from kvbridge.store.local import POLICIES
 
-from ._replay_tiers import BYTES_PER_TOKEN, DISK_GBPS, LINK_GBPS, Costs, replay_tiers, table
+from ._replay_tiers import (
+    BYTES_PER_TOKEN,
+    DISK_GBPS,
+    LINK_GBPS,
+    Costs,
+    TierReplayResult,
+    replay_tiers,
+    table,
+)
 from ._workload import TRACE_BLOCK_TOKENS
 
 OFFLINE = "belady"
@@ -225,6 +234,12 @@ def add_parser(commands: Any) -> None:
         "--link-gbps", type=float, help=f"host-to-engine link, Gbit/s (default {LINK_GBPS:g})"
     )
     tiers.add_argument("--disk-gbps", type=float, help=f"disk read, Gbit/s (default {DISK_GBPS:g})")
+    tiers.add_argument(
+        "--write-back",
+        action="store_true",
+        help="new blocks reach the disk when the host demotes them, as a TieredStore's "
+        "default (default: written through as they are stored, as kvbridge serve does)",
+    )
     parser.set_defaults(run=run)
 
 
@@ -244,8 +259,21 @@ def run(args: argparse.Namespace) -> int:
         return 2
     policies = args.policy or ["lru", "reuse"]
     if pairs:
+        through = not args.write_back
         tiered = [
-            replay_tiers(requests, host, disk, name, from_request=args.from_request, costs=costs)
+            _beside_one_cache(
+                replay_tiers(
+                    requests,
+                    host,
+                    disk,
+                    name,
+                    from_request=args.from_request,
+                    costs=costs,
+                    write_through=through,
+                ),
+                requests,
+                args.from_request,
+            )
             for host, disk in pairs
             for name in policies
         ]
@@ -280,12 +308,25 @@ def _checked(args: argparse.Namespace) -> list[TraceRequest]:
     return requests
 
 
+def _beside_one_cache(
+    result: TierReplayResult, requests: Sequence[TraceRequest], from_request: int
+) -> TierReplayResult:
+    """``result`` beside its policy over one cache of its two tiers' sum, and of its disk
+    alone (where it has one)."""
+    host, disk, policy = result.host_capacity_tokens, result.disk_capacity_tokens, result.policy
+    both = replay(requests, host + disk, policy, from_request=from_request).hit_rate
+    alone = replay(requests, disk, policy, from_request=from_request).hit_rate if disk else None
+    return dataclasses.replace(result, one_cache_hit_rate=both, disk_alone_hit_rate=alone)
+
+
 def _tier_pairs(args: argparse.Namespace) -> list[tuple[float, float]]:
     """(host, disk) capacities in tokens, disk 0 for none; empty for a one-tier replay."""
     hosts, disks = args.host_capacity or [], args.disk_capacity or []
     if not hosts:
         if disks:
             raise ValueError("--disk-capacity needs a --host-capacity above it")
+        if args.write_back:
+            raise ValueError("--write-back is for a replay by tier (--host-capacity)")
         return []
     if args.capacity:
         raise ValueError("--capacity is one cache, --host-capacity a tier: give one of them")

@@ -14,6 +14,9 @@ block keys, without payload bytes. Per request, in order:
   keeps its copy), where the put then touches it; one only on disk after the first miss is
   only touched (a put of a stored block is a use, not a promotion); a new block is stored
   in the host;
+- a new block is also written through to the disk at once, as ``kvbridge serve`` writes
+  every commit (``write_through=False``: a ``TieredStore``'s default, where a block reaches
+  the disk only when the host demotes it);
 - making room in the host demotes its policy's coldest block to the disk: written there,
   unless the disk still holds its copy (then nothing is written); making room on the disk
   drops its coldest block, which leaves the store unless the host holds it too. As the
@@ -24,7 +27,9 @@ block keys, without payload bytes. Per request, in order:
 With ``persistent=False`` the lower tier is memory, as a store's host tier is under its
 device tier: a promotion moves the block out of it (the tiers are exclusive). With ``lru``
 that pair is exactly one LRU cache of both capacities (``tests/test_replay_tiers.py``); the
-disk's kept copies are why a host over a disk hits less than one cache of their sum.
+disk's kept copies are why a host over a disk hits less than one cache of their sum. Written
+through, the disk holds every block the host does: the pair hits about as one cache of the
+disk alone, the host serving the hottest of those hits faster.
 
 Capacities count 512-token blocks. A block is ``512 * bytes_per_token`` bytes; a hit moves
 its tokens' KV, from the host over the link or read from the disk, and the seconds this
@@ -91,8 +96,11 @@ class TierReplayResult:
     """Host victims written to the disk (one whose disk copy was still there is not)."""
     evicted_blocks: int
     """Blocks that left the store."""
+    written_blocks: int
+    """New blocks written through to the disk as they were stored (``write_through``)."""
     promoted_bytes: int
     demoted_bytes: int
+    written_bytes: int
     host_hit_bytes: int
     disk_hit_bytes: int
     host_hit_seconds: float
@@ -102,6 +110,11 @@ class TierReplayResult:
     bytes_per_token: int
     link_gbps: float
     disk_gbps: float
+    write_through: bool = True
+    one_cache_hit_rate: float | None = None
+    """The same policy over one cache of host + disk, where the caller replayed it."""
+    disk_alone_hit_rate: float | None = None
+    """The same policy over one cache of the disk's size, where the caller replayed it."""
 
 
 @dataclass
@@ -112,6 +125,7 @@ class _Moves:
     disk_hit_blocks: int = 0
     promoted: int = 0
     demoted: int = 0
+    written: int = 0
     evicted: int = 0
 
 
@@ -150,10 +164,14 @@ class _Tier:
 class _TwoTiers:
     """A host tier over an optional lower tier, and what moved between them."""
 
-    def __init__(self, host_blocks: int, disk_blocks: int, policy: str, persistent: bool) -> None:
+    def __init__(
+        self, host_blocks: int, disk_blocks: int, policy: str, *, persistent: bool, through: bool
+    ) -> None:
         self.host = _Tier(host_blocks, policy)
         self.disk = _Tier(disk_blocks, policy) if disk_blocks else None
         self.persistent = persistent
+        # a memory tier below holds no copies: nothing is written through to it
+        self.through = through and persistent and self.disk is not None
         self.moves = _Moves()
 
     def serve(self, request: TraceRequest) -> None:
@@ -166,6 +184,9 @@ class _TwoTiers:
                 self.host.policy.touch(key)
             elif self.disk is None or key not in self.disk:
                 self._admit(key, keep)
+                if self.through:
+                    self._write(key, keep)
+                    self.moves.written += 1
             elif i < leading:
                 self._promote(self.disk, key, keep)
             else:
@@ -211,12 +232,18 @@ class _TwoTiers:
             return
         if key in disk:  # its copy is still there: nothing to write
             return
+        self._write(key, keep)
+        self.moves.demoted += 1
+
+    def _write(self, key: BlockKey, keep: set[BlockKey]) -> None:
+        """Write ``key`` to the disk, dropping the disk's coldest block if it is full."""
+        disk = self.disk
+        assert disk is not None
         if disk.full():
             dropped = disk.evict(keep)
             if dropped not in self.host:
                 self.moves.evicted += 1
         disk.add(key)
-        self.moves.demoted += 1
 
 
 def replay_tiers(
@@ -228,16 +255,21 @@ def replay_tiers(
     from_request: int = 0,
     costs: Costs = Costs(),
     persistent: bool = True,
+    write_through: bool = True,
 ) -> TierReplayResult:
     """Hit rate of ``requests`` through a host tier of ``host_tokens`` over a disk tier of
     ``disk_tokens`` (0: none) under ``policy`` (a name in ``POLICIES``), by tier. Requests
-    before ``from_request`` only warm the tiers. ``persistent=False`` makes the lower tier
-    a memory tier: a promotion moves the block, and the two tiers never hold one block
-    twice (with ``lru`` they are then exactly one LRU cache of both capacities)."""
+    before ``from_request`` only warm the tiers. ``write_through`` (as ``kvbridge serve``):
+    each new block is written to the disk as it is stored; without it, when the host
+    demotes it. ``persistent=False`` makes the lower tier a memory tier (nothing written
+    through): a promotion moves the block, and the two tiers never hold one block twice
+    (with ``lru`` they are then exactly one LRU cache of both capacities)."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; the tiers run {sorted(POLICIES)}")
     disk_blocks = _blocks(disk_tokens) if disk_tokens else 0
-    tiers = _TwoTiers(_blocks(host_tokens), disk_blocks, policy, persistent)
+    tiers = _TwoTiers(
+        _blocks(host_tokens), disk_blocks, policy, persistent=persistent, through=write_through
+    )
     for t, request in enumerate(requests):
         if t == from_request:
             tiers.moves = _Moves()
@@ -248,6 +280,7 @@ def replay_tiers(
         capacities=(int(host_tokens), int(disk_tokens)),
         counted=requests[from_request:],
         costs=costs,
+        write_through=tiers.through,
     )
 
 
@@ -258,6 +291,7 @@ def _result(
     capacities: tuple[int, int],
     counted: Sequence[TraceRequest],
     costs: Costs,
+    write_through: bool,
 ) -> TierReplayResult:
     prompt_tokens = sum(r.input_length for r in counted)
     host_bytes = moves.host_hit_tokens * costs.bytes_per_token
@@ -280,8 +314,10 @@ def _result(
         promoted_blocks=moves.promoted,
         demoted_blocks=moves.demoted,
         evicted_blocks=moves.evicted,
+        written_blocks=moves.written,
         promoted_bytes=moves.promoted * costs.block_bytes,
         demoted_bytes=moves.demoted * costs.block_bytes,
+        written_bytes=moves.written * costs.block_bytes,
         host_hit_bytes=host_bytes,
         disk_hit_bytes=disk_bytes,
         host_hit_seconds=host_bytes * 8 / (costs.link_gbps * 1e9),
@@ -289,33 +325,42 @@ def _result(
         bytes_per_token=costs.bytes_per_token,
         link_gbps=costs.link_gbps,
         disk_gbps=costs.disk_gbps,
+        write_through=write_through,
     )
 
 
 def table(results: Sequence[TierReplayResult]) -> str:
-    """The results as a table: hit rates (of all prompt tokens) by tier, blocks moved
-    between the tiers with their bytes (GB = 10^9), and the seconds the hits take to move
-    from each tier; the block size and rates under it."""
+    """The results as a table: hit rates (of all prompt tokens) by tier, beside one cache of
+    both tiers and of the disk alone where they were replayed; what moved between and into
+    the tiers, in GB (10^9 bytes: promoted, demoted, written through); the seconds the hits
+    take to move from each tier; the block size and rates under it."""
     lines = [
         f"{'host':>11} {'disk':>11}  {'policy':8s} {'hit rate':>8} {'host':>7} {'disk':>7}"
-        f" {'promoted':>9} {'GB':>8} {'demoted':>9} {'GB':>8} {'link s':>8} {'disk s':>8}"
+        f" {'one cache':>9} {'disk alone':>10} {'promoted':>9} {'demoted':>9} {'written':>9}"
+        f" {'link s':>8} {'disk s':>8}"
     ]
     for r in results:
         lines.append(
             f"{r.host_capacity_tokens:>11,} {r.disk_capacity_tokens:>11,}  {r.policy:8s}"
             f" {r.hit_rate:8.4f} {r.host_hit_rate:7.4f} {r.disk_hit_rate:7.4f}"
-            f" {r.promoted_blocks:9,} {r.promoted_bytes / 1e9:8.1f}"
-            f" {r.demoted_blocks:9,} {r.demoted_bytes / 1e9:8.1f}"
+            f" {_rate(r.one_cache_hit_rate):>9} {_rate(r.disk_alone_hit_rate):>10}"
+            f" {r.promoted_bytes / 1e9:9.1f} {r.demoted_bytes / 1e9:9.1f}"
+            f" {r.written_bytes / 1e9:9.1f}"
             f" {r.host_hit_seconds:8.2f} {r.disk_hit_seconds:8.2f}"
         )
     if results:
         r = results[0]
+        through = "written through to the disk" if r.write_through else "written back"
         lines.append(
             f"KV {r.bytes_per_token:,} bytes per token ({r.bytes_per_token * TRACE_BLOCK_TOKENS:,}"
             f" per block); hits over a {r.link_gbps:g} Gbit/s link from the host, read at"
-            f" {r.disk_gbps:g} Gbit/s from the disk"
+            f" {r.disk_gbps:g} Gbit/s from the disk; new blocks {through}"
         )
     return "\n".join(lines)
+
+
+def _rate(rate: float | None) -> str:
+    return "-" if rate is None else f"{rate:.4f}"
 
 
 def _blocks(tokens: float) -> int:

@@ -5,4 +5,5 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 received: Callable[[Sequence[memoryview]], None] | None = None
-"""Called with the payload views of each data frame received (a read's or a write's)."""
+"""Called with the payload views of each data frame received (a write's), or of each piece
+of one as it lands (a read's)."""

@@ -2,9 +2,10 @@
 engine receives, after the transport has delivered them and before anyone has checked them.
 
 ``corrupt_received(change)`` runs ``change(views)`` on the payload views of every data
-frame received in this process (over the byte-stream transports, ``tcp`` and ``memory``):
-a read's, where they landed in the reader's memory, and a write's, where they landed in
-the target's (a cache server's staged slots), until its ``with`` block ends. Nothing in
+frame received in this process over the two-sided transports (``tcp``, ``memory``,
+``ucx``): a read's, where they land in the reader's memory, piece by piece as they land and
+before the read's digests (``Digests``) see them; a write's, where they landed in the
+target's (a cache server's staged slots). Until its ``with`` block ends. Nothing in
 kvbridge calls it: the cost in serving is one test of a module attribute per frame.
 """
 
