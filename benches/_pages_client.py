@@ -6,6 +6,8 @@ K and V pages (``2 x blocks`` pages of ``page`` bytes), saved and loaded through
 ``ready``, then answers each command on stdin with one line:
 - ``save``: ``put_pages`` of ``blocks`` fresh keys (unique to this client and save);
 - ``load``: ``get_pages`` of the last save's keys;
+- ``save-plain`` / ``load-plain``: the same through a client that sends and checks no
+  checksums (``checksum_clients.Unchecked``);
 - ``check``: every byte of the last load compared with what was saved, then cleared;
 - ``rawput`` / ``rawget``: the same bytes over two TCP connections to the echo server, one
   ``sendall`` (or receive) of half of one contiguous buffer each.
@@ -16,9 +18,11 @@ from __future__ import annotations
 import socket
 import sys
 import threading
+from typing import Any
 
 import numpy as np
 from _rig import recv_exact
+from checksum_clients import Unchecked
 
 from kvbridge.store import StoreClient
 
@@ -82,23 +86,36 @@ def main() -> None:
     raw = _Raw(int(echo_port), layers * 2 * blocks * page)
     column = np.arange(blocks, dtype=np.int64) * page
     offsets = np.stack([column + kv * blocks * page for _ in saved for kv in (0, 1)], axis=1)
-    with StoreClient(
-        server, block_bytes=2 * layers * page, namespace=b"pages", transports=transport
-    ) as client:
-        sources = [region for layer in saved for region in [client.register(layer, access="r")] * 2]
-        targets = [region for layer in loaded for region in [client.register(layer)] * 2]
+    shape: dict[str, Any] = {
+        "block_bytes": 2 * layers * page,
+        "namespace": b"pages",
+        "transports": transport,
+    }
+    with StoreClient(server, **shape) as checked, Unchecked(server, verify=False, **shape) as plain:
+        clients = {"": checked, "-plain": plain}
+        sources = {
+            kind: [region for layer in saved for region in [c.register(layer, access="r")] * 2]
+            for kind, c in clients.items()
+        }
+        targets = {
+            kind: [region for layer in loaded for region in [c.register(layer)] * 2]
+            for kind, c in clients.items()
+        }
         print("ready", flush=True)
         saves = 0
+        keys: dict[str, list[bytes]] = {}
         for line in sys.stdin:
-            command = line.strip()
+            command, _, kind = line.strip().partition("-")
+            kind = f"-{kind}" if kind else ""
             if command == "save":
                 saves += 1
-            keys = [((saves * 64 + me) * blocks + i).to_bytes(32, "little") for i in range(blocks)]
-            if command == "save":
-                if not all(client.put_pages(keys, sources, offsets)):
+                keys[kind] = [
+                    ((saves * 64 + me) * blocks + i).to_bytes(32, "little") for i in range(blocks)
+                ]
+                if not all(clients[kind].put_pages(keys[kind], sources[kind], offsets)):
                     raise SystemExit("a save was not stored whole")
             elif command == "load":
-                client.get_pages(keys, targets, offsets)
+                clients[kind].get_pages(keys[kind], targets[kind], offsets)
             elif command == "check":
                 if any(layer.any() for layer in loaded):
                     if not all(np.array_equal(a, b) for a, b in zip(saved, loaded, strict=True)):

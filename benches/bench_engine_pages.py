@@ -8,7 +8,8 @@ it with ``put_pages`` (fresh keys each time) and loads it with ``get_pages``, on
 page. Baseline: the same processes moving the same bytes to a threaded echo server over two
 TCP connections each, one ``sendall`` of half the bytes per connection. With one client and
 with 8 (each its own prefix) side by side on one server; the server's CPU time per GiB moved
-(``/proc/PID/stat``, user + system) beside the echo server's.
+(``/proc/PID/stat``, user + system) beside the echo server's. And the same saves and loads
+with end-to-end checksums against a client that sends and checks none (``verify`` off).
 
 ``KVB_PAGE_KIB`` (32) and ``KVB_PAGE_CLIENTS`` ("1,8") change the shape;
 ``KVB_PAGE_TRANSPORT`` (tcp) the transport of the server and its clients (``ucx``, or
@@ -42,7 +43,7 @@ def _cpu_seconds(pid: int) -> float:
 
 class _Rig:
     def __init__(self, clients: int) -> None:
-        capacity = f"{max(1, 3 * clients * TOTAL >> 30) + 1}GiB"
+        capacity = f"{max(1, 5 * clients * TOTAL >> 30) + 1}GiB"
         self.server, address = _rig.serve(
             "--host-capacity", capacity, "--max-namespaces", "1", "--transports", TRANSPORT
         )
@@ -113,3 +114,23 @@ def test_engine_pages(compare: Callable[..., Any], rig: _Rig, direction: str) ->
     )
     _EXTRA_LINES.append(line)
     print(line)
+
+
+@pytest.mark.parametrize("direction", ["save", "load"])
+def test_engine_pages_checksums(compare: Callable[..., Any], rig: _Rig, direction: str) -> None:
+    """The saves and loads above with their checksums (written as they are sent, checked as
+    they land) against the same client without (``checksum_clients.Unchecked``)."""
+    clients = len(rig.clients)
+    if direction == "load":
+        rig.all("save")
+        rig.all("save-plain")
+    compare(
+        f"{clients} client(s), {LAYERS * 2 * BLOCKS} x {PAGE >> 10} KiB pages, {direction}, "
+        f"{TRANSPORT}, checksums",
+        lambda: rig.all(direction),
+        lambda: rig.all(f"{direction}-plain"),
+        baseline_name="no checksums",
+        nbytes=clients * TOTAL,
+        rounds=7 if clients > 1 else 15,
+        warmup=1,
+    )

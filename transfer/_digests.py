@@ -8,9 +8,9 @@ still arriving, so that the check ends with the transfer instead of after it. A 
 bytes span frames, a pipe that lands a frame whole (``ucx``, ``memory``) and a one-sided
 transfer (``nixl``) get the same digest, taken once the frame or the batch is done.
 
-A write's groups are hashed the same way by each stream's sender, a few hundred KiB ahead
-of the send (``Pipe.send``'s ``ready``); a ``notify`` made by a function takes them once
-every byte is written.
+A write's groups are hashed by each stream's sender, about 1 MiB ahead of the send
+(``Pipe.send``'s ``ready``), while the bytes before them are on their way; a ``notify``
+made by a function takes them once every byte is written.
 
 The digest of a group is that of its bytes one after another (``xxh3_64`` fed op by op), so
 it does not depend on how the bytes were cut into ops: a block written as one buffer and
