@@ -56,6 +56,7 @@ class Digests:
         self._done = np.zeros(len(self._starts), dtype=bool)
         self._pieces: Callable[[int], list[memoryview] | None] | None = None
         self._bytes = (np.zeros(0, np.int64), np.zeros(0, np.int64))  # each group's, in the batch
+        self._host = np.zeros(0, dtype=bool)  # each group's bytes all in host memory
         self._lock = threading.Lock()
 
     def bind(self, ops: np.ndarray, view_of: ViewOf) -> None:
@@ -92,6 +93,9 @@ class Digests:
 
         self._pieces = pieces
         if len(starts):
+            regions = ops["local_region"]
+            host = [r for r in np.unique(regions).tolist() if view_of(r) is not None]
+            self._host = np.logical_and.reduceat(np.isin(regions, host), starts)
             lengths = ops["length"].astype(np.int64)
             op_ends = np.cumsum(lengths)
             last_ops = np.array(ends, dtype=np.int64) - 1
@@ -120,9 +124,10 @@ class Digests:
         same = frame_of[first] == frame_of[last]
         hot = (same | (access == "w")) & (end > begin)  # a write's bytes are all there
         # A group whose bytes start and end at view boundaries is hashed view by view as
-        # they move (in cache); any other, whole, once its last view has moved.
+        # they move (in cache); any other, whole, once its last view has moved (one with
+        # bytes in GPU memory gets no digest: ``take`` sees it).
         aligned = (planned_ends[first] - planned[first] == begin) & (planned_ends[last] == end)
-        whole = same & aligned
+        whole = same & aligned & self._host
         follow: list[Callable[[int], None] | None] = [None] * len(frames)
         for f in np.unique(frame_of[last[hot]]).tolist():
             mine = np.flatnonzero(hot & (frame_of[last] == f))
