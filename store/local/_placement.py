@@ -395,7 +395,7 @@ class Placement:
             if data is None:
                 return False
             checksum = tier.checksum(key)
-            return checksum == NO_SUM or block_sum([to_host(data).data]) == checksum
+            return checksum == NO_SUM or block_sum(to_host(data).data) == checksum
 
     def withdraw(self, keys: Iterable[BlockKey]) -> None:
         """Take the blocks of a failed put or commit out of every tier. A disk delete
