@@ -35,6 +35,7 @@ from kvbridge.store import (
     ServerConfig,
     StoreClient,
 )
+from kvbridge.transfer import MAX_CONTROL_BYTES
 from kvbridge.transfer.testing import corrupt_received
 
 COUNT = 8
@@ -241,3 +242,26 @@ def test_a_memory_copy_gone_bad_is_dropped_and_the_disk_copy_serves(tmp_path: Pa
         client.get(ks, out)
         assert np.array_equal(out, payloads(ks, BLOCK))
         assert ns.store.stats().corrupt == 1
+
+
+def test_a_put_with_more_checksums_than_a_notification_holds_commits_them_by_call() -> None:
+    """A request of 8,192 blocks (a namespace of 32,768 small slots): its commit, 9 bytes a
+    checksum, outgrows a write's 64 KiB notification and follows the write as a call. Its
+    blocks are stored with their checksums: a bad one is found."""
+    small, slots = 4096, 32768
+    config = ServerConfig(port=0, host_capacity=slots * small, max_namespaces=1, handoff_ttl=0)
+    with (
+        CacheServer(config) as server,
+        StoreClient(server.address, block_bytes=small, namespace="m") as client,
+    ):
+        count = client.request_keys
+        assert count * 9 > MAX_CONTROL_BYTES
+        ks = keys(0, count)
+        client.put(ks, data := payloads(ks, small))
+        client.get(ks, out := np.zeros_like(data))
+        assert np.array_equal(out, data)
+        (ns,) = namespaces(server)
+        flip_stored_bit(ns, ks[count - 2], 7)
+        with pytest.raises(BlockCorrupt) as raised:
+            client.get(ks, out)
+        assert raised.value.first == count - 2

@@ -38,7 +38,7 @@ from ._errors import (
     StillInFlight,
     TransferError,
 )
-from ._protocol import APP_CODES
+from ._protocol import APP_CODES, MAX_CONTROL_BYTES
 from ._settings import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_STREAMS
 
 if TYPE_CHECKING:
@@ -89,6 +89,7 @@ __all__ = [
     "DEFAULT_CONNECT_TIMEOUT_S",
     "DEFAULT_PRINCIPAL",
     "DEFAULT_STREAMS",
+    "MAX_CONTROL_BYTES",
     "MAX_STRANGERS",
     "OP_DTYPE",
     "TRANSPORTS",

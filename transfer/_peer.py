@@ -400,7 +400,8 @@ class Peer:
         every byte is in its memory; then ``notify`` (bytes, at most 64 KiB, or a function
         that makes them then) is delivered to the peer's ``notifications()``, and only then
         is the handle done. ``digests`` (:class:`Digests`): hashed as the bytes go, ready
-        for ``notify``. Do not touch the source bytes until the handle is done."""
+        for ``notify``. A ``notify`` function runs on a stream's thread: it must not wait
+        on this peer. Do not touch the source bytes until the handle is done."""
         if isinstance(notify, bytes):
             _check_notify(notify)
         elif notify is not None and not callable(notify):

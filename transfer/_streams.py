@@ -215,7 +215,9 @@ class InitiatorStream:
         """Send one frame while holding the ``_sending`` flag; False if the stream broke."""
         try:
             self.pipe.send(*outgoing)
-        except (OSError, EOFError) as exc:
+        except Exception as exc:  # a bug in a hook (digests) too: never a silent dead thread
+            if not isinstance(exc, (OSError, EOFError)):
+                _log.exception("stream %d: the sender failed", self.index)
             self._broken(f"stream {self.index}: send failed: {exc}")
             return False
         finally:
@@ -254,7 +256,9 @@ class InitiatorStream:
                             code=event.code,
                         )
                     )
-        except (OSError, EOFError, TransferError) as exc:
+        except Exception as exc:  # a bug in a hook (digests) too: never a silent dead thread
+            if not isinstance(exc, (OSError, EOFError, TransferError)):
+                _log.exception("stream %d: the receiver failed", self.index)
             reason = f"stream {self.index}: {exc or type(exc).__name__}"
             if isinstance(exc, RemoteProtocolError):
                 reason = f"stream {self.index}: the peer broke the protocol: {exc}"

@@ -32,6 +32,7 @@ from ...transfer import (
     DEFAULT_CONNECT_TIMEOUT_S,
     DEFAULT_PRINCIPAL,
     DEFAULT_STREAMS,
+    MAX_CONTROL_BYTES,
     OP_DTYPE,
     AuthenticationError,
     Digests,
@@ -43,7 +44,7 @@ from ...transfer import (
     TransferHandle,
     parse_address,
 )
-from .._checksums import NO_SUM, check_sums
+from .._checksums import MAX_SUM, NO_SUM, check_sums
 from .._errors import BlockCorrupt, LeaseExpired, StoreClosed, StoreFull
 from .._keys import BlockKey, check_keys, namespace_bytes
 from .._lease import Lease
@@ -558,20 +559,32 @@ class StoreClient(Closing):
     def _write_and_commit(self, lease: int, ops: np.ndarray, blocks: int) -> None:
         """Write a staged put's bytes, each block hashed by the stream that sends it as it
         goes; the commit, with their checksums, rides the write's notification (made once
-        every byte is in)."""
+        every byte is in), or follows it as a call when it would not fit one (a request of
+        more than about 7,000 blocks: up to 9 bytes a checksum)."""
         digests = self._digests(len(ops), blocks)
 
-        def commit() -> bytes:
-            sums = [NO_SUM] * blocks if digests is None else _sums(digests)
-            body = {"op": "commit", "ns": self._ns, "lease": lease, "sums": sums}
-            return cast(bytes, msgpack.packb(body))
+        def sums() -> list[int]:
+            return [NO_SUM] * blocks if digests is None else _sums(digests)
 
+        def commit() -> bytes:
+            return cast(bytes, msgpack.packb(self._commit(lease, sums())))
+
+        largest = msgpack.packb(self._commit(lease, [MAX_SUM] * blocks))
+        rides = len(largest) <= MAX_CONTROL_BYTES
         try:
             left = self._left()  # past the deadline: raises before a byte is read
-            done = self.peer.write(ops, notify=commit, digests=digests)
+            done = self.peer.write(ops, notify=commit if rides else None, digests=digests)
         except BaseException as exc:
             self._abandon(lease, exc)
-        self._landed(lease, done, left)  # and committed
+        self._landed(lease, done, left)  # and committed, when the commit rode along
+        if not rides:
+            try:
+                self._call(self._commit(lease, sums()))
+            except BaseException as exc:
+                self._abandon(lease, exc)
+
+    def _commit(self, lease: int, sums: list[int]) -> dict[str, Any]:
+        return {"op": "commit", "ns": self._ns, "lease": lease, "sums": sums}
 
     def _digests(self, ops: int, blocks: int) -> Digests | None:
         """What hashes each of ``blocks`` blocks of ``ops`` ops (its pages) as it moves."""
