@@ -44,7 +44,7 @@ from ...transfer import (
     TransferHandle,
     parse_address,
 )
-from .._checksums import MAX_SUM, NO_SUM, check_sums
+from .._checksums import NO_SUM, check_sums
 from .._errors import BlockCorrupt, LeaseExpired, StoreClosed, StoreFull
 from .._keys import BlockKey, check_keys, namespace_bytes
 from .._lease import Lease
@@ -569,8 +569,8 @@ class StoreClient(Closing):
         def commit() -> bytes:
             return cast(bytes, msgpack.packb(self._commit(lease, sums())))
 
-        largest = msgpack.packb(self._commit(lease, [MAX_SUM] * blocks))
-        rides = len(largest) <= MAX_CONTROL_BYTES
+        most = len(msgpack.packb(self._commit(lease, []))) + 4 + 9 * blocks  # array32, uint64s
+        rides = most <= MAX_CONTROL_BYTES
         try:
             left = self._left()  # past the deadline: raises before a byte is read
             done = self.peer.write(ops, notify=commit if rides else None, digests=digests)
