@@ -78,13 +78,12 @@ class Digests:
                 strict=True,
             )
         )
-        found: dict[int, memoryview | None] = {}
+        regions = ops["local_region"]
+        found = {r: view_of(r) for r in np.unique(regions).tolist()}
 
         def pieces(group: int) -> list[memoryview] | None:
             cut = []
             for region, at, n in rows[int(starts[group]) : ends[group]]:
-                if region not in found:
-                    found[region] = view_of(region)
                 view = found[region]
                 if view is None:
                     return None
@@ -93,8 +92,7 @@ class Digests:
 
         self._pieces = pieces
         if len(starts):
-            regions = ops["local_region"]
-            host = [r for r in np.unique(regions).tolist() if view_of(r) is not None]
+            host = [r for r, view in found.items() if view is not None]
             self._host = np.logical_and.reduceat(np.isin(regions, host), starts)
             lengths = ops["length"].astype(np.int64)
             op_ends = np.cumsum(lengths)
@@ -138,6 +136,7 @@ class Digests:
         return follow
 
     def put(self, group: int, value: int | None) -> None:
+        """Record ``group``'s digest (``None``: its bytes are not in host memory)."""
         with self._lock:
             self._values[group], self._done[group] = value, True
 
@@ -145,9 +144,7 @@ class Digests:
         """Hash ``group`` now (its bytes are all in place)."""
         assert self._pieces is not None
         pieces = self._pieces(group)
-        value = None if pieces is None else digest(pieces)
-        with self._lock:
-            self._values[group], self._done[group] = value, True
+        self.put(group, None if pieces is None else digest(pieces))
 
     def values(self) -> list[int | None]:
         """Each group's digest, ``None`` for a group with bytes outside host memory. Call

@@ -472,7 +472,7 @@ class Peer:
             local = check(batch, engine.regions, self.regions, access, device_ok=True)
             nbytes = int(batch["length"].sum())
         if digests is not None:
-            digests.bind(normalize(ops), partial(_host_view, engine.regions))
+            digests.bind(ops, partial(_host_view, engine.regions))  # normalised by _submit
         if notify is not None:
             notify = _made(notify)
         with self._lock:
